@@ -1,0 +1,43 @@
+"""Entry point of the ``sparsekit`` console script. Each command lives in its own module."""
+from __future__ import annotations
+
+import typer
+
+from sparsekit import __version__
+from sparsekit.cli import eval as eval_cmd
+from sparsekit.cli import pack as pack_cmd
+from sparsekit.cli import prune as prune_cmd
+
+app = typer.Typer(
+    name="sparsekit",
+    help="Prune a Hugging Face causal LM, pack it as TCA-BME, and run it on sparse GPU kernels.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_show_locals=False,
+)
+
+
+def _version(value: bool):
+    if value:
+        typer.echo(f"sparsekit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+):
+    """sparsekit: prune -> encode -> eval."""
+
+
+prune_cmd.register(app)
+pack_cmd.register(app)
+eval_cmd.register(app)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

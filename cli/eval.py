@@ -1,0 +1,8 @@
+"""sparsekit eval (placeholder: filled in by its issue)."""
+from __future__ import annotations
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    pass

@@ -1,0 +1,26 @@
+"""Shared test fixtures.
+
+Kernel tests use Numba's CUDA simulator when no GPU is present; the variable must be set before
+``numba.cuda`` is first imported, so it is set here.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2-raw-v1"
+
+
+@pytest.fixture
+def wikitext_dir() -> Path:
+    """The real WikiText-2 raw files beside the checkout; skips cleanly when absent."""
+    if not (SHARED_WIKITEXT / "test.eval-string.txt").exists():
+        pytest.skip(f"real WikiText-2 data not found at {SHARED_WIKITEXT}")
+    return SHARED_WIKITEXT
