@@ -1,7 +1,9 @@
 """sparsekit: prune a Hugging Face causal LM, pack it as TCA-BME, run it on sparse GPU kernels.
 
 The library API is what the CLI calls; scripts can import it directly.
-Heavy modules are imported lazily so that ``import sparsekit`` stays cheap.
+Heavy modules are imported lazily so that ``import sparsekit`` stays cheap. Module names differ
+from the exported function names on purpose: importing ``sparsekit.foo`` sets the package
+attribute ``foo`` to the module, which would shadow a function of the same name.
 """
 from __future__ import annotations
 
@@ -12,11 +14,11 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     "SparsekitError": "sparsekit.errors",
-    "prune": "sparsekit.prune",
-    "encode": "sparsekit.encode",
-    "decode": "sparsekit.tcabme",
-    "load_packed": "sparsekit.runtime.loader",
-    "perplexity": "sparsekit.perplexity",
+    "prune": "sparsekit.pruning",          # prune(model, ..., output) -> report
+    "encode": "sparsekit.packing",         # encode(pruned_dir, out_dir, ...) -> report
+    "decode": "sparsekit.tcabme",          # decode(TcaBme) -> dense tensor, bit-exact
+    "load_packed": "sparsekit.packed_loader",  # load_packed(dir, device="cuda") -> HF model
+    "perplexity": "sparsekit.ppl",         # perplexity(model, tokenizer, text, ...) -> dict
 }
 
 

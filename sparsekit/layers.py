@@ -1,0 +1,76 @@
+"""Find the pieces of a model generically: the decoder layer list and the linear layers inside it.
+
+No architecture is hard-coded: the decoder stack is the longest ``nn.ModuleList`` whose children
+are all blocks of one class holding at least one linear layer. That finds ``model.layers``
+(Llama, Mistral, Qwen2, SmolLM), ``model.decoder.layers`` (OPT), ``gpt_neox.layers`` (GPT-NeoX)
+and ``transformer.h`` (GPT-2) alike.
+"""
+from __future__ import annotations
+
+import fnmatch
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from sparsekit.errors import SparsekitError
+
+try:  # GPT-2 style models store linear weights transposed, as [in, out]
+    from transformers.pytorch_utils import Conv1D
+except Exception:  # pragma: no cover - transformers always has it, but keep the module importable
+    Conv1D = ()
+
+
+def is_linear(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) or (bool(Conv1D) and isinstance(module, Conv1D))
+
+
+def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """Return ``(qualified_name, module_list)`` of the decoder stack."""
+    best: tuple[str, nn.ModuleList] | None = None
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
+            continue
+        if len({type(c) for c in mod}) != 1:
+            continue
+        if not any(is_linear(m) for m in mod[0].modules()):
+            continue
+        if best is None or len(mod) > len(best[1]):
+            best = (name, mod)
+    if best is None:
+        raise SparsekitError(
+            f"could not find a decoder layer stack in {type(model).__name__}: "
+            "sparsekit needs a causal LM whose blocks sit in an nn.ModuleList"
+        )
+    return best
+
+
+def find_linears(module: nn.Module, prefix: str = "", skip: Iterable[str] = ()) -> dict[str, nn.Module]:
+    """All ``nn.Linear`` / ``Conv1D`` modules under ``module`` by qualified name, minus ``skip``.
+
+    ``skip`` holds fnmatch patterns matched against the full name and its last component,
+    e.g. ``"lm_head"``, ``"*.mlp.down_proj"``, ``"model.layers.0.*"``.
+    """
+    skip = list(skip)
+    found = {}
+    for name, mod in module.named_modules():
+        if not is_linear(mod):
+            continue
+        full = f"{prefix}.{name}" if prefix and name else (prefix or name)
+        if any(fnmatch.fnmatchcase(full, p) or fnmatch.fnmatchcase(full.rsplit(".", 1)[-1], p) for p in skip):
+            continue
+        found[full] = mod
+    return found
+
+
+def weight_out_in(module: nn.Module) -> torch.Tensor:
+    """The weight as ``[out_features, in_features]`` (a view; Conv1D stores ``[in, out]``)."""
+    w = module.weight.data
+    return w.t() if (bool(Conv1D) and isinstance(module, Conv1D)) else w
+
+
+def set_weight_out_in(module: nn.Module, weight: torch.Tensor) -> None:
+    """Write an ``[out, in]`` weight back into the module, in the module's own layout and dtype."""
+    if bool(Conv1D) and isinstance(module, Conv1D):
+        weight = weight.t()
+    module.weight.data.copy_(weight.to(module.weight.dtype))
