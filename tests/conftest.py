@@ -13,6 +13,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+# Tests never touch the network: hub look-ups fail fast and the same way everywhere.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2-raw-v1"
