@@ -1,0 +1,223 @@
+"""``SparseLinear``: a linear layer whose weight lives in TCA-BME form (docs/format.md).
+
+Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims flattened):
+
+* CUDA, fp16, ``N <= SparseLinear.dense_above`` -> the bundled kernel
+  ``sparsekit.kernels.tcabme_matmul`` (decode steps; launched on torch's current stream, so a
+  CUDA graph can capture it).
+* CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU, then
+  ``F.linear`` (cuBLAS). The threshold is measured by ``scripts/gpu_check_runtime.py`` (kernel
+  vs decode + cuBLAS per N) and recorded in docs/benchmarks.md ("End to end"); override it with
+  the environment variable ``SPARSEKIT_DENSE_ABOVE`` or per module (``layer.dense_above = n``).
+* Anything else (CPU, bf16/fp32 activations, kernels missing) -> the reference path (decode +
+  matmul in the activation dtype). On CPU this is announced once per process.
+
+The packed tensors are module buffers, so ``model.to(device)`` moves them with the rest.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparsekit import layers as _layers
+from sparsekit.errors import SparsekitError
+from sparsekit.tcabme import TcaBme, decode, encode
+
+# Measured on H100 (see docs/benchmarks.md, "End to end"); kernel up to and including this N.
+DEFAULT_DENSE_ABOVE = 64
+
+NO_GPU_NOTICE = "no CUDA GPU: sparse layers run the reference path (decode + matmul), which is slow"
+CPU_NOTICE = "sparse layers on the CPU run the reference path (decode + matmul), which is slow"
+
+_notices_shown: set[str] = set()
+
+
+def notice_once(message: str) -> None:
+    """Warn once per process (a UserWarning; the CLI shows it on stderr)."""
+    if message in _notices_shown:
+        return
+    _notices_shown.add(message)
+    warnings.warn(message, UserWarning, stacklevel=3)
+
+
+_KERNEL: Callable | None | bool = None  # None: not looked up yet; False: unavailable
+
+
+def _kernel() -> Callable | None:
+    """``sparsekit.kernels.tcabme_matmul`` if the kernels import and a GPU is usable, else None."""
+    global _KERNEL
+    if _KERNEL is None:
+        try:
+            from sparsekit.kernels import kernels_available, tcabme_matmul
+
+            _KERNEL = tcabme_matmul if kernels_available() else False
+        except Exception as e:  # kernels not built / numba-cuda missing: keep running, say so once
+            notice_once(f"sparse GPU kernels unavailable ({type(e).__name__}: {e}): sparse layers run the reference path")
+            _KERNEL = False
+        if _KERNEL is False:
+            notice_once("sparse GPU kernels unavailable: sparse layers run the reference path")
+    return _KERNEL or None
+
+
+def _env_dense_above() -> int:
+    raw = os.environ.get("SPARSEKIT_DENSE_ABOVE")
+    if raw is None:
+        return DEFAULT_DENSE_ABOVE
+    try:
+        return int(raw)
+    except ValueError:
+        raise SparsekitError(f"SPARSEKIT_DENSE_ABOVE={raw!r} is not an integer: set it to a token count such as 64")
+
+
+class SparseLinear(nn.Module):
+    """``y = x @ W^T + b`` with ``W`` ([out_features, in_features]) stored as TCA-BME buffers."""
+
+    dense_above: int = _env_dense_above()
+
+    def __init__(self, packed: TcaBme, bias: torch.Tensor | None = None, *, transposed: bool = False):
+        super().__init__()
+        m, k = (int(s) for s in packed.shape)
+        self.out_features, self.in_features = m, k
+        self.transposed = transposed  # informational: the source was a GPT-2 Conv1D ([in, out])
+        self.register_buffer("bitmaps", packed.bitmaps)
+        self.register_buffer("values", packed.values)
+        self.register_buffer("gtile_offsets", packed.gtile_offsets)
+        self.register_buffer("strip_offsets", packed.strip_offsets)
+        if bias is not None:
+            if bias.shape != (m,):
+                raise SparsekitError(f"bias of shape {tuple(bias.shape)} does not fit a [{m}, {k}] weight: the checkpoint is inconsistent")
+            self.register_buffer("bias", bias)
+        else:
+            self.bias = None
+        self.nnz = packed.nnz
+        self._packed: TcaBme | None = None
+
+    # construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_packed(cls, packed: TcaBme, bias: torch.Tensor | None = None, *, device=None,
+                    dtype: torch.dtype | None = None, transposed: bool = False) -> "SparseLinear":
+        """Wrap a TcaBme (moved to ``device``); ``dtype`` casts the bias (values stay as stored)."""
+        if device is not None:
+            packed = packed.to(device)
+        if bias is not None:
+            bias = bias.to(device=packed.device, dtype=dtype or bias.dtype)
+        return cls(packed, bias, transposed=transposed)
+
+    @classmethod
+    def from_linear(cls, module: nn.Module, *, dtype: torch.dtype | None = None) -> "SparseLinear":
+        """Encode an ``nn.Linear`` / ``Conv1D`` (its zeros are the pruned weights) on its device.
+
+        TCA-BME stores fp16/bf16: an fp32 weight is cast to ``dtype`` (default fp16) first.
+        """
+        w = _layers.weight_out_in(module).detach()
+        if w.dtype not in (torch.float16, torch.bfloat16):
+            w = w.to(dtype or torch.float16)
+        elif dtype is not None:
+            w = w.to(dtype)
+        bias = getattr(module, "bias", None)
+        bias = None if bias is None else bias.detach().clone()
+        transposed = not isinstance(module, nn.Linear)
+        return cls(encode(w.contiguous()), bias, transposed=transposed)
+
+    # the packed weight ----------------------------------------------------------------------
+    @property
+    def packed(self) -> TcaBme:
+        """The weight as a TcaBme over this module's buffers (cached; rebuilt after ``.to()``)."""
+        p = self._packed
+        if p is None or p.values is not self.values or p.bitmaps is not self.bitmaps:
+            p = self._packed = TcaBme(
+                bitmaps=self.bitmaps, values=self.values, gtile_offsets=self.gtile_offsets,
+                strip_offsets=self.strip_offsets, shape=(self.out_features, self.in_features),
+            )
+        return p
+
+    def _apply(self, fn, *args, **kwargs):
+        self._packed = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The decoded ``[out, in]`` weight (bit-exact), optionally cast."""
+        w = decode(self.packed)
+        return w if dtype is None else w.to(dtype)
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` with the decoded weight: the dense counterpart of this layer."""
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        device="meta")
+        lin.weight = nn.Parameter(self.dense_weight(), requires_grad=False)
+        if self.bias is not None:
+            lin.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
+        return lin
+
+    @property
+    def sparsity(self) -> float:
+        return 1.0 - self.nnz / max(1, self.out_features * self.in_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, sparsity={self.sparsity:.3f}, dtype={self.values.dtype}")
+
+    # forward --------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        n = x2.shape[0]
+        if x2.is_cuda:
+            kernel = _kernel() if (n <= self.dense_above and x2.dtype == torch.float16
+                                   and self.values.dtype == torch.float16) else None
+            if kernel is not None:
+                y = kernel(x2.contiguous(), self.packed)
+                if self.bias is not None:
+                    y.add_(self.bias.to(y.dtype))
+                return y.reshape(*lead, self.out_features)
+        else:
+            notice_once(CPU_NOTICE if torch.cuda.is_available() else NO_GPU_NOTICE)
+        # prefill on the GPU and the reference path: decode the tiles to dense, then a dense matmul
+        w = self.dense_weight(x2.dtype)
+        b = None if self.bias is None else self.bias.to(x2.dtype)
+        return F.linear(x2, w, b).reshape(*lead, self.out_features)
+
+
+# swapping whole models -------------------------------------------------------------------------
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def sparsify(model: nn.Module, *, min_sparsity: float = 0.3, skip: Iterable[str] = ("lm_head",),
+             dtype: torch.dtype | None = None, progress: Callable[[str], None] | None = None) -> list[str]:
+    """Replace, in place, every linear of the decoder stack whose zero fraction is at least
+    ``min_sparsity`` by a SparseLinear encoded on the layer's device. Returns the swapped names.
+
+    For models already pruned in memory (benchmarks, tests); packed checkpoints use
+    ``sparsekit.packed_loader.load_packed``.
+    """
+    stack_name, stack = _layers.find_decoder_layers(model)
+    swapped = []
+    for name, mod in _layers.find_linears(stack, prefix=stack_name, skip=skip).items():
+        w = _layers.weight_out_in(mod)
+        zero_frac = 1.0 - float(torch.count_nonzero(w)) / max(1, w.numel())
+        if zero_frac < min_sparsity:
+            continue
+        _set_submodule(model, name, SparseLinear.from_linear(mod, dtype=dtype))
+        del mod, w
+        swapped.append(name)
+        if progress is not None:
+            progress(name)
+    return swapped
+
+
+def densify(model: nn.Module) -> list[str]:
+    """Replace, in place, every SparseLinear by the equivalent ``nn.Linear`` (decoded weight)."""
+    names = [n for n, m in model.named_modules() if isinstance(m, SparseLinear)]
+    for name in names:
+        sl = model.get_submodule(name)
+        _set_submodule(model, name, sl.to_linear())
+        del sl
+    return names
