@@ -1,0 +1,74 @@
+"""Write a pruned model: an ordinary HF checkpoint directory plus ``sparsekit.json``.
+
+The pruned weights are stored dense, with zeros (the contract between pruning and packing).
+``sparsekit.json``::
+
+    {"sparsekit_version", "model", "method", "pattern", "sparsity", "calibration": {...},
+     "skip": [...], "layers": {"<module name>": {"sparsity", "shape": [out, in], "kind"}},
+     "versions": {...}, "elapsed_s"}
+
+The directory is written atomically (temporary sibling, then rename); an existing output is
+refused unless ``overwrite``.
+"""
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+from sparsekit.atomic import atomic_output_dir
+
+METADATA_FILE = "sparsekit.json"
+
+
+def package_versions() -> dict[str, str]:
+    import safetensors
+    import torch
+    import transformers
+
+    from sparsekit import __version__
+
+    return {
+        "sparsekit": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "safetensors": safetensors.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def build_metadata(*, model: str, method: str, pattern: str, sparsity: float, calibration: dict,
+                   skip: list[str], layers: dict[str, dict], elapsed_s: float) -> dict[str, Any]:
+    from sparsekit import __version__
+
+    return {
+        "sparsekit_version": __version__,
+        "model": model,
+        "method": method,
+        "pattern": pattern,
+        "sparsity": sparsity,
+        "calibration": calibration,
+        "skip": list(skip),
+        "layers": {
+            name: {"sparsity": float(r["sparsity"]), "shape": [int(x) for x in r["shape"]], "kind": r["kind"]}
+            for name, r in layers.items()
+        },
+        "versions": package_versions(),
+        "elapsed_s": float(elapsed_s),
+    }
+
+
+def save_pruned(model, tokenizer, output: str | Path, metadata: dict, *, overwrite: bool = False,
+                max_shard_size: str = "5GB") -> Path:
+    """Save ``model`` (on the CPU), its tokenizer and ``metadata`` into ``output`` atomically."""
+    with atomic_output_dir(output, overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    return Path(output)
+
+
+def read_metadata(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / METADATA_FILE).read_text())

@@ -1,0 +1,376 @@
+"""Layer-sequential pruning engine: one decoder layer on the device at a time.
+
+1. Capture the inputs of decoder layer 0 once (the same mechanism for every method): a forward
+   pre-hook on ``layers[0]`` records the hidden states and the layer's other arguments (attention
+   mask, position ids, rotary embeddings, ...) and aborts the forward. Only the parameters outside
+   the decoder stack sit on the device meanwhile (embeddings, rotary tables, ...; not ``lm_head``).
+2. For each layer: move it alone to the device; forward hooks on its linears accumulate
+   ``InputStats`` (one shared object for linears fed the same tensor, e.g. q/k/v); prune every
+   linear; recompute the layer's outputs with the pruned weights, which become the next layer's
+   inputs; move the layer back to the CPU.
+
+Peak device memory is one layer plus the calibration activations (kept in a single buffer that
+each layer's outputs overwrite in place). Magnitude pruning needs no calibration: no capture, no
+forward pass at all.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from sparsekit import layers as L
+from sparsekit.errors import SparsekitError
+
+Progress = Callable[[str, int, int], None]  # (stage, done, total); stage is "calibration" or "layers"
+
+
+class _StopForward(Exception):
+    """Raised by the capture hook to abort the model forward at layer 0."""
+
+
+def _device_sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _first_output(out):
+    """Decoder layers return a tensor (transformers 5) or a tuple whose first item is the tensor."""
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@contextlib.contextmanager
+def _outside_stack_on(model: nn.Module, stack_name: str, device: torch.device):
+    """Move every parameter and buffer outside the decoder stack to ``device`` (temporarily).
+
+    The output head is left where it is unless it is tied to the input embeddings: the capture
+    forward stops before it.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_params = {id(p) for p in head.parameters()} if head is not None else set()
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    emb_params = {id(p) for p in emb.parameters()} if emb is not None else set()
+    prefix = stack_name + "."
+    moved: list[tuple[nn.Module, str, str, torch.device]] = []  # (module, kind, key, old device)
+    seen: set[int] = set()
+    try:
+        for mname, mod in model.named_modules():
+            if mname == stack_name or mname.startswith(prefix):
+                continue
+            for key, p in mod._parameters.items():
+                if p is None or id(p) in seen or (id(p) in head_params and id(p) not in emb_params):
+                    continue
+                seen.add(id(p))
+                moved.append((mod, "p", key, p.device))
+                p.data = p.data.to(device, non_blocking=True)
+            for key, b in mod._buffers.items():
+                if b is None or id(b) in seen:
+                    continue
+                seen.add(id(b))
+                moved.append((mod, "b", key, b.device))
+                mod._buffers[key] = b.to(device, non_blocking=True)
+        yield
+    finally:
+        for mod, kind, key, old in moved:
+            if kind == "p":
+                mod._parameters[key].data = mod._parameters[key].data.to(old)
+            else:
+                mod._buffers[key] = mod._buffers[key].to(old)
+
+
+class Activations:
+    """Calibration activations between layers: one [n, seq, hidden] buffer plus per-batch layer args.
+
+    ``args[i]`` / ``kwargs[i]`` are what HF passed to the decoder layers for mini-batch ``i``
+    (shared between mini-batches of equal size: they do not depend on the tokens).
+    """
+
+    def __init__(self, hidden: torch.Tensor, spans: list[tuple[int, int]], args: list, kwargs: list):
+        self.hidden, self.spans, self.args, self.kwargs = hidden, spans, args, kwargs
+
+    def run(self, layer: nn.Module, write: bool) -> None:
+        """Run every mini-batch through ``layer``; with ``write`` the outputs replace the inputs."""
+        for (a, b), args, kwargs in zip(self.spans, self.args, self.kwargs):
+            out = _first_output(layer(self.hidden[a:b], *args, **kwargs))
+            if write:
+                self.hidden[a:b].copy_(out)
+            del out
+
+
+@torch.no_grad()
+def capture_inputs(model: nn.Module, calib: torch.Tensor, device: torch.device, batch_size: int,
+                   progress: Progress | None = None) -> Activations:
+    """Run the calibration windows up to decoder layer 0 and record its inputs (see module doc)."""
+    stack_name, layers = L.find_decoder_layers(model)
+    record: dict = {}
+
+    def hook(module, args, kwargs):
+        kwargs = dict(kwargs)
+        if args:
+            hidden, rest = args[0], tuple(args[1:])
+        else:
+            hidden, rest = kwargs.pop("hidden_states"), ()
+        record.update(hidden=hidden, args=rest, kwargs=kwargs)
+        raise _StopForward
+
+    n, seqlen = calib.shape
+    spans = [(i, min(i + batch_size, n)) for i in range(0, n, batch_size)]
+    if device.type == "cuda":
+        calib = calib.pin_memory()
+    hidden = None
+    args_list, kwargs_list, by_size = [], [], {}
+    handle = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        with _outside_stack_on(model, stack_name, device):
+            for done, (a, b) in enumerate(spans):
+                ids = calib[a:b].to(device, non_blocking=True)
+                record.clear()
+                try:
+                    model(input_ids=ids, use_cache=False)
+                except _StopForward:
+                    pass
+                if "hidden" not in record:
+                    raise SparsekitError(
+                        f"{type(model).__name__}'s forward never reached its first decoder layer: "
+                        "this architecture is not supported by the layer-sequential engine"
+                    )
+                h = record["hidden"]
+                if hidden is None:
+                    hidden = torch.empty((n, *h.shape[1:]), dtype=h.dtype, device=device)
+                hidden[a:b].copy_(h)
+                if (b - a) not in by_size:
+                    by_size[b - a] = (record["args"], record["kwargs"])
+                args_list.append(by_size[b - a][0])
+                kwargs_list.append(by_size[b - a][1])
+                if progress:
+                    progress("calibration", done + 1, len(spans))
+    finally:
+        handle.remove()
+    return Activations(hidden, spans, args_list, kwargs_list)
+
+
+class StatsCollector:
+    """Forward hooks that feed each linear's input into an ``InputStats``.
+
+    Linears that receive the very same input tensor (q/k/v, gate/up) share one stats object: the
+    grouping is found on the first mini-batch, where the first linear to see a tensor owns it.
+    """
+
+    def __init__(self, linears: dict[str, nn.Module], hessian: bool, device: torch.device):
+        from sparsekit.stats import InputStats
+
+        self._make = lambda in_features: InputStats(in_features, hessian=hessian, device=device)
+        self.linears = linears
+        self.stats: dict[str, object] = {}
+        self.owner: dict[str, bool] = {}  # True: this linear adds to its (possibly shared) stats
+        self._first: dict[int, tuple[torch.Tensor, object]] | None = {}  # id(x) -> (x, stats)
+        self._handles = [m.register_forward_hook(self._hook(name)) for name, m in linears.items()]
+
+    def _hook(self, name: str):
+        def hook(module, inputs, output):
+            x = inputs[0]
+            if name not in self.stats:
+                if self._first is not None:
+                    seen = self._first.get(id(x))
+                    if seen is not None and seen[0] is x:
+                        self.stats[name], self.owner[name] = seen[1], False
+                        return
+                st = self._make(L.weight_out_in(module).shape[1])
+                if self._first is not None:
+                    self._first[id(x)] = (x, st)  # holding x keeps its id unique during the batch
+                self.stats[name], self.owner[name] = st, True
+            if self.owner[name]:
+                self.stats[name].add(x.detach())
+
+        return hook
+
+    def end_batch(self) -> None:
+        self._first = None
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._first = None
+
+    def groups(self) -> list[list[str]]:
+        out: dict[int, list[str]] = {}
+        for name, st in self.stats.items():
+            out.setdefault(id(st), []).append(name)
+        return list(out.values())
+
+
+@contextlib.contextmanager
+def _tf32(enabled: bool):
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def _linear_kind(module: nn.Module) -> str:
+    return "linear" if isinstance(module, nn.Linear) else "conv1d"
+
+
+def _prune_linears(linears: dict[str, nn.Module], stats: dict, method: str, sparsity: float, pattern,
+                   blocksize: int, percdamp: float, warn) -> dict[str, dict]:
+    from sparsekit.methods import prune_weight
+
+    from sparsekit.methods import needs_stats
+
+    report = {}
+    for name, mod in linears.items():
+        if needs_stats(method) and name not in stats:
+            raise SparsekitError(f"{name} received no calibration input: add it to --skip or use --method magnitude")
+        w = L.weight_out_in(mod)
+        res = prune_weight(w, method, sparsity, pattern, stats.get(name), blocksize=blocksize,
+                           percdamp=percdamp, warn=lambda msg, _n=name: warn(f"{_n}: {msg}"))
+        L.set_weight_out_in(mod, res.weight)
+        stored = L.weight_out_in(mod)
+        report[name] = {
+            "sparsity": float((stored == 0).sum().item() / stored.numel()),
+            "shape": [int(stored.shape[0]), int(stored.shape[1])],
+            "kind": _linear_kind(mod),
+        }
+        if res.info:
+            report[name]["info"] = {k: v for k, v in res.info.items() if isinstance(v, (int, float, str, bool))}
+    return report
+
+
+def default_batch_size(seqlen: int, tokens: int = 16384) -> int:
+    return max(1, tokens // max(1, seqlen))
+
+
+def prune_model(
+    model: nn.Module,
+    calib: torch.Tensor | None,
+    *,
+    method: str,
+    sparsity: float,
+    pattern,
+    skip: Iterable[str] = ("lm_head",),
+    device: str | torch.device = "cpu",
+    blocksize: int = 128,
+    percdamp: float = 0.01,
+    batch_size: int | None = None,
+    progress: Progress | None = None,
+    warn: Callable[[str], None] = print,
+    observer: Callable[[int, Activations], None] | None = None,
+) -> dict:
+    """Prune ``model`` in place (it stays on the CPU; one layer at a time visits ``device``).
+
+    ``calib`` is a LongTensor [nsamples, seqlen] of token ids (ignored by magnitude).
+    ``observer(idx, acts)``, if given, sees each layer's captured inputs before its stats pass.
+    Returns a report: per-linear sparsity/shape/kind, per-layer seconds and peak device memory,
+    capture seconds, total seconds and the overall peak device memory.
+    """
+    from sparsekit.methods import METHODS, needs_hessian, needs_stats
+
+    if method not in METHODS:
+        raise SparsekitError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
+    device = torch.device(device)
+    skip = list(skip)
+    use_stats = needs_stats(method)
+    if use_stats and calib is None:
+        raise SparsekitError(f"{method} needs calibration data: pass calibration windows")
+    model.eval()
+    stack_name, layers = L.find_decoder_layers(model)
+    t_start = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    _check_outside_linears(model, stack_name, skip, method)
+
+    acts = None
+    t_capture = 0.0
+    if use_stats:
+        t0 = time.perf_counter()
+        bs = batch_size or default_batch_size(calib.shape[1])
+        acts = capture_inputs(model, calib, device, bs, progress)
+        _device_sync(device)
+        t_capture = time.perf_counter() - t0
+    capture_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+    layer_reports = []
+    linear_reports: dict[str, dict] = {}
+    with torch.no_grad():
+        for idx, layer in enumerate(layers):
+            t0 = time.perf_counter()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            layer.to(device)
+            linears = L.find_linears(layer, prefix=f"{stack_name}.{idx}", skip=skip)
+            stats: dict = {}
+            if observer is not None and acts is not None:
+                observer(idx, acts)
+            if use_stats and linears:
+                collector = StatsCollector(linears, needs_hessian(method), device)
+                try:
+                    with _tf32(True):
+                        for i, ((a, b), args, kwargs) in enumerate(zip(acts.spans, acts.args, acts.kwargs)):
+                            layer(acts.hidden[a:b], *args, **kwargs)
+                            if i == 0:
+                                collector.end_batch()
+                finally:
+                    collector.remove()
+                stats = collector.stats
+            rep = _prune_linears(linears, stats, method, sparsity, pattern, blocksize, percdamp, warn)
+            linear_reports.update(rep)
+            if use_stats and idx + 1 < len(layers):
+                acts.run(layer, write=True)  # the pruned layer's outputs: next layer's inputs
+            layer.to("cpu")
+            _device_sync(device)
+            layer_reports.append({
+                "index": idx,
+                "seconds": time.perf_counter() - t0,
+                "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+                "linears": list(rep),
+            })
+            del stats
+            if progress:
+                progress("layers", idx + 1, len(layers))
+    _prune_outside_linears(model, stack_name, skip, method, sparsity, pattern, linear_reports, warn)
+    del acts
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    peak = max([capture_peak] + [r["peak_mem_bytes"] or 0 for r in layer_reports])
+    return {
+        "layers": linear_reports,
+        "per_layer": layer_reports,
+        "capture_seconds": t_capture,
+        "seconds": time.perf_counter() - t_start,
+        "peak_mem_bytes": peak if device.type == "cuda" else None,
+        "device": str(device),
+        "decoder_stack": stack_name,
+    }
+
+
+def _outside_linears(model: nn.Module, stack_name: str, skip: list[str]) -> dict[str, nn.Module]:
+    found = L.find_linears(model, skip=skip)
+    return {n: m for n, m in found.items() if not (n == stack_name or n.startswith(stack_name + "."))}
+
+
+def _check_outside_linears(model, stack_name, skip, method) -> None:
+    """Linears outside the decoder stack (lm_head, OPT's project_in/out) are pruned only by magnitude."""
+    outside = _outside_linears(model, stack_name, skip)
+    if not outside:
+        return
+    if method != "magnitude":
+        raise SparsekitError(
+            f"{', '.join(outside)} lie outside the decoder stack, where only magnitude pruning applies: "
+            f"add them to --skip (e.g. --skip lm_head) or use --method magnitude"
+        )
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for name, mod in outside.items():
+        if emb is not None and mod.weight is getattr(emb, "weight", None):
+            raise SparsekitError(f"{name} is tied to the input embeddings, pruning it would prune them too: add it to --skip")
+
+
+def _prune_outside_linears(model, stack_name, skip, method, sparsity, pattern, reports, warn) -> None:
+    outside = _outside_linears(model, stack_name, skip)
+    if outside:
+        reports.update(_prune_linears(outside, {}, method, sparsity, pattern, 128, 0.01, warn))

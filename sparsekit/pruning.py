@@ -1,0 +1,132 @@
+"""``prune()``: the library API behind ``sparsekit prune``.
+
+Resolve the settings (defaults < recipe < arguments), check the output path, load the model on
+the CPU, draw the calibration windows, run the layer-sequential engine, save the checkpoint and
+return a report.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from sparsekit.errors import SparsekitError
+
+
+def _default_output(model: str, method: str, pattern: str, sparsity: float) -> Path:
+    name = Path(str(model).rstrip("/")).name or "model"
+    tag = pattern.replace(":", "of") if pattern != "unstructured" else f"{round(sparsity * 100)}"
+    return Path("out") / f"{name}-{method}-{tag}"
+
+
+def prune(
+    model: str = "smollm2-135m",
+    *,
+    method: str | None = None,
+    sparsity: float | None = None,
+    pattern: str | None = None,
+    calib: str | None = None,
+    nsamples: int | None = None,
+    seqlen: int | None = None,
+    seed: int | None = None,
+    skip: Iterable[str] | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    output: str | Path | None = None,
+    overwrite: bool = False,
+    blocksize: int | None = None,
+    damp: float | None = None,
+    recipe: str | Path | None = None,
+    batch_size: int | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+    warn: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Prune ``model`` and write the result to ``output``; returns the report (``sparsekit.json``
+    plus timings, peak device memory and per-module-type sparsity).
+
+    Arguments left as None take the recipe's value, else the default (wanda, 50% unstructured,
+    128 wikitext2 windows of 2048 tokens capped to the model context, seed 0, skip lm_head).
+    """
+    from sparsekit import checkpoint, engine
+    from sparsekit.atomic import check_output_dir
+    from sparsekit.models import load_model, model_context, resolve_device, resolve_dtype
+    from sparsekit.patterns import Pattern
+    from sparsekit.recipes import resolve_settings
+
+    t0 = time.perf_counter()
+    s = resolve_settings(recipe, method=method, pattern=pattern, sparsity=sparsity, dataset=calib,
+                         nsamples=nsamples, seqlen=seqlen, seed=seed, skip=skip, blocksize=blocksize, damp=damp)
+    out = Path(output) if output is not None else _default_output(model, s["method"], s["pattern"], s["sparsity"])
+    check_output_dir(out, overwrite)  # before anything expensive
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+
+    from sparsekit.methods import needs_stats
+
+    net, tokenizer = load_model(model, device="cpu", dtype=torch_dtype)
+    calib_ids = None
+    calibration: dict[str, Any]
+    if needs_stats(s["method"]):
+        from sparsekit.data import calibration_windows
+
+        ctx = model_context(net)
+        if ctx is not None and s["seqlen"] > ctx:
+            warn(f"seqlen {s['seqlen']} exceeds the model context {ctx}: using {ctx}")
+            s["seqlen"] = ctx
+        calib_ids = calibration_windows(s["dataset"], tokenizer, nsamples=s["nsamples"], seqlen=s["seqlen"], seed=s["seed"])
+        calibration = {"dataset": s["dataset"], "nsamples": int(calib_ids.shape[0]),
+                       "seqlen": int(calib_ids.shape[1]), "seed": s["seed"]}
+    else:
+        calibration = {"dataset": None, "nsamples": 0, "seqlen": None, "seed": None}
+
+    report = engine.prune_model(
+        net, calib_ids, method=s["method"], sparsity=s["sparsity"], pattern=Pattern.parse(s["pattern"]),
+        skip=s["skip"], device=dev, blocksize=s["blocksize"], percdamp=s["damp"], batch_size=batch_size,
+        progress=progress, warn=warn,
+    )
+    if not report["layers"]:
+        raise SparsekitError(f"no linear layer was pruned: the skip patterns {s['skip']} exclude them all")
+    elapsed = time.perf_counter() - t0
+    meta = checkpoint.build_metadata(
+        model=str(model), method=s["method"], pattern=s["pattern"], sparsity=s["sparsity"],
+        calibration=calibration, skip=s["skip"], layers=report["layers"], elapsed_s=elapsed,
+    )
+    checkpoint.save_pruned(net, tokenizer, out, meta, overwrite=overwrite)
+    return {
+        **meta,
+        "output": str(out),
+        "device": str(dev),
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "settings": {k: v for k, v in s.items()},
+        "prune_seconds": report["seconds"],
+        "capture_seconds": report["capture_seconds"],
+        "peak_mem_bytes": report["peak_mem_bytes"],
+        "per_layer": report["per_layer"],
+        "by_type": sparsity_by_type(report["layers"]),
+        "overall_sparsity": overall_sparsity(report["layers"]),
+        "elapsed_s": time.perf_counter() - t0,
+    }
+
+
+def module_type(name: str) -> str:
+    """``model.layers.3.self_attn.q_proj`` -> ``self_attn.q_proj`` (the name below the layer index)."""
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[i + 1:]) or name
+    return name
+
+
+def sparsity_by_type(layers: dict[str, dict]) -> dict[str, dict]:
+    agg: dict[str, list[float]] = {}
+    for name, r in layers.items():
+        n = r["shape"][0] * r["shape"][1]
+        z, t = agg.setdefault(module_type(name), [0.0, 0.0])
+        agg[module_type(name)] = [z + r["sparsity"] * n, t + n]
+    return {k: {"sparsity": z / t if t else 0.0, "params": int(t)} for k, (z, t) in agg.items()}
+
+
+def overall_sparsity(layers: dict[str, dict]) -> float:
+    z = sum(r["sparsity"] * r["shape"][0] * r["shape"][1] for r in layers.values())
+    t = sum(r["shape"][0] * r["shape"][1] for r in layers.values())
+    return z / t if t else 0.0

@@ -1,0 +1,129 @@
+"""Pruning settings: defaults < recipe file < explicit arguments (CLI flags).
+
+A recipe is a small YAML file::
+
+    method: wanda
+    pattern: "2:4"          # quote N:M: bare 2:4 is a base-60 integer in YAML 1.1
+    sparsity: null          # null: the pattern's own ratio (2:4 -> 0.5)
+    calibration: {dataset: wikitext2, nsamples: 128, seqlen: 2048, seed: 0}
+    skip: [lm_head]
+    sparsegpt: {blocksize: 128, damp: 0.01}   # optional
+
+``description`` is free text. Any other key is an error.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sparsekit.errors import SparsekitError
+
+DEFAULTS: dict[str, Any] = {
+    "method": "wanda",
+    "pattern": "unstructured",
+    "sparsity": None,  # None: the pattern's default (unstructured 0.5, N:M 1 - N/M, hybrid 0.25)
+    "dataset": "wikitext2",
+    "nsamples": 128,
+    "seqlen": 2048,
+    "seed": 0,
+    "skip": ["lm_head"],
+    "blocksize": 128,
+    "damp": 0.01,
+}
+
+_TOP_KEYS = {"description", "method", "pattern", "sparsity", "calibration", "skip", "sparsegpt"}
+_CALIB_KEYS = {"dataset", "nsamples", "seqlen", "seed"}
+_SPARSEGPT_KEYS = {"blocksize", "damp"}
+
+
+def _check_keys(where: str, got: dict, allowed: set[str], path) -> None:
+    bad = sorted(set(got) - allowed)
+    if bad:
+        raise SparsekitError(
+            f"recipe {path}: unknown key{'s' if len(bad) > 1 else ''} {', '.join(map(repr, bad))} in {where}: "
+            f"allowed keys are {', '.join(sorted(allowed))}"
+        )
+
+
+def load_recipe(path: str | Path) -> dict[str, Any]:
+    """Read a recipe file into flat settings (only the keys it sets)."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise SparsekitError(f"recipe {path} not found: pass a YAML file such as recipes/wanda-2of4.yaml")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise SparsekitError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SparsekitError(f"recipe {path} must be a YAML mapping (method: ..., pattern: ...)")
+    _check_keys("the recipe", data, _TOP_KEYS, path)
+    out: dict[str, Any] = {}
+    for key in ("method", "pattern", "sparsity", "skip"):
+        if key in data:
+            out[key] = data[key]
+    if isinstance(out.get("pattern"), int):
+        raise SparsekitError(f"recipe {path}: pattern {data['pattern']!r} was read as a number: quote it, e.g. pattern: \"2:4\"")
+    if "skip" in out:
+        skip = out["skip"]
+        if skip is None:
+            out["skip"] = []
+        elif isinstance(skip, str):
+            out["skip"] = [skip]
+        elif not (isinstance(skip, list) and all(isinstance(s, str) for s in skip)):
+            raise SparsekitError(f"recipe {path}: skip must be a list of module-name patterns")
+    for section, keys in (("calibration", _CALIB_KEYS), ("sparsegpt", _SPARSEGPT_KEYS)):
+        sub = data.get(section)
+        if sub is None:
+            continue
+        if not isinstance(sub, dict):
+            raise SparsekitError(f"recipe {path}: {section} must be a mapping of {', '.join(sorted(keys))}")
+        _check_keys(section, sub, keys, path)
+        out.update(sub)
+    return out
+
+
+def resolve_settings(recipe: str | Path | None = None, **overrides: Any) -> dict[str, Any]:
+    """Defaults, then the recipe, then every override that is not None; validated."""
+    settings = dict(DEFAULTS)
+    settings["skip"] = list(DEFAULTS["skip"])
+    if recipe is not None:
+        settings.update(load_recipe(recipe))
+        settings["recipe"] = str(recipe)
+    unknown = sorted(set(overrides) - set(DEFAULTS))
+    if unknown:
+        raise TypeError(f"unknown setting(s): {', '.join(unknown)}")
+    for key, value in overrides.items():
+        if value is not None:
+            settings[key] = list(value) if key == "skip" else value
+    return validate(settings)
+
+
+def validate(s: dict[str, Any]) -> dict[str, Any]:
+    from sparsekit.methods import METHODS
+    from sparsekit.patterns import Pattern
+
+    s = dict(s)
+    s["method"] = str(s["method"]).lower()
+    if s["method"] not in METHODS:
+        raise SparsekitError(f"unknown method {s['method']!r}: choose one of {', '.join(METHODS)}")
+    pattern = Pattern.parse(str(s["pattern"]))
+    s["sparsity"] = pattern.resolve_sparsity(s["sparsity"])  # None -> the pattern's default
+    s["pattern"] = str(pattern)
+    for key, lo in (("nsamples", 1), ("seqlen", 8), ("blocksize", 1)):
+        try:
+            s[key] = int(s[key])
+        except (TypeError, ValueError):
+            raise SparsekitError(f"{key} must be an integer, got {s[key]!r}") from None
+        if s[key] < lo:
+            raise SparsekitError(f"{key} must be at least {lo}, got {s[key]}")
+    s["seed"] = int(s["seed"])
+    s["damp"] = float(s["damp"])
+    if not 0 < s["damp"] < 1:
+        raise SparsekitError(f"damp must be in (0, 1) (a fraction of the mean Hessian diagonal), got {s['damp']}")
+    s["skip"] = [str(p) for p in s["skip"]]
+    s["dataset"] = str(s["dataset"])
+    return s
