@@ -1,0 +1,149 @@
+"""Load a packed TCA-BME directory (written by ``sparsekit encode``) as a runnable HF model.
+
+Steps: build the model skeleton from the directory's ``config.json`` with parameters on the meta
+device (no random weights are allocated or initialised; buffers such as rotary frequencies are
+computed as usual), put a ``SparseLinear`` in place of every packed linear, assign the dense
+tensors (embeddings, norms, ``lm_head``, layers left dense) straight onto ``device`` in ``dtype``,
+tie the embeddings when the config says so, and return the model in eval mode. ``.generate()``
+then runs on the sparse kernels (see ``sparsekit.sparse_linear`` for which path runs when).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from sparsekit.errors import SparsekitError
+from sparsekit.sparse_linear import SparseLinear
+
+INDEX_FILE = "tcabme.index.json"
+
+
+def resolve_device(device) -> torch.device:
+    """``device`` as a torch.device; a clear error when CUDA is asked for and absent."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise SparsekitError(f"unknown device {device!r}: pass 'cuda', 'cuda:N' or 'cpu'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SparsekitError(
+                f"device {str(device)!r} asked for but no CUDA GPU is available: "
+                "pass device='cpu' (sparse layers then run the slow reference path)"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise SparsekitError(f"no GPU {dev.index}: this machine has {torch.cuda.device_count()}")
+    return dev
+
+
+def _check_dir(path: Path) -> None:
+    if not path.exists():
+        raise SparsekitError(f"no packed model at {path}: pass a directory written by `sparsekit encode`")
+    if not path.is_dir():
+        raise SparsekitError(f"{path} is a file: pass the packed model's directory")
+    if not (path / INDEX_FILE).exists():
+        raise SparsekitError(
+            f"{path} is not a packed TCA-BME directory (no {INDEX_FILE}): "
+            "run `sparsekit encode PRUNED_DIR OUT_DIR` first"
+        )
+    if not (path / "config.json").exists():
+        raise SparsekitError(f"{path} has no config.json: the packed directory is incomplete, re-run `sparsekit encode`")
+
+
+def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _tie_embeddings(model: nn.Module, config) -> None:
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text, "tie_word_embeddings", False):
+        return
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is None or inp is None or isinstance(out, SparseLinear):
+        return
+    if out.weight.device.type == "meta" or out.weight is not inp.weight:
+        out.weight = inp.weight
+
+
+def build_skeleton(path: Path, dtype: torch.dtype):
+    """The HF model from ``path/config.json``: parameters on meta, buffers real (on the CPU)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as e:
+        raise SparsekitError(f"cannot read {path / 'config.json'} ({type(e).__name__}: {e}): re-run `sparsekit encode`")
+    try:
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except ValueError as e:
+        raise SparsekitError(f"{path}: {config.model_type!r} is not a causal LM transformers can build ({e})")
+    return model, config
+
+
+def load_packed(path, device="cuda", dtype: torch.dtype = torch.float16) -> nn.Module:
+    """A HF causal LM whose packed linears are ``SparseLinear`` modules, on ``device``, in eval mode.
+
+    ``dtype`` applies to the dense tensors (embeddings, norms, biases); the packed values keep
+    their stored dtype. The bundled kernels need fp16 activations, so keep the default on a GPU.
+    """
+    from sparsekit.shards import read_packed
+
+    path = Path(path)
+    _check_dir(path)
+    dev = resolve_device(device)
+    ckpt = read_packed(path, device="cpu")  # raises SparsekitError on a corrupt/missing shard
+    model, config = build_skeleton(path, dtype)
+
+    layers_info = getattr(ckpt, "layers", {}) or {}
+    dense = dict(ckpt.dense)
+    for name, packed in ckpt.packed.items():
+        try:
+            old = model.get_submodule(name)
+        except AttributeError:
+            raise SparsekitError(f"{path}: packed layer {name!r} does not exist in a {type(model).__name__}: "
+                                 "the shards do not match config.json, re-run `sparsekit encode`")
+        info = layers_info.get(name, {}) or {}
+        transposed = bool(info.get("transposed", not isinstance(old, nn.Linear)))
+        m, k = packed.shape
+        if isinstance(old, nn.Linear):
+            want = (old.out_features, old.in_features)
+        else:  # GPT-2 Conv1D: weight [in, out], packed transposed as [out, in]
+            want = (old.weight.shape[1], old.weight.shape[0])
+        if (m, k) != tuple(want):
+            raise SparsekitError(f"{path}: packed layer {name!r} is {m}x{k} but the model expects "
+                                 f"{want[0]}x{want[1]}: the shards do not match config.json")
+        bias = dense.pop(f"{name}.bias", None)
+        if getattr(old, "bias", None) is not None and bias is None:
+            raise SparsekitError(f"{path}: the bias of packed layer {name!r} is missing: re-run `sparsekit encode`")
+        _set_submodule(model, name, SparseLinear.from_packed(packed, bias, device=dev, dtype=dtype,
+                                                             transposed=transposed))
+
+    state = {k: (v.to(device=dev, dtype=dtype) if v.is_floating_point() else v.to(dev)) for k, v in dense.items()}
+    result = model.load_state_dict(state, strict=False, assign=True)
+    del state, dense
+    _tie_embeddings(model, config)
+    missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type == "meta"]
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise SparsekitError(f"{path}: the checkpoint lacks {shown}: the packed directory is incomplete, re-run `sparsekit encode`")
+    unexpected = [k for k in result.unexpected_keys if not k.endswith("inv_freq")]
+    if unexpected:
+        shown = ", ".join(unexpected[:4])
+        raise SparsekitError(f"{path}: tensors {shown} do not belong to a {type(model).__name__}: "
+                             "the shards do not match config.json, re-run `sparsekit encode`")
+    model.to(dev)  # the buffers built on the CPU (rotary frequencies, ...)
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.exists():
+        from transformers import GenerationConfig
+
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        except Exception:
+            pass  # a broken generation config is not worth refusing the model for
+    model.eval()
+    return model

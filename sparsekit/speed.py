@@ -1,0 +1,279 @@
+"""``sparsekit eval --speed``: prefill and decode throughput, packed model vs its dense twin.
+
+For each batch size the packed model and its dense counterpart (the very same weights decoded
+into ``nn.Linear``, so cuBLAS runs them) are timed in the same process on the same GPU:
+
+* prefill: one forward over ``batch x prompt_len`` tokens into a static cache, median of
+  ``repeats`` runs, timed with CUDA events -> prefill tokens/s;
+* decode: ``new_tokens`` greedy steps, each one replay of a CUDA graph of the decode step
+  (``sparsekit.cuda_graph``; eager with ``cuda_graphs=False``), median over ``repeats`` ->
+  ms per token (one step) and decode tokens/s (= batch / step time);
+* peak GPU memory (``torch.cuda.max_memory_allocated``) over that batch size's run.
+
+The packed model is measured first; then it is densified in place and measured again, so the two
+never sit on the GPU together. Random prompt tokens (fixed seed); EOS is ignored.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from sparsekit.errors import SparsekitError
+
+BATCH_SIZES = (1, 8, 16, 32)
+GIB = 2**30
+
+
+def _model_bytes(model: nn.Module) -> int:
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+class _Progress:
+    """Accepts None, a callable(str), or a rich Progress."""
+
+    def __init__(self, progress, total: int):
+        self.progress, self.task = progress, None
+        if progress is not None and hasattr(progress, "add_task"):
+            self.task = progress.add_task("measuring speed", total=total)
+
+    def __call__(self, message: str) -> None:
+        if self.progress is None:
+            return
+        if self.task is not None:
+            self.progress.update(self.task, advance=1, description=message)
+        else:
+            self.progress(message)
+
+
+def _time_ms(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def measure_model(model: nn.Module, batch_size: int, *, prompt_len: int = 128, new_tokens: int = 64,
+                  repeats: int = 3, cuda_graphs: bool = True, seed: int = 0) -> dict[str, Any]:
+    """Prefill/decode speed and peak memory of one model at one batch size (on its CUDA device)."""
+    from sparsekit.cuda_graph import GreedyDecoder
+
+    device = next(model.parameters()).device
+    vocab = int(getattr(model.config.get_text_config(), "vocab_size", 1000))
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch_size, prompt_len), generator=gen).to(device)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    dec = None
+    try:
+        dec = GreedyDecoder(model, batch_size, prompt_len + new_tokens + 1, use_graph=cuda_graphs)
+        dec.prefill(ids)  # warm-up: kernels compile, cache allocates
+        prefill_ms = statistics.median(_time_ms(lambda: dec.prefill(ids)) for _ in range(repeats))
+
+        def decode_loop():
+            for _ in range(new_tokens):
+                dec.step()
+
+        step_ms = []
+        for r in range(repeats + 1):
+            dec.prefill(ids)
+            if cuda_graphs and dec.graph is None:
+                dec.capture()
+            ms = _time_ms(decode_loop)
+            if r > 0:  # the first loop is a warm-up
+                step_ms.append(ms / new_tokens)
+        step_ms = statistics.median(step_ms)
+        peak = torch.cuda.max_memory_allocated(device)
+        return {
+            "prefill_ms": prefill_ms,
+            "prefill_tok_s": batch_size * prompt_len / (prefill_ms / 1e3),
+            "ms_per_token": step_ms,
+            "decode_tok_s": batch_size / (step_ms / 1e3),
+            "peak_mem_gib": peak / GIB,
+        }
+    except torch.cuda.OutOfMemoryError:
+        return {"error": "out of GPU memory"}
+    finally:
+        del dec
+        torch.cuda.empty_cache()
+
+
+def _load(model_dir, device, dtype, notes: list[str]):
+    from sparsekit.packed_loader import INDEX_FILE, load_packed
+
+    path = Path(model_dir)
+    if (path / INDEX_FILE).exists():
+        return load_packed(path, device=device, dtype=dtype)
+    if not (path / "config.json").exists():
+        raise SparsekitError(f"no model at {path}: pass a packed directory (from `sparsekit encode`) or a pruned HF directory")
+    from transformers import AutoModelForCausalLM
+
+    from sparsekit.sparse_linear import sparsify
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    swapped = sparsify(model, min_sparsity=0.3)
+    notes.append(f"{path} is not packed: {len(swapped)} linears with >= 30% zeros were encoded in memory")
+    return model
+
+
+def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_len: int = 128,
+                  new_tokens: int = 64, repeats: int = 3, cuda_graphs: bool = True,
+                  dtype: torch.dtype = torch.float16, progress=None) -> dict[str, Any]:
+    """Speed report of a packed model and its dense counterpart (see the module docstring)."""
+    from sparsekit.packed_loader import resolve_device
+    from sparsekit.sparse_linear import SparseLinear, densify
+
+    if not torch.cuda.is_available():
+        raise SparsekitError("speed measurement needs a CUDA GPU and none is available: run `sparsekit eval --speed` on a GPU machine")
+    dev = resolve_device(device)
+    if dev.type != "cuda":
+        raise SparsekitError(f"speed measurement runs on a CUDA GPU, not {dev}: pass device='cuda'")
+    batch_sizes = tuple(int(b) for b in batch_sizes)
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise SparsekitError(f"batch sizes must be positive integers, got {batch_sizes}")
+    if prompt_len < 1 or new_tokens < 2 or repeats < 1:
+        raise SparsekitError("prompt_len >= 1, new_tokens >= 2 and repeats >= 1 are needed")
+    notes: list[str] = []
+    tick = _Progress(progress, 2 * len(batch_sizes) + 1)
+    t0 = time.perf_counter()
+    model = _load(model_dir, dev, dtype, notes)
+    n_sparse = sum(isinstance(m, SparseLinear) for m in model.modules())
+    if n_sparse == 0:
+        notes.append("no sparse layers: both columns measure the same dense model")
+    tick("loaded")
+    kw = dict(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats)
+
+    def run_all(label: str) -> dict[int, dict]:
+        nonlocal cuda_graphs
+        out = {}
+        for b in batch_sizes:
+            try:
+                out[b] = measure_model(model, b, cuda_graphs=cuda_graphs, **kw)
+            except SparsekitError as e:
+                if not cuda_graphs:
+                    raise
+                notes.append(f"CUDA graphs failed, measured eagerly instead: {e}")
+                cuda_graphs = False
+                out[b] = measure_model(model, b, cuda_graphs=False, **kw)
+            tick(f"{label} batch {b}")
+        return out
+
+    packed_bytes = _model_bytes(model)
+    packed = run_all("packed")
+    densify(model)
+    torch.cuda.empty_cache()
+    dense_bytes = _model_bytes(model)
+    dense = run_all("dense")
+    del model
+    torch.cuda.empty_cache()
+
+    rows = []
+    for b in batch_sizes:
+        p, d = packed[b], dense[b]
+        ratio = {}
+        for key in ("prefill_tok_s", "decode_tok_s"):
+            if key in p and key in d and d[key] > 0:
+                ratio[key] = p[key] / d[key]
+        rows.append({"batch_size": b, "packed": p, "dense": d, "ratio": ratio})
+    import transformers
+
+    return {
+        "model": str(model_dir),
+        "gpu": torch.cuda.get_device_name(dev),
+        "dtype": str(dtype).replace("torch.", ""),
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "repeats": repeats,
+        "cuda_graphs": cuda_graphs,
+        "sparse_layers": n_sparse,
+        "weights_gib": {"packed": packed_bytes / GIB, "dense": dense_bytes / GIB},
+        "rows": rows,
+        "notes": notes,
+        "elapsed_s": time.perf_counter() - t0,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def speed_table(report: dict[str, Any]):
+    """The report as a rich Table (packed / dense / ratio per metric)."""
+    from rich.table import Table
+
+    title = (f"Speed on {report.get('gpu', '?')} ({report.get('dtype', '?')}, prompt {report.get('prompt_len')}, "
+             f"{report.get('new_tokens')} new tokens, CUDA graphs {'on' if report.get('cuda_graphs') else 'off'})")
+    t = Table(title=title)
+    t.add_column("batch", justify="right")
+    for head in ("prefill tok/s packed", "dense", "x",
+                 "decode tok/s packed", "dense", "x",
+                 "ms/token packed", "dense", "peak GiB packed", "dense"):
+        t.add_column(head, justify="right")
+    for row in report["rows"]:
+        p, d, r = row["packed"], row["dense"], row.get("ratio", {})
+        t.add_row(
+            str(row["batch_size"]),
+            _fmt(p.get("prefill_tok_s"), ",.0f"), _fmt(d.get("prefill_tok_s"), ",.0f"),
+            _fmt(r.get("prefill_tok_s"), ".2f"),
+            _fmt(p.get("decode_tok_s"), ",.0f"), _fmt(d.get("decode_tok_s"), ",.0f"),
+            _fmt(r.get("decode_tok_s"), ".2f"),
+            _fmt(p.get("ms_per_token"), ".2f"), _fmt(d.get("ms_per_token"), ".2f"),
+            _fmt(p.get("peak_mem_gib"), ".2f"), _fmt(d.get("peak_mem_gib"), ".2f"),
+        )
+    return t
+
+
+def plot_speed(report: dict[str, Any], path) -> Path:
+    """PNG of decode and prefill tokens/s against batch size, packed vs dense."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SparsekitError("plotting needs matplotlib: pip install sparsekit[plot]")
+    path = Path(path)
+    if not path.parent.exists():
+        raise SparsekitError(f"cannot write {path}: the folder {path.parent} does not exist")
+    rows = report["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "decode_tok_s", "decode"), (axes[1], "prefill_tok_s", "prefill")):
+        for which, style in (("packed", "o-"), ("dense", "s--")):
+            pts = [(r["batch_size"], r[which][key]) for r in rows if r[which].get(key) is not None]
+            if pts:
+                ax.plot([b for b, _ in pts], [v for _, v in pts], style, label=which)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r["batch_size"] for r in rows], [str(r["batch_size"]) for r in rows])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{label} tokens/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{Path(str(report.get('model', ''))).name} on {report.get('gpu', '?')}")
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
