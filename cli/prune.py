@@ -1,8 +1,131 @@
-"""sparsekit prune (placeholder: filled in by its issue)."""
+"""sparsekit prune: a thin typer layer over ``sparsekit.pruning.prune``."""
 from __future__ import annotations
+
+from typing import List, Optional
 
 import typer
 
+from sparsekit.cli.common import JSON_OPTION, console, emit_json, err_console, handle_errors
+
+HELP = (
+    "Prune a causal LM layer by layer and write an HF checkpoint (dense weights with zeros).\n\n"
+    "Methods: magnitude, wanda, sparsegpt. Patterns: unstructured (with --sparsity), N:M (2:4, 4:8, ...), "
+    "hybrid[:T] (TxT tiles, each dense or 2:4). Settings come from the defaults, then --recipe, then the "
+    "flags you pass.\n\n"
+    "Example: sparsekit prune smollm2-135m --method wanda --sparsity 0.5 -o out/wanda50"
+)
+
 
 def register(app: typer.Typer) -> None:
-    pass
+    app.command("prune", help=HELP)(prune_cmd)
+
+
+@handle_errors
+def prune_cmd(
+    model: str = typer.Argument("smollm2-135m", help="Local HF directory, hub id, or the demo alias smollm2-135m."),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="magnitude | wanda | sparsegpt (default: wanda)"),
+    sparsity: Optional[float] = typer.Option(None, "--sparsity", "-s", help="Fraction of weights to zero in [0, 1) (default: 0.5; implied by N:M)"),
+    pattern: Optional[str] = typer.Option(None, "--pattern", "-p", help="unstructured | N:M (2:4, 4:8) | hybrid[:T] (default: unstructured)"),
+    calib: Optional[str] = typer.Option(None, "--calib", "--dataset", help="Calibration text: wikitext2, c4, a hub dataset, or a .txt/.jsonl/.parquet file (default: wikitext2)"),
+    nsamples: Optional[int] = typer.Option(None, "--nsamples", help="Calibration windows (default: 128)"),
+    seqlen: Optional[int] = typer.Option(None, "--seqlen", help="Tokens per window, capped at the model context (default: 2048)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for drawing the windows (default: 0)"),
+    skip: Optional[List[str]] = typer.Option(None, "--skip", help="Module-name pattern (fnmatch) to leave dense; repeatable (default: lm_head)"),
+    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="YAML recipe (recipes/*.yaml); flags override it."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="Output directory (default: out/<model>-<method>-<pattern>)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu: where each layer is pruned (the model itself stays in CPU memory)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (fp16 on CUDA, fp32 on CPU) | float16 | bfloat16 | float32"),
+    blocksize: Optional[int] = typer.Option(None, "--blocksize", help="SparseGPT column block size (default: 128)"),
+    damp: Optional[float] = typer.Option(None, "--damp", help="SparseGPT dampening, fraction of the mean Hessian diagonal (default: 0.01)"),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Calibration windows per forward (default: ~16k tokens)"),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    from transformers.utils import logging as hf_logging
+
+    from sparsekit.pruning import prune
+
+    hf_logging.disable_progress_bar()  # our own bars only
+    bars = _Bars(disable=False)
+
+    def warn(msg: str) -> None:
+        err_console.print(f"[yellow]warning:[/] {msg}", highlight=False, soft_wrap=True)
+
+    with bars:
+        report = prune(
+            model, method=method, sparsity=sparsity, pattern=pattern, calib=calib, nsamples=nsamples,
+            seqlen=seqlen, seed=seed, skip=skip, device=device, dtype=dtype, output=output,
+            overwrite=overwrite, blocksize=blocksize, damp=damp, recipe=recipe, batch_size=batch_size,
+            progress=bars.update, warn=warn,
+        )
+    if json_out:
+        emit_json(report)
+        return
+    console.print(summary_table(report))
+    err_console.print(f"[green]wrote[/] {report['output']}")
+
+
+class _Bars:
+    """rich progress bars on stderr, one per stage ("calibration", "layers"), created on first use."""
+
+    LABELS = {"calibration": "capturing calibration inputs", "layers": "pruning decoder layers"}
+
+    def __init__(self, disable: bool = False):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), console=err_console, disable=disable, transient=False)
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.progress.__exit__(*exc)
+
+    def update(self, stage: str, done: int, total: int) -> None:
+        if stage not in self.tasks:
+            self.tasks[stage] = self.progress.add_task(self.LABELS.get(stage, stage), total=total)
+        self.progress.update(self.tasks[stage], completed=done, total=total)
+
+
+def _mib(n) -> str:
+    return "-" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def summary_table(report: dict):
+    from rich.console import Group
+    from rich.table import Table
+
+    head = Table.grid(padding=(0, 2))
+    head.add_row("model", str(report["model"]))
+    head.add_row("method / pattern", f"{report['method']} / {report['pattern']} (target sparsity {report['sparsity']:.4g})")
+    cal = report["calibration"]
+    if cal.get("nsamples"):
+        head.add_row("calibration", f"{cal['dataset']}: {cal['nsamples']} x {cal['seqlen']} tokens, seed {cal['seed']}")
+    head.add_row("device", f"{report['device']} ({report['dtype']}), peak device memory {_mib(report['peak_mem_bytes'])}")
+    head.add_row("time", f"{report['elapsed_s']:.1f} s total, {report['prune_seconds']:.1f} s pruning "
+                 f"({report['capture_seconds']:.1f} s capture)")
+    head.add_row("overall sparsity", f"{report['overall_sparsity']:.4f} of {sum(v['params'] for v in report['by_type'].values()):,} pruned-layer weights")
+    head.add_row("output", report["output"])
+
+    types = Table(title="sparsity by module type", title_justify="left")
+    types.add_column("module")
+    types.add_column("sparsity", justify="right")
+    types.add_column("weights", justify="right")
+    for name, v in report["by_type"].items():
+        types.add_row(name, f"{v['sparsity']:.4f}", f"{v['params']:,}")
+
+    layers = Table(title="per decoder layer", title_justify="left")
+    layers.add_column("layer", justify="right")
+    layers.add_column("linears", justify="right")
+    layers.add_column("sparsity", justify="right")
+    layers.add_column("time", justify="right")
+    layers.add_column("peak mem", justify="right")
+    for r in report["per_layer"]:
+        lin = [report["layers"][n] for n in r["linears"]]
+        tot = sum(x["shape"][0] * x["shape"][1] for x in lin)
+        sp = sum(x["sparsity"] * x["shape"][0] * x["shape"][1] for x in lin) / tot if tot else 0.0
+        layers.add_row(str(r["index"]), str(len(lin)), f"{sp:.4f}", f"{r['seconds']:.2f} s", _mib(r["peak_mem_bytes"]))
+    return Group(head, types, layers)
