@@ -1,0 +1,112 @@
+"""Perplexity with the WikiText-2 protocol of the Wanda / SparseGPT evaluation code.
+
+The whole text is tokenized once and cut into non-overlapping windows of ``seqlen`` tokens; the
+leftover tokens after the last full window are dropped. Each window is scored on its own (no
+context carried over): its loss is the mean next-token NLL over its ``seqlen - 1`` predictions,
+computed in float32 from the shifted logits. The perplexity is ``exp`` of the mean of the
+per-window losses (the reference code multiplies each by ``seqlen`` and divides the sum by
+``windows * seqlen``, which is the same number).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from sparsekit.errors import SparsekitError
+
+
+def window_ids(ids: torch.Tensor, seqlen: int, max_windows: int | None = None) -> torch.Tensor:
+    """``[windows, seqlen]`` non-overlapping windows of a 1-D id tensor, leftover dropped."""
+    if seqlen < 2:
+        raise SparsekitError(f"seqlen must be >= 2 for perplexity, got {seqlen}")
+    n = ids.numel() // seqlen
+    if max_windows is not None:
+        if max_windows < 1:
+            raise SparsekitError(f"--max-windows must be >= 1, got {max_windows}")
+        n = min(n, max_windows)
+    if n == 0:
+        raise SparsekitError(
+            f"the evaluation text has only {ids.numel()} tokens, fewer than one window of seqlen={seqlen}: "
+            "use a smaller --seqlen or a longer text"
+        )
+    return ids[: n * seqlen].view(n, seqlen)
+
+
+def window_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Per-window mean NLL ``[B]`` from logits ``[B, T, V]`` and ids ``[B, T]`` (float32 loss)."""
+    shift_logits = logits[:, :-1, :].float()
+    shift_labels = ids[:, 1:].to(logits.device)
+    nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1), reduction="none")
+    return nll.view(ids.shape[0], -1).mean(dim=1)
+
+
+def _model_device(model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:  # pragma: no cover - a model without parameters
+        return torch.device("cpu")
+
+
+def default_batch_size(seqlen: int, vocab: int, device: torch.device) -> int:
+    """Windows per forward pass: bounded by the float32 logits of a batch (~2 GiB on CUDA, ~256 MiB on CPU)."""
+    budget = (2 << 30) if device.type == "cuda" else (256 << 20)
+    return max(1, min(32, budget // max(1, seqlen * vocab * 4)))
+
+
+@torch.inference_mode()
+def perplexity(
+    model,
+    tokenizer,
+    text: str,
+    seqlen: int = 2048,
+    max_windows: int | None = None,
+    device: str | torch.device | None = None,
+    progress=None,
+    batch_size: int | None = None,
+) -> dict[str, Any]:
+    """Perplexity of ``model`` on ``text``: ``dict(ppl, nll, windows, tokens, seqlen, text_tokens)``.
+
+    ``device`` defaults to the model's device (the model is not moved); inputs go there.
+    ``progress`` is an optional rich ``Progress``; a task "perplexity" advances per window.
+    """
+    from sparsekit.data import tokenize
+
+    dev = torch.device(device) if device is not None else _model_device(model)
+    ids = tokenize(tokenizer, text)
+    windows = window_ids(ids, seqlen, max_windows)
+    n = windows.shape[0]
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 50000
+    bs = batch_size or default_batch_size(seqlen, vocab, dev)
+
+    was_training = getattr(model, "training", False)
+    model.eval()
+    task = progress.add_task("perplexity", total=n) if progress is not None else None
+    nlls = []
+    try:
+        for i in range(0, n, bs):
+            batch = windows[i : i + bs].to(dev)
+            logits = model(input_ids=batch, use_cache=False).logits
+            nlls.append(window_nll(logits, batch).double().cpu())
+            del logits
+            if task is not None:
+                progress.advance(task, batch.shape[0])
+    finally:
+        if was_training:
+            model.train()
+    per_window = torch.cat(nlls)
+    # A non-finite window (fp16 overflow in a badly pruned model) makes the result inf, not an error,
+    # so that comparisons still print; ``nonfinite_windows`` says how many.
+    bad = int((~torch.isfinite(per_window)).sum())
+    nll = float(per_window.mean()) if bad == 0 else math.inf
+    return {
+        "ppl": math.exp(nll) if nll < 709 else math.inf,
+        "nll": nll,
+        "windows": int(n),
+        "tokens": int(n * seqlen),
+        "seqlen": int(seqlen),
+        "text_tokens": int(ids.numel()),
+        "nonfinite_windows": bad,
+    }
