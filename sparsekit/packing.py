@@ -1,0 +1,303 @@
+"""``sparsekit encode``: a pruned HF checkpoint (dense weights with zeros) -> a TCA-BME directory.
+
+Which tensors are linear weights comes from ``sparsekit.json`` ("layers") when the pruner wrote
+one, else from the model skeleton built on the meta device from ``config.json``. Each linear
+weight (GPT-2 ``Conv1D`` transposed to ``[out, in]``) is packed when it is sparse enough, else
+kept dense with the reason recorded. Everything else is stored as it is.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from sparsekit.atomic import atomic_output_dir, check_output_dir
+from sparsekit.errors import SparsekitError
+from sparsekit import shards as sh
+from sparsekit import tcabme
+
+Progress = Callable[[int, int, str], None]   # progress(done, total, what)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", sh.INDEX_NAME)
+DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a source checkpoint
+
+
+def checkpoint_files(src: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, for a single-file or sharded HF checkpoint."""
+    if not src.is_dir():
+        raise SparsekitError(f"no checkpoint directory at {src}: pass the output directory of `sparsekit prune`")
+    if sh.is_packed_dir(src):
+        raise SparsekitError(f"{src} is already a TCA-BME checkpoint: pass the pruned (dense) checkpoint instead")
+    index = src / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        out = {name: src / file for name, file in weight_map.items()}
+        for file in set(out.values()):
+            if not file.is_file():
+                raise SparsekitError(f"shard {file.name} listed in {index.name} is missing from {src}")
+        return out
+    files = sorted(src.glob("*.safetensors"))
+    if not files:
+        if any(src.glob("*.bin")):
+            raise SparsekitError(
+                f"{src} holds only PyTorch .bin weights: re-save it with save_pretrained(..., safe_serialization=True)"
+            )
+        raise SparsekitError(f"no safetensors weights in {src}: pass an HF checkpoint directory")
+    from safetensors import safe_open
+
+    out = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                out.update({k: file for k in f.keys()})
+        except Exception as e:
+            raise SparsekitError(f"cannot read {file} ({e}): the checkpoint is corrupt") from None
+    return out
+
+
+def header_info(files: dict[str, Path]) -> dict[str, tuple[str, list[int]]]:
+    """tensor name -> (safetensors dtype string, shape), from the headers only."""
+    info = {}
+    for file in sorted(set(files.values())):
+        header, _ = sh.read_header(file)
+        info.update({k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    return info
+
+
+def load_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise SparsekitError(f"{path} is not valid JSON ({e}): fix or remove it") from None
+
+
+def linear_modules(src: Path, config: dict, manifest: dict) -> dict[str, bool]:
+    """module name -> transposed (True for GPT-2 Conv1D, stored [in, out])."""
+    layers = manifest.get("layers")
+    if isinstance(layers, dict) and layers:
+        return {name: info.get("kind") == "conv1d" for name, info in layers.items()}
+    if not config:
+        raise SparsekitError(f"{src} has neither sparsekit.json nor config.json: cannot tell which tensors are linear layers")
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sparsekit.layers import Conv1D, find_decoder_layers, find_linears
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(src))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except Exception as e:
+        raise SparsekitError(f"cannot build the model described by {src}/config.json ({e}): is it a causal LM?") from None
+    prefix, blocks = find_decoder_layers(model)
+    return {name: bool(Conv1D) and isinstance(mod, Conv1D) for name, mod in find_linears(blocks, prefix=prefix).items()}
+
+
+def resolve_key(module: str, names: set[str] | dict) -> str | None:
+    """The checkpoint tensor holding ``module``'s weight (also without a base-model prefix)."""
+    key = f"{module}.weight"
+    if key in names:
+        return key
+    parts = module.split(".")
+    for i in range(1, len(parts)):
+        k = ".".join(parts[i:]) + ".weight"
+        if k in names:
+            return k
+    ends = [n for n in names if n.endswith("." + key)]
+    return ends[0] if len(ends) == 1 else None
+
+
+def target_dtype(config: dict) -> torch.dtype:
+    name = str(config.get("torch_dtype") or config.get("dtype") or "")
+    return torch.bfloat16 if "bfloat16" in name else torch.float16
+
+
+def detect_pattern(w: torch.Tensor, nonzero: torch.Tensor) -> str:
+    """A label for the weight's sparsity pattern: "dense", "2:4" (along the input dim) or "unstructured"."""
+    if bool(nonzero.all()):
+        return "dense"
+    if w.shape[1] % 4 == 0 and bool((nonzero.reshape(w.shape[0], -1, 4).sum(-1) <= 2).all()):
+        return "2:4"
+    return "unstructured"
+
+
+def copy_side_files(src: Path, dst: Path) -> list[str]:
+    """Copy config, generation config, tokenizer files, sparsekit.json...: everything but weights."""
+    copied = []
+    for f in sorted(src.iterdir()):
+        if not f.is_file() or f.name in WEIGHT_INDEXES or f.name.endswith(WEIGHT_SUFFIXES) or f.name.startswith("."):
+            continue
+        shutil.copy2(f, dst / f.name)
+        copied.append(f.name)
+    return copied
+
+
+# --------------------------------------------------------------------------------------------
+# Encoding
+
+
+def encode(
+    pruned_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    min_sparsity: float = 0.3,
+    force: bool = False,
+    max_shard_size: int | str = "2GB",
+    overwrite: bool = False,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Pack ``pruned_dir`` into ``out_dir`` (atomic). Returns a report (per-layer info and totals)."""
+    t0 = time.perf_counter()
+    src, out = Path(pruned_dir), Path(out_dir)
+    if not 0.0 <= float(min_sparsity) <= 1.0:
+        raise SparsekitError(f"--min-sparsity must be between 0 and 1, got {min_sparsity}")
+    max_bytes = sh.parse_size(max_shard_size)
+    if not src.exists():
+        raise SparsekitError(f"no pruned checkpoint at {src}: pass the output directory of `sparsekit prune`")
+    if out.resolve() == src.resolve():
+        raise SparsekitError("the output directory must differ from the input: pass another -o")
+    check_output_dir(out, overwrite)
+
+    files = checkpoint_files(src)
+    headers = header_info(files)
+    config = load_json(src / "config.json")
+    manifest = load_json(src / "sparsekit.json")
+    modules = linear_modules(src, config, manifest)
+
+    # Validate every linear weight from the headers before any heavy work.
+    weight_keys: dict[str, tuple[str, bool]] = {}   # checkpoint key -> (module name, transposed)
+    for module, transposed in modules.items():
+        key = resolve_key(module, headers)
+        if key is None:
+            raise SparsekitError(f"linear layer {module} has no weight tensor in {src}: the checkpoint does not match its config")
+        dtype, shape = headers[key]
+        if len(shape) != 2:
+            raise SparsekitError(f"weight {key} has shape {shape}: TCA-BME packs 2-D linear weights only")
+        if dtype not in ("F16", "BF16", "F32"):
+            raise SparsekitError(
+                f"weight {key} has unsupported dtype {dtype}: sparsekit encode reads float16, bfloat16 or float32 checkpoints"
+            )
+        weight_keys[key] = (key[: -len(".weight")], transposed)
+    cast_to = target_dtype(config)
+    cast = any(headers[k][0] == "F32" for k in weight_keys)
+
+    from safetensors import safe_open
+
+    file_meta = {"format": tcabme.FORMAT_NAME, "format_version": str(tcabme.FORMAT_VERSION)}
+    layers: dict[str, dict[str, Any]] = {}
+    names = list(files)
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        writer = sh.ShardWriter(tmp, max_bytes, file_metadata=file_meta)
+        done = 0
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            by_file.setdefault(files[n], []).append(n)
+        for file, keys in by_file.items():
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for key in keys:
+                    t = f.get_tensor(key)
+                    if cast and t.dtype == torch.float32:
+                        t = t.to(cast_to)
+                    if key in weight_keys:
+                        module, transposed = weight_keys[key]
+                        info, tensors = _encode_layer(module, t, transposed, min_sparsity, force, manifest)
+                        layers[module] = info
+                        writer.add(tensors if info["packed"] else {key: t})
+                    else:
+                        writer.add({key: t})
+                    done += 1
+                    if progress:
+                        progress(done, len(names), key)
+        weight_map, shard_info = writer.close()
+        copied = copy_side_files(src, tmp)
+        dense_b = sum(i["dense_bytes"] for i in layers.values())
+        stored_b = sum(i["stored_bytes"] for i in layers.values())
+        metadata = {
+            "format": tcabme.FORMAT_NAME,
+            "format_version": tcabme.FORMAT_VERSION,
+            "sparsekit_version": _version(),
+            "source_model": manifest.get("model") or config.get("_name_or_path") or str(src),
+            "source_dir": str(src),
+            "method": manifest.get("method"),
+            "pattern": manifest.get("pattern"),
+            "dtype": DTYPE_NAMES.get(cast_to if cast else _first_dtype(layers), "float16"),
+            "cast_from": "float32" if cast else None,
+            "min_sparsity": float(min_sparsity),
+            "force": bool(force),
+            "max_shard_size": max_bytes,
+            "total_size": writer.total_bytes,
+            "linear_dense_bytes": dense_b,
+            "linear_stored_bytes": stored_b,
+        }
+        index = {"metadata": metadata, "layers": layers, "weight_map": weight_map,
+                 "shards": shard_info, "checksums": writer.checksums}
+        (tmp / sh.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    elapsed = time.perf_counter() - t0
+    n_packed = sum(1 for i in layers.values() if i["packed"])
+    return {
+        "output": str(out),
+        "source": str(src),
+        "layers": len(layers),
+        "packed_layers": n_packed,
+        "dense_layers": len(layers) - n_packed,
+        "linear_dense_bytes": dense_b,
+        "linear_stored_bytes": stored_b,
+        "ratio": stored_b / dense_b if dense_b else None,
+        "total_bytes": writer.total_bytes,
+        "shards": len(shard_info),
+        "cast_from": metadata["cast_from"],
+        "dtype": metadata["dtype"],
+        "copied_files": copied,
+        "elapsed_s": round(elapsed, 3),
+        "per_layer": layers,
+    }
+
+
+def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: float, force: bool,
+                  manifest: dict) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    w = t.t() if transposed else t
+    nonzero = w.view(torch.int16) != 0
+    numel = w.numel()
+    sparsity = 1.0 - int(nonzero.sum()) / numel if numel else 0.0
+    dense_bytes = numel * w.element_size()
+    info: dict[str, Any] = {
+        "shape": [int(w.shape[0]), int(w.shape[1])],
+        "transposed": bool(transposed),
+        "dtype": DTYPE_NAMES[w.dtype],
+        "sparsity": round(sparsity, 6),
+        "pattern": manifest.get("pattern") or detect_pattern(w, nonzero),
+        "dense_bytes": dense_bytes,
+    }
+    if sparsity < min_sparsity and not force:
+        info.update(packed=False, stored_bytes=dense_bytes,
+                    reason=f"sparsity {sparsity:.1%} < min-sparsity {min_sparsity:.0%}: too dense to gain; "
+                           "kept dense (--force packs it anyway)")
+        return info, {}
+    packed = tcabme.encode(w)
+    info.update(packed=True, stored_bytes=packed.nbytes, nnz=int(nonzero.sum()),
+                reason="forced (--force)" if sparsity < min_sparsity else
+                f"sparsity {sparsity:.1%} >= min-sparsity {min_sparsity:.0%}")
+    return info, packed.tensors(module)
+
+
+def _first_dtype(layers: dict) -> torch.dtype:
+    for info in layers.values():
+        return torch.bfloat16 if info["dtype"] == "bfloat16" else torch.float16
+    return torch.float16
+
+
+def _version() -> str:
+    from sparsekit import __version__
+
+    return __version__
