@@ -1,8 +1,141 @@
-"""sparsekit eval (placeholder: filled in by its issue)."""
+"""sparsekit eval: perplexity (WikiText-2 protocol) and speed of a pruned, packed or dense model."""
 from __future__ import annotations
+
+from typing import Optional
 
 import typer
 
+from sparsekit.cli.common import JSON_OPTION, console, emit_json, err_console, handle_errors
+
+HELP = (
+    "Evaluate a model: perplexity (--ppl, the default) and/or decode/prefill speed against its dense "
+    "counterpart (--speed, CUDA only).\n\n"
+    "DIR is a pruned HF directory (from `sparsekit prune`), a packed TCA-BME directory (from "
+    "`sparsekit encode`), a hub id, or the demo alias smollm2-135m.\n\n"
+    "Perplexity follows the Wanda/SparseGPT WikiText-2 protocol: the test split joined with blank lines, "
+    "tokenized once, non-overlapping --seqlen windows, leftover tokens dropped, ppl = exp(mean NLL).\n\n"
+    "Example: sparsekit eval out/wanda50 --ppl --max-windows 8"
+)
+
 
 def register(app: typer.Typer) -> None:
-    pass
+    app.command("eval", help=HELP)(eval_cmd)
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=err_console)
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    from sparsekit.errors import SparsekitError
+
+    try:
+        sizes = tuple(int(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise SparsekitError(f"--batch-sizes {text!r} is not a list of positive integers: write e.g. 1,8,16,32")
+    return sizes
+
+
+def run_ppl(model_dir: str, *, dataset: str, seqlen: int, max_windows: Optional[int], device: str, dtype: str,
+            progress=None, warn=None) -> dict:
+    """Load ``model_dir`` and measure its perplexity; the report the CLI prints (library-callable)."""
+    import time
+
+    from sparsekit.data import cap_seqlen, eval_text
+    from sparsekit.models import load_model, resolve_device, resolve_dtype, resolve_model
+    from sparsekit.ppl import perplexity
+
+    t0 = time.perf_counter()
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(None if dtype == "auto" else dtype, dev)
+    location = resolve_model(model_dir)  # a bad DIR fails first ...
+    text = eval_text(dataset)  # ... then a bad --dataset, both before the model is loaded
+    model, tokenizer = load_model(location, device=dev, dtype=torch_dtype)
+    capped = cap_seqlen(model, seqlen)
+    if capped != seqlen and warn is not None:
+        warn(f"--seqlen {seqlen} exceeds the model context: using {capped}")
+    result = perplexity(model, tokenizer, text, seqlen=capped, max_windows=max_windows, device=dev, progress=progress)
+    if result["nonfinite_windows"] and warn is not None:
+        warn(f"{result['nonfinite_windows']} windows gave a non-finite loss (overflow?): try --dtype float32 or bfloat16")
+    return {
+        "model": str(model_dir),
+        "dataset": dataset,
+        "device": str(dev),
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        **result,
+        "elapsed_s": time.perf_counter() - t0,
+    }
+
+
+def ppl_table(report: dict):
+    from rich.table import Table
+
+    t = Table(title=f"Perplexity of {report['model']}")
+    for head in ("dataset", "seqlen", "windows", "tokens", "device", "dtype", "nll", "ppl"):
+        t.add_column(head, justify="left" if head == "dataset" else "right", overflow="fold")
+    t.add_row(str(report["dataset"]), str(report["seqlen"]), str(report["windows"]), f"{report['tokens']:,}",
+              report["device"], report["dtype"], f"{report['nll']:.4f}", f"{report['ppl']:.3f}")
+    return t
+
+
+@handle_errors
+def eval_cmd(
+    model_dir: str = typer.Argument("smollm2-135m", metavar="DIR",
+                                    help="Pruned or packed directory, hub id, or the demo alias smollm2-135m."),
+    ppl: bool = typer.Option(False, "--ppl", help="Measure perplexity (the default when neither --ppl nor --speed is given)."),
+    speed: bool = typer.Option(False, "--speed", help="Measure prefill/decode speed, packed vs dense (CUDA GPU)."),
+    dataset: str = typer.Option("wikitext2", "--dataset", help="wikitext2 (hub test split) or a .txt/.jsonl/.parquet FILE."),
+    seqlen: int = typer.Option(2048, "--seqlen", help="Tokens per perplexity window, capped at the model context."),
+    max_windows: Optional[int] = typer.Option(None, "--max-windows", help="Evaluate at most this many windows (default: all)."),
+    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu"),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (float16 on CUDA, float32 on CPU) | float16 | bfloat16 | float32"),
+    batch_sizes: str = typer.Option("1,8,16,32", "--batch-sizes", help="Batch sizes for --speed, comma-separated."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="With --speed: write a PNG of tokens/s against batch size."),
+    json_out: bool = JSON_OPTION,
+) -> None:
+    from transformers.utils import logging as hf_logging
+
+    from sparsekit.errors import SparsekitError
+
+    hf_logging.disable_progress_bar()  # our own bars only
+    hf_logging.set_verbosity_error()
+    if not ppl and not speed:
+        ppl = True
+    if plot and not speed:
+        raise SparsekitError("--plot draws the speed measurement: add --speed")
+    sizes = _batch_sizes(batch_sizes)
+
+    def warn(msg: str) -> None:
+        err_console.print(f"[yellow]warning:[/] {msg}", highlight=False, soft_wrap=True)
+
+    report: dict = {"model": model_dir}
+    if ppl:
+        with _progress() as bars:
+            report["ppl"] = run_ppl(model_dir, dataset=dataset, seqlen=seqlen, max_windows=max_windows,
+                                    device=device, dtype=dtype, progress=bars, warn=warn)
+        if not json_out:
+            console.print(ppl_table(report["ppl"]))
+    if speed:
+        from sparsekit.models import resolve_dtype, resolve_model
+        from sparsekit.speed import measure_speed, plot_speed, speed_table
+
+        location = resolve_model(model_dir)
+        dev = "cuda" if device == "auto" else device
+        with _progress() as bars:
+            report["speed"] = measure_speed(location, device=dev, batch_sizes=sizes,
+                                            dtype=resolve_dtype(None if dtype == "auto" else dtype, "cuda"), progress=bars)
+        for note in report["speed"].get("notes", []):
+            warn(note)
+        if plot:
+            report["speed"]["plot"] = str(plot_speed(report["speed"], plot))
+        if not json_out:
+            console.print(speed_table(report["speed"]))
+            if plot:
+                err_console.print(f"[green]wrote[/] {report['speed']['plot']}")
+    if json_out:
+        emit_json(report)

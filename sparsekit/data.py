@@ -58,11 +58,13 @@ def _load_dataset(*args, **kwargs):
         import datasets
     except ImportError:  # pragma: no cover - a declared dependency
         raise SparsekitError("the `datasets` package is missing: pip install datasets") from None
+    what = " ".join(str(a) for a in args if a)
+    offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+    if args and args[0] not in ("parquet", "json", "text", "csv") and not offline:
+        _probe_hub(args[0], what)
     try:
         return datasets.load_dataset(*args, **kwargs)
     except Exception as e:
-        what = " ".join(str(a) for a in args)
-        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
         if offline:
             hint = "you are offline (HF_HUB_OFFLINE=1): "
         elif isinstance(e, (ConnectionError, OSError)) or "reach" in str(e):
@@ -72,6 +74,22 @@ def _load_dataset(*args, **kwargs):
         raise SparsekitError(
             f"could not load dataset {what!r} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}): "
             f"{hint}pass a local .txt/.jsonl/.parquet file instead"
+        ) from None
+
+
+def _probe_hub(repo_id: str, what: str) -> None:
+    """Fail fast when the hub cannot be reached (``load_dataset`` would retry for ~20 s first)."""
+    try:
+        from huggingface_hub import dataset_info
+
+        dataset_info(repo_id, timeout=10)
+    except Exception as e:
+        name = type(e).__name__
+        if "NotFound" in name or "Gated" in name or "HTTPError" in name:
+            return  # reachable: let load_dataset report the details
+        raise SparsekitError(
+            f"could not load dataset {what!r}: offline or the Hugging Face hub cannot be reached ({name}): "
+            "pass a local .txt/.jsonl/.parquet file instead, or set HF_HUB_OFFLINE=1 to use a cached copy"
         ) from None
 
 
