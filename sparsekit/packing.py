@@ -212,6 +212,8 @@ def encode(
                     if key in weight_keys:
                         module, transposed = weight_keys[key]
                         info, tensors = _encode_layer(module, t, transposed, min_sparsity, force, manifest)
+                        if not info["packed"]:
+                            info["weight"] = key
                         layers[module] = info
                         writer.add(tensors if info["packed"] else {key: t})
                     else:

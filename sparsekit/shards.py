@@ -108,9 +108,16 @@ class ShardWriter:
             name = single_name if (single_name and n == 1) else f"{self.stem}-{i:05d}-of-{n:05d}.safetensors"
             final = self.out_dir / name
             os.replace(tmp, final)
+            os.chmod(final, 0o666 & ~_umask())
             shards[name] = {"bytes": final.stat().st_size, "sha256": file_sha256(final)}
             weight_map.update({t: name for t in names})
         return weight_map, shards
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,238 @@
+"""Interchange with compressed-tensors ``sparse-bitmask`` checkpoints (llm-compressor's sparse format).
+
+Per compressed weight ``<prefix>.weight`` of shape ``[rows, cols]`` (as stored, no transpose):
+
+- ``<prefix>.shape``        int64 [2]
+- ``<prefix>.compressed``   the nonzero values, row-major (dtype of the weight)
+- ``<prefix>.bitmask``      uint8 [rows, ceil(cols/8)], ``numpy.packbits(mask, axis=-1, bitorder="little")``
+- ``<prefix>.row_offsets``  int64 [rows], index in ``compressed`` where each row starts
+
+and ``config.json`` carries ``quantization_config.sparsity_config`` with format "sparse-bitmask".
+"Nonzero" is judged on the bit pattern, so ``-0.0`` is kept and the round trip is bit-exact.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from sparsekit import shards as sh
+from sparsekit.atomic import atomic_output_dir, check_output_dir
+from sparsekit.errors import SparsekitError
+from sparsekit.packing import (checkpoint_files, copy_side_files, linear_modules, load_json,
+                               resolve_key)
+
+FORMAT = "sparse-bitmask"
+PARTS = ("shape", "compressed", "bitmask", "row_offsets")
+Progress = Callable[[int, int, str], None]
+
+
+def _raw(t: torch.Tensor) -> np.ndarray:
+    """Bit patterns as a numpy array of the same item size (numpy has no bf16)."""
+    t = t.contiguous()
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.view(view).numpy()
+
+
+def bitmask_compress(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A 2-D weight -> the four sparse-bitmask tensors (without the name prefix)."""
+    if weight.dim() != 2:
+        raise SparsekitError(f"sparse-bitmask stores 2-D weights, got shape {tuple(weight.shape)}")
+    raw = _raw(weight.cpu())
+    mask = raw != 0
+    counts = mask.sum(axis=1, dtype=np.int64)
+    values = torch.from_numpy(np.compress(mask.reshape(-1), raw.reshape(-1))).view(weight.dtype)
+    return {
+        "shape": torch.tensor(list(weight.shape), dtype=torch.int64),
+        "compressed": values,
+        "bitmask": torch.from_numpy(np.packbits(mask, axis=-1, bitorder="little")),
+        "row_offsets": torch.from_numpy(np.cumsum(counts) - counts),
+    }
+
+
+def bitmask_decompress(parts: dict[str, torch.Tensor], name: str = "weight") -> torch.Tensor:
+    """The four tensors -> the dense weight, checking that they agree with each other."""
+    shape = [int(s) for s in parts["shape"].tolist()]
+    if len(shape) != 2 or min(shape) < 0:
+        raise SparsekitError(f"{name}.shape is {shape}: sparse-bitmask weights must be 2-D")
+    rows, cols = shape
+    bm = parts["bitmask"].cpu().contiguous()
+    if tuple(bm.shape) != (rows, -(-cols // 8)) or bm.element_size() != 1:
+        raise SparsekitError(f"{name}.bitmask has shape {tuple(bm.shape)}, expected {(rows, -(-cols // 8))} bytes")
+    mask = np.unpackbits(bm.view(torch.uint8).numpy(), axis=-1, count=cols, bitorder="little").astype(bool)
+    values = parts["compressed"].cpu().contiguous()
+    nnz = int(mask.sum())
+    if values.numel() != nnz:
+        raise SparsekitError(f"{name}.compressed holds {values.numel()} values but the bitmask marks {nnz}: the checkpoint is corrupt")
+    if "row_offsets" in parts:
+        counts = mask.sum(axis=1, dtype=np.int64)
+        if not np.array_equal(parts["row_offsets"].cpu().numpy().astype(np.int64), np.cumsum(counts) - counts):
+            raise SparsekitError(f"{name}.row_offsets disagree with the bitmask: the checkpoint is corrupt")
+    raw = np.zeros((rows, cols), dtype=_raw(values[:0]).dtype)
+    raw.reshape(-1)[np.flatnonzero(mask)] = _raw(values).reshape(-1)
+    return torch.from_numpy(raw).view(values.dtype)
+
+
+def _dense_tensors(src: Path):
+    """(name, tensor, is_linear_weight, info) over a pruned HF checkpoint or a packed directory."""
+    if sh.is_packed_dir(src):
+        from sparsekit.tcabme import decode
+
+        ck = sh.read_packed(src)
+        yield len(ck.dense) + len(ck.packed)
+        dense_linear = {info.get("weight", f"{m}.weight") for m, info in ck.layers.items() if not info.get("packed")}
+        for name, t in ck.dense.items():
+            yield name, t, name in dense_linear
+        for module, p in ck.packed.items():
+            w = decode(p)
+            yield f"{module}.weight", (w.t().contiguous() if ck.layers[module].get("transposed") else w), True
+        return
+    files = checkpoint_files(src)
+    modules = linear_modules(src, load_json(src / "config.json"), load_json(src / "sparsekit.json"))
+    keys = {resolve_key(m, files) for m in modules} - {None}
+    yield len(files)
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for n, f in files.items():
+        by_file.setdefault(f, []).append(n)
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for n in names:
+                yield n, f.get_tensor(n), n in keys
+
+
+def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
+                   max_shard_size: int | str = "2GB", progress: Progress | None = None) -> dict[str, Any]:
+    """Write ``src`` (pruned HF dir or TCA-BME dir) as a compressed-tensors sparse-bitmask checkpoint."""
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    if not src.is_dir():
+        raise SparsekitError(f"no checkpoint directory at {src}: pass a pruned or packed sparsekit checkpoint")
+    max_bytes = sh.parse_size(max_shard_size)
+    check_output_dir(out, overwrite)
+    config = load_json(src / "config.json")
+    if not config:
+        raise SparsekitError(f"{src} has no config.json: cannot write a loadable checkpoint")
+    it = _dense_tensors(src)
+    total = next(it)
+    compressed, zeros, numel, done = [], 0, 0, 0
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        writer = sh.ShardWriter(tmp, max_bytes, stem="model", file_metadata={"format": "pt"})
+        for name, t, is_linear in it:
+            if is_linear and name.endswith(".weight") and t.dim() == 2 and t.is_floating_point():
+                prefix = name[: -len(".weight")]
+                parts = bitmask_compress(t)
+                writer.add({f"{prefix}.{k}": v for k, v in parts.items()})
+                compressed.append(prefix)
+                numel += t.numel()
+                zeros += t.numel() - parts["compressed"].numel()
+            else:
+                writer.add({name: t})
+            done += 1
+            if progress:
+                progress(done, total, name)
+        weight_map, shards = writer.close(single_name="model.safetensors")
+        if len(shards) > 1:
+            idx = {"metadata": {"total_size": writer.total_bytes}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(idx, indent=2) + "\n")
+        copy_side_files(src, tmp)
+        manifest = load_json(src / "sparsekit.json")
+        config = dict(config)
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors",
+            "sparsity_config": {
+                "format": FORMAT,
+                "global_sparsity": zeros / numel if numel else 0.0,
+                "sparsity_structure": _structure(manifest.get("pattern")),
+                "targets": sorted(compressed),
+                "ignore": [],
+            },
+        }
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {"output": str(out), "source": str(src), "format": FORMAT, "compressed_weights": len(compressed),
+            "global_sparsity": zeros / numel if numel else 0.0, "bytes": writer.total_bytes,
+            "shards": len(shards), "elapsed_s": round(time.perf_counter() - t0, 3)}
+
+
+def _structure(pattern: str | None) -> str:
+    if pattern and ":" in pattern and not pattern.startswith("hybrid"):
+        return pattern
+    return "unstructured"
+
+
+def import_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
+                   max_shard_size: int | str = "2GB", progress: Progress | None = None) -> dict[str, Any]:
+    """Rebuild a dense pruned HF checkpoint (what `sparsekit encode` reads) from a sparse-bitmask one."""
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    if not src.is_dir():
+        raise SparsekitError(f"no checkpoint directory at {src}: pass a compressed-tensors sparse-bitmask checkpoint")
+    max_bytes = sh.parse_size(max_shard_size)
+    check_output_dir(out, overwrite)
+    config = load_json(src / "config.json")
+    qc = config.get("quantization_config") or config.get("compression_config") or {}
+    sc = qc.get("sparsity_config") or {}
+    if sc.get("format") != FORMAT:
+        raise SparsekitError(
+            f"{src}/config.json has no quantization_config.sparsity_config with format {FORMAT!r} "
+            f"(found {sc.get('format')!r}): not a sparse-bitmask checkpoint"
+        )
+    if qc.get("config_groups"):
+        raise SparsekitError(f"{src} is also quantized: sparsekit imports only unquantized sparse-bitmask checkpoints")
+    files = checkpoint_files(src)
+    groups: dict[str, dict[str, str]] = {}
+    for name in files:
+        prefix, _, part = name.rpartition(".")
+        if part in PARTS:
+            groups.setdefault(prefix, {})[part] = name
+    for prefix, parts in groups.items():
+        missing = [p for p in ("shape", "compressed", "bitmask") if p not in parts]
+        if missing:
+            raise SparsekitError(f"compressed weight {prefix} lacks {prefix}.{missing[0]}: the checkpoint is incomplete")
+    grouped = {n for parts in groups.values() for n in parts.values()}
+    from safetensors import safe_open
+
+    handles: dict[Path, Any] = {}
+
+    def get(name: str) -> torch.Tensor:
+        file = files[name]
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return handles[file].get_tensor(name)
+
+    total = len(groups) + len(files) - len(grouped)
+    done = 0
+    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        writer = sh.ShardWriter(tmp, max_bytes, stem="model", file_metadata={"format": "pt"})
+        emitted = set()
+        for name in files:
+            if name in grouped:
+                prefix = name.rpartition(".")[0]
+                if prefix in emitted:
+                    continue
+                emitted.add(prefix)
+                w = bitmask_decompress({p: get(n) for p, n in groups[prefix].items()}, prefix)
+                writer.add({f"{prefix}.weight": w})
+                name = f"{prefix}.weight"
+            else:
+                writer.add({name: get(name)})
+            done += 1
+            if progress:
+                progress(done, total, name)
+        weight_map, shards = writer.close(single_name="model.safetensors")
+        if len(shards) > 1:
+            idx = {"metadata": {"total_size": writer.total_bytes}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(idx, indent=2) + "\n")
+        copy_side_files(src, tmp)
+        config = dict(config)
+        for key in ("quantization_config", "compression_config"):
+            config.pop(key, None)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {"output": str(out), "source": str(src), "format": FORMAT, "decompressed_weights": len(groups),
+            "bytes": writer.total_bytes, "shards": len(shards), "elapsed_s": round(time.perf_counter() - t0, 3)}
