@@ -119,6 +119,7 @@ class SparseLinear(nn.Module):
             w = w.to(dtype or torch.float16)
         elif dtype is not None:
             w = w.to(dtype)
+        w = w + 0.0  # -0.0 -> +0.0: the format keeps -0.0 as a stored value, which costs space for nothing
         bias = getattr(module, "bias", None)
         bias = None if bias is None else bias.detach().clone()
         transposed = not isinstance(module, nn.Linear)
@@ -145,13 +146,14 @@ class SparseLinear(nn.Module):
         w = decode(self.packed)
         return w if dtype is None else w.to(dtype)
 
-    def to_linear(self) -> nn.Linear:
-        """A plain ``nn.Linear`` with the decoded weight: the dense counterpart of this layer."""
+    def to_linear(self, dtype: torch.dtype | None = None) -> nn.Linear:
+        """A plain ``nn.Linear`` with the decoded weight (in ``dtype``, default the stored one)."""
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
                         device="meta")
-        lin.weight = nn.Parameter(self.dense_weight(), requires_grad=False)
+        lin.weight = nn.Parameter(self.dense_weight(dtype), requires_grad=False)
         if self.bias is not None:
-            lin.bias = nn.Parameter(self.bias.detach().clone(), requires_grad=False)
+            b = self.bias.detach().clone()
+            lin.bias = nn.Parameter(b if dtype is None else b.to(dtype), requires_grad=False)
         return lin
 
     @property
@@ -213,11 +215,16 @@ def sparsify(model: nn.Module, *, min_sparsity: float = 0.3, skip: Iterable[str]
     return swapped
 
 
-def densify(model: nn.Module) -> list[str]:
-    """Replace, in place, every SparseLinear by the equivalent ``nn.Linear`` (decoded weight)."""
+def densify(model: nn.Module, dtype: torch.dtype | None = None) -> list[str]:
+    """Replace, in place, every SparseLinear by the equivalent ``nn.Linear`` (decoded weight).
+
+    ``dtype`` defaults to the dtype of the model's dense parameters (embeddings, norms).
+    """
+    if dtype is None:
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
     names = [n for n, m in model.named_modules() if isinstance(m, SparseLinear)]
     for name in names:
         sl = model.get_submodule(name)
-        _set_submodule(model, name, sl.to_linear())
+        _set_submodule(model, name, sl.to_linear(dtype))
         del sl
     return names

@@ -1,0 +1,161 @@
+"""End-to-end decode speed of a Llama-2-7B-shaped model at 50% sparsity vs dense (GPU only).
+
+The model: 32 layers, hidden 4096, MLP 11008, 32 heads, vocab 32000, random fp16 weights made
+directly on the GPU (normal, std 0.02), every decoder linear pruned 50% by magnitude per output
+row. The dense model is timed first; then every decoder linear is encoded with
+``sparsekit.tcabme.encode`` on the GPU and swapped for ``SparseLinear``, the logits are checked
+against the dense pruned model, and the sparse model is timed. Both use the same harness
+(``sparsekit.speed.measure_model``): eager prefill into a static KV cache, then greedy decode
+steps replayed from a CUDA graph (``--eager`` to compare without graphs). Random weights are fine
+for speed; the tokens are meaningless.
+
+    python scripts/bench_e2e.py [--layers 32] [--batch-sizes 1,8,16,32] [--json out.json]
+
+Target (issue 4): sparse decode tokens/s >= 1.4x dense at batch 1 and 16.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def build_model(layers: int, hidden: int, inter: int, heads: int, vocab: int, seed: int = 0):
+    from accelerate import init_empty_weights
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=4096,
+                      tie_word_embeddings=False, rms_norm_eps=1e-5)
+    with init_empty_weights(include_buffers=False):
+        model = LlamaForCausalLM._from_config(cfg, dtype=torch.float16)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for name, p in list(model.named_parameters()):
+        if p.dim() == 1:  # RMSNorm weights
+            t = torch.ones(p.shape, device="cuda", dtype=torch.float16)
+        else:
+            t = torch.empty(p.shape, device="cuda", dtype=torch.float16).normal_(0, 0.02, generator=gen)
+        mod_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(mod_name), attr, torch.nn.Parameter(t, requires_grad=False))
+    model.to("cuda")  # rotary buffers
+    return model.eval()
+
+
+def prune_(model, sparsity: float) -> None:
+    from sparsekit.layers import find_decoder_layers, find_linears
+
+    stack_name, stack = find_decoder_layers(model)
+    for _, mod in find_linears(stack, prefix=stack_name).items():
+        w = mod.weight.data
+        k = int(w.shape[1] * sparsity)
+        for i in range(0, w.shape[0], 2048):  # chunks keep the fp32 temporaries small
+            blk = w[i:i + 2048]
+            a = blk.abs().float()
+            thr = a.kthvalue(k, dim=1, keepdim=True).values
+            blk.masked_fill_(a <= thr, 0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--intermediate", type=int, default=11008)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--sparsity", type=float, default=0.5)
+    ap.add_argument("--batch-sizes", default="1,8,16,32")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs (both models)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: bench_e2e runs on a GPU machine", file=sys.stderr)
+        return 2
+    from sparsekit.sparse_linear import SparseLinear, _kernel, sparsify
+    from sparsekit.speed import _model_bytes, measure_model
+
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    graphs = not args.eager
+    kw = dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats, cuda_graphs=graphs)
+    gpu = torch.cuda.get_device_name()
+    print(f"GPU {gpu}; torch {torch.__version__}; kernel available: {_kernel() is not None}", flush=True)
+
+    t0 = time.perf_counter()
+    model = build_model(args.layers, args.hidden, args.intermediate, args.heads, args.vocab)
+    prune_(model, args.sparsity)
+    torch.cuda.synchronize()
+    print(f"built + pruned in {time.perf_counter() - t0:.1f} s; weights {_model_bytes(model) / 2**30:.2f} GiB", flush=True)
+
+    gen = torch.Generator().manual_seed(1)
+    probe = torch.randint(0, args.vocab, (2, 8), generator=gen).cuda()
+    with torch.no_grad():
+        ref_small = model(probe[:, :1]).logits.float()  # N = 2 tokens: kernel path
+        ref_big = model(probe).logits.float()            # N = 16 tokens
+    dense_bytes = _model_bytes(model)
+    dense = {}
+    for b in batches:
+        dense[b] = measure_model(model, b, **kw)
+        print(f"dense  b={b:3d}: {dense[b]}", flush=True)
+
+    t0 = time.perf_counter()
+    swapped = sparsify(model, min_sparsity=0.3)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    enc_s = time.perf_counter() - t0
+    sparse_bytes = _model_bytes(model)
+    print(f"encoded {len(swapped)} linears in {enc_s:.1f} s; weights {sparse_bytes / 2**30:.2f} GiB", flush=True)
+    with torch.no_grad():
+        out_small = model(probe[:, :1]).logits.float()
+        out_big = model(probe).logits.float()
+    errs = {name: float((o - r).norm() / r.norm()) for name, o, r in
+            (("N=2", out_small, ref_small), ("N=16", out_big, ref_big))}
+    print(f"logits rel err sparse vs dense pruned: {errs}", flush=True)
+
+    sparse = {}
+    for b in batches:
+        sparse[b] = measure_model(model, b, **kw)
+        print(f"sparse b={b:3d}: {sparse[b]}", flush=True)
+
+    rows = []
+    for b in batches:
+        s, d = sparse[b], dense[b]
+        ratio = s.get("decode_tok_s", 0) / d["decode_tok_s"] if "decode_tok_s" in d else None
+        rows.append({"batch_size": b, "sparse": s, "dense": d, "decode_speedup": ratio})
+    report = {
+        "gpu": gpu, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "python scripts/bench_e2e.py " + " ".join(sys.argv[1:]),
+        "shape": {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
+                  "heads": args.heads, "vocab": args.vocab},
+        "sparsity": args.sparsity, "cuda_graphs": graphs, "kernel": _kernel() is not None,
+        "weights_gib": {"dense": dense_bytes / 2**30, "sparse": sparse_bytes / 2**30},
+        "encode_s": enc_s, "logits_rel_err": errs, "rows": rows,
+        "dense_above": SparseLinear.dense_above,
+        "versions": {"torch": torch.__version__},
+    }
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+    print(f"\n| batch | dense tok/s | sparse tok/s | speedup | dense ms/tok | sparse ms/tok | dense prefill tok/s | sparse prefill tok/s | peak GiB dense / sparse |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        s, d = r["sparse"], r["dense"]
+        if "decode_tok_s" not in s or "decode_tok_s" not in d:
+            print(f"| {r['batch_size']} | {d} | {s} |")
+            continue
+        print(f"| {r['batch_size']} | {d['decode_tok_s']:.0f} | {s['decode_tok_s']:.0f} | {r['decode_speedup']:.2f}x | "
+              f"{d['ms_per_token']:.2f} | {s['ms_per_token']:.2f} | {d['prefill_tok_s']:.0f} | {s['prefill_tok_s']:.0f} | "
+              f"{d['peak_mem_gib']:.1f} / {s['peak_mem_gib']:.1f} |")
+    ok = all((r["decode_speedup"] or 0) >= 1.4 for r in rows if r["batch_size"] in (1, 16))
+    print(f"\nTARGET >= 1.4x at batch 1 and 16: {'MET' if ok else 'NOT MET'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

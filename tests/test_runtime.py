@@ -1,0 +1,251 @@
+"""Runtime on the CPU: SparseLinear, load_packed, static-cache greedy decoding, speed report output.
+
+The reference for every check is the dense pruned model itself: a model whose packed linears were
+replaced by SparseLinear must compute the same function (fp32 activations; the weights are made
+fp16-representable first, so packing loses nothing). GPU-only checks skip without CUDA.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from sparsekit.errors import SparsekitError
+from sparsekit.layers import find_decoder_layers, find_linears, weight_out_in
+from tests import tiny_models
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def pruned_tiny(arch: str = "llama", seed: int = 0) -> nn.Module:
+    """A tiny model with fp16-representable weights and 50% of each decoder linear row zeroed."""
+    model = tiny_models.make_model(arch, seed=seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+        stack_name, stack = find_decoder_layers(model)
+        for mod in find_linears(stack, prefix=stack_name).values():
+            w = weight_out_in(mod)
+            k = w.shape[1] // 2
+            thr = w.abs().kthvalue(k, dim=1, keepdim=True).values
+            w.masked_fill_(w.abs() <= thr, 0.0)
+    return model.eval()
+
+
+def write_pruned(model, path):
+    from sparsekit.checkpoint import build_metadata, save_pruned
+
+    stack_name, stack = find_decoder_layers(model)
+    layers = {}
+    for name, mod in find_linears(stack, prefix=stack_name).items():
+        w = weight_out_in(mod)
+        layers[name] = {"sparsity": float((w == 0).float().mean()), "shape": list(w.shape),
+                        "kind": "linear" if isinstance(mod, nn.Linear) else "conv1d"}
+    meta = build_metadata(model="tiny", method="magnitude", pattern="unstructured", sparsity=0.5,
+                          calibration={}, skip=[], layers=layers, elapsed_s=0.0)
+    return save_pruned(model, tiny_models.make_tokenizer(), path, meta)
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64, 11, 200], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+
+
+# --- SparseLinear -----------------------------------------------------------------------------
+def test_sparse_linear_matches_linear_any_leading_dims():
+    from sparsekit.sparse_linear import SparseLinear
+
+    torch.manual_seed(0)
+    lin = nn.Linear(130, 70)  # not multiples of 64: padding must be invisible
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.half().float() * (torch.rand_like(lin.weight) > 0.6))
+        lin.bias.copy_(lin.bias.half().float())
+    sl = SparseLinear.from_linear(lin)
+    assert (sl.in_features, sl.out_features) == (130, 70)
+    assert sl.nnz == int((lin.weight != 0).sum())
+    for shape in ((130,), (3, 130), (2, 5, 130)):
+        x = torch.randn(shape)
+        torch.testing.assert_close(sl(x), lin(x), rtol=1e-5, atol=1e-6)
+    back = sl.to_linear()
+    assert torch.equal(back.weight.float(), lin.weight) and torch.equal(back.bias, lin.bias)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_sparsify_logits_match_dense_pruned(arch):
+    from sparsekit.sparse_linear import SparseLinear, densify, sparsify
+
+    dense = pruned_tiny(arch)
+    sparse = copy.deepcopy(dense)
+    swapped = sparsify(sparse)
+    n_linear = len(find_linears(find_decoder_layers(dense)[1]))
+    assert len(swapped) == n_linear and all(isinstance(sparse.get_submodule(n), SparseLinear) for n in swapped)
+    ids = IDS % dense.config.vocab_size
+    ref = logits(dense, ids)
+    torch.testing.assert_close(logits(sparse, ids), ref, rtol=1e-5, atol=1e-5)
+    densify(sparse)
+    assert not any(isinstance(m, SparseLinear) for m in sparse.modules())
+    torch.testing.assert_close(logits(sparse, ids), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sparsify_leaves_dense_layers_alone():
+    from sparsekit.sparse_linear import sparsify
+
+    model = tiny_models.make_model("llama")  # nothing pruned: no layer reaches 30% zeros
+    assert sparsify(model, min_sparsity=0.3) == []
+
+
+def test_no_gpu_notice_said_once(monkeypatch):
+    from sparsekit import sparse_linear
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sparse_linear, "_notices_shown", set())
+    lin = nn.Linear(64, 64)
+    with torch.no_grad():
+        lin.weight[:, ::2] = 0
+    sl = sparse_linear.SparseLinear.from_linear(lin)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sl(torch.randn(2, 64))
+        sl(torch.randn(3, 64))
+        sparse_linear.SparseLinear.from_linear(lin)(torch.randn(1, 64))
+    msgs = [str(w.message) for w in caught if "reference path" in str(w.message)]
+    assert msgs == [sparse_linear.NO_GPU_NOTICE]
+    assert msgs[0].startswith("no CUDA GPU: sparse layers run the reference path")
+
+
+# --- static-cache greedy decoding -------------------------------------------------------------
+def test_static_cache_greedy_matches_hf_generate():
+    from sparsekit.cuda_graph import GreedyDecoder
+    from sparsekit.sparse_linear import sparsify
+
+    model = pruned_tiny("llama")
+    sparsify(model)
+    ids = IDS[:, :6]
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    dec = GreedyDecoder(model, batch_size=2, max_len=6 + 8, use_graph=False)
+    out = dec.generate(ids, 8)
+    assert torch.equal(out, ref)
+    assert torch.equal(dec.generate(ids, 8), ref)  # the cache resets between prompts
+    dec.step()  # the 14th cache slot is still free
+    with pytest.raises(SparsekitError, match="cache is full"):
+        dec.step()
+
+
+# --- load_packed ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def packed_llama(tmp_path_factory):
+    from sparsekit import packing
+    root = tmp_path_factory.mktemp("rt")
+    dense = pruned_tiny("llama")
+    write_pruned(dense, root / "pruned")
+    packing.encode(root / "pruned", root / "packed")
+    return dense, root / "packed"
+
+
+def test_load_packed_logits_and_generate_match_dense(packed_llama):
+    from sparsekit.packed_loader import load_packed
+    from sparsekit.sparse_linear import SparseLinear
+
+    dense, packed_dir = packed_llama
+    model = load_packed(packed_dir, device="cpu", dtype=torch.float32)
+    assert not model.training
+    sparse_names = {n for n, m in model.named_modules() if isinstance(m, SparseLinear)}
+    assert sparse_names == set(find_linears(*reversed(find_decoder_layers(dense))))
+    assert not any(p.device.type == "meta" for p in model.parameters())
+    torch.testing.assert_close(logits(model, IDS), logits(dense, IDS), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        kw = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert torch.equal(model.generate(IDS, **kw), dense.generate(IDS, **kw))
+
+
+def test_load_packed_errors(tmp_path, packed_llama):
+    from sparsekit.packed_loader import load_packed
+
+    with pytest.raises(SparsekitError, match="no packed model"):
+        load_packed(tmp_path / "missing", device="cpu")
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(SparsekitError, match="not a packed TCA-BME directory"):
+        load_packed(tmp_path / "plain", device="cpu")
+    _, packed_dir = packed_llama
+    if not torch.cuda.is_available():
+        with pytest.raises(SparsekitError, match="no CUDA GPU"):
+            load_packed(packed_dir, device="cuda")
+
+
+def test_load_packed_corrupt_shard(tmp_path, packed_llama):
+    import shutil
+
+    from sparsekit.packed_loader import load_packed
+
+    _, packed_dir = packed_llama
+    bad = tmp_path / "bad"
+    shutil.copytree(packed_dir, bad)
+    shard = sorted(bad.glob("*.safetensors"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(SparsekitError):
+        load_packed(bad, device="cpu")
+
+
+# --- speed report output ----------------------------------------------------------------------
+def fake_report():
+    rows = []
+    for b in (1, 8, 16, 32):
+        p = {"prefill_tok_s": 900.0 * b, "decode_tok_s": 150.0 * b, "ms_per_token": 6.5, "peak_mem_gib": 1.0}
+        d = {"prefill_tok_s": 1000.0 * b, "decode_tok_s": 100.0 * b, "ms_per_token": 10.0, "peak_mem_gib": 2.0}
+        rows.append({"batch_size": b, "packed": p, "dense": d,
+                     "ratio": {"prefill_tok_s": 0.9, "decode_tok_s": 1.5}})
+    return {"model": "out/x.tcabme", "gpu": "Fake GPU", "dtype": "float16", "prompt_len": 128,
+            "new_tokens": 64, "cuda_graphs": True, "rows": rows}
+
+
+def test_plot_speed_writes_png(tmp_path):
+    from sparsekit.speed import plot_speed
+
+    out = plot_speed(fake_report(), tmp_path / "speed.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    with pytest.raises(SparsekitError, match="does not exist"):
+        plot_speed(fake_report(), tmp_path / "nope" / "speed.png")
+
+
+def test_speed_table_has_a_row_per_batch():
+    from rich.console import Console
+
+    from sparsekit.speed import speed_table
+
+    table = speed_table(fake_report())
+    assert table.row_count == 4
+    console = Console(width=250, record=True)
+    console.print(table)
+    text = console.export_text()
+    assert "1.50" in text and "Fake GPU" in text
+
+
+def test_measure_speed_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
+    from sparsekit.speed import measure_speed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SparsekitError, match="needs a CUDA GPU"):
+        measure_speed(tmp_path)
+
+
+# --- GPU only ---------------------------------------------------------------------------------
+@needs_gpu
+def test_cuda_graph_tokens_equal_eager():
+    from sparsekit.cuda_graph import GreedyDecoder
+    from sparsekit.sparse_linear import sparsify
+
+    model = pruned_tiny("llama").to(device="cuda", dtype=torch.float16)
+    sparsify(model)
+    ids = IDS[:, :6].cuda()
+    eager = GreedyDecoder(model, 2, 20, use_graph=False).generate(ids, 12)
+    graph = GreedyDecoder(model, 2, 20, use_graph=True).generate(ids, 12)
+    assert torch.equal(eager, graph)
