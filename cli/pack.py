@@ -1,8 +1,201 @@
-"""sparsekit pack (placeholder: filled in by its issue)."""
+"""sparsekit encode / inspect / verify / export-bitmask / import-bitmask: the TCA-BME format commands."""
 from __future__ import annotations
+
+import contextlib
+from pathlib import Path
 
 import typer
 
+from sparsekit.cli.common import JSON_OPTION, console, emit_json, err_console, handle_errors
+
+ENCODE_HELP = (
+    "Pack a pruned HF checkpoint (dense weights with zeros) as TCA-BME safetensors shards.\n\n"
+    "Each decoder linear weight is packed when its sparsity reaches --min-sparsity, otherwise it stays "
+    "dense and the reason is recorded (--force packs every layer). Embeddings, norms, lm_head and biases "
+    "are stored as they are; config, tokenizer and sparsekit.json are copied, so OUT is self-contained. "
+    "float32 checkpoints are cast to float16 (bfloat16 if the config says so).\n\n"
+    "Example: sparsekit encode out/wanda50 -o out/wanda50.tcabme"
+)
+INSPECT_HELP = (
+    "Show each linear layer of a packed checkpoint: shape, sparsity, dense bytes, packed bytes and "
+    "compression ratio, with totals.\n\nExample: sparsekit inspect out/wanda50.tcabme"
+)
+VERIFY_HELP = (
+    "Check a packed checkpoint: index, format version, shard sizes and sha256, and the structure of every "
+    "packed weight (offsets monotone and multiples of 8, popcounts match value counts, strip offsets and "
+    "shapes consistent). Exits 2 with one line naming the shard and tensor on the first problem.\n\n"
+    "Example: sparsekit verify out/wanda50.tcabme"
+)
+EXPORT_HELP = (
+    "Write a pruned or packed sparsekit checkpoint as a compressed-tensors 'sparse-bitmask' checkpoint "
+    "(the sparse format of llm-compressor).\n\nExample: sparsekit export-bitmask out/wanda50.tcabme -o out/wanda50.ct"
+)
+IMPORT_HELP = (
+    "Rebuild a dense pruned HF checkpoint from a compressed-tensors 'sparse-bitmask' checkpoint, ready for "
+    "`sparsekit encode` or `sparsekit eval`.\n\nExample: sparsekit import-bitmask llmc-model -o out/imported"
+)
+
 
 def register(app: typer.Typer) -> None:
-    pass
+    app.command("encode", help=ENCODE_HELP)(encode_cmd)
+    app.command("inspect", help=INSPECT_HELP)(inspect_cmd)
+    app.command("verify", help=VERIFY_HELP)(verify_cmd)
+    app.command("export-bitmask", help=EXPORT_HELP)(export_cmd)
+    app.command("import-bitmask", help=IMPORT_HELP)(import_cmd)
+
+
+@contextlib.contextmanager
+def _progress(description: str, enabled: bool = True):
+    """A rich progress bar on stderr; yields a ``progress(done, total, what)`` callback."""
+    if not enabled:
+        yield None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.fields[what]}"), console=err_console, transient=True) as bar:
+        task = bar.add_task(description, total=None, what="")
+
+        def update(done: int, total: int, what: str) -> None:
+            bar.update(task, completed=done, total=total, what=what[-60:])
+
+        yield update
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:,.2f}"
+
+
+def _ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.3f}"
+
+
+@handle_errors
+def encode_cmd(
+    pruned: Path = typer.Argument(..., help="Pruned HF checkpoint directory (output of `sparsekit prune`)."),
+    output: Path = typer.Option(..., "-o", "--output", help="Output directory for the packed checkpoint."),
+    min_sparsity: float = typer.Option(0.3, "--min-sparsity", help="Layers sparser than this are packed; denser ones stay dense."),
+    force: bool = typer.Option(False, "--force", help="Pack every linear layer, however dense."),
+    max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest shard file, e.g. 2GB, 500MB."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
+    json_out: bool = JSON_OPTION,
+):
+    from sparsekit.packing import encode
+
+    with _progress("encoding") as progress:
+        report = encode(pruned, output, min_sparsity=min_sparsity, force=force, max_shard_size=max_shard_size,
+                        overwrite=overwrite, progress=progress)
+    if json_out:
+        emit_json(report)
+        return
+    dense_n = report["dense_layers"]
+    console.print(
+        f"[bold green]packed[/] {report['packed_layers']}/{report['layers']} linear layers into {report['output']} "
+        f"({report['shards']} shard{'s' if report['shards'] != 1 else ''}, {report['elapsed_s']:.1f} s)"
+    )
+    console.print(
+        f"linear weights: {_mb(report['linear_dense_bytes'])} MB dense -> {_mb(report['linear_stored_bytes'])} MB "
+        f"stored (ratio {_ratio(report['ratio'])})"
+    )
+    if report["cast_from"]:
+        console.print(f"note: {report['cast_from']} weights were cast to {report['dtype']}")
+    if dense_n:
+        console.print(f"{dense_n} layer{'s' if dense_n != 1 else ''} kept dense (see `sparsekit inspect`)")
+
+
+def inspect_table(report: dict):
+    from rich.table import Table
+
+    meta = report["metadata"]
+    t = Table(title=f"{report['path']}  (format {meta.get('format')} v{meta.get('format_version')}, "
+                    f"source {meta.get('source_model')})")
+    for head, justify in (("layer", "left"), ("shape", "right"), ("sparsity", "right"), ("pattern", "left"),
+                          ("stored", "left"), ("dense MB", "right"), ("packed MB", "right"), ("ratio", "right")):
+        t.add_column(head, justify=justify, overflow="fold")
+    for r in report["layers"]:
+        t.add_row(r["layer"], "x".join(str(s) for s in r["shape"] or []),
+                  "-" if r["sparsity"] is None else f"{r['sparsity']:.1%}", str(r["pattern"] or "-"),
+                  "tcabme" if r["packed"] else "dense", _mb(r["dense_bytes"]), _mb(r["packed_bytes"]),
+                  _ratio(r["ratio"]))
+    tot = report["totals"]
+    t.add_section()
+    t.add_row(f"total ({tot['packed_layers']}/{tot['layers']} packed)", "",
+              "-" if tot["sparsity"] is None else f"{tot['sparsity']:.1%}", "", "",
+              _mb(tot["dense_bytes"]), _mb(tot["packed_bytes"]), _ratio(tot["ratio"]), style="bold")
+    return t
+
+
+@handle_errors
+def inspect_cmd(
+    packed: Path = typer.Argument(..., help="Packed checkpoint directory (output of `sparsekit encode`)."),
+    json_out: bool = JSON_OPTION,
+):
+    from sparsekit.verify import inspect_packed
+
+    report = inspect_packed(packed)
+    if json_out:
+        emit_json(report)
+        return
+    console.print(inspect_table(report))
+    tot = report["totals"]
+    console.print(f"other tensors (embeddings, norms, lm_head, biases): {_mb(tot['other_bytes'])} MB; "
+                  f"checkpoint: {_mb(tot['checkpoint_bytes'])} MB in {tot['shards']} shard(s)")
+    dense = [r for r in report["layers"] if not r["packed"]]
+    for r in dense[:5]:
+        console.print(f"[dim]{r['layer']}: {r['reason']}[/]")
+    if len(dense) > 5:
+        console.print(f"[dim]... and {len(dense) - 5} more dense layers[/]")
+
+
+@handle_errors
+def verify_cmd(
+    packed: Path = typer.Argument(..., help="Packed checkpoint directory (output of `sparsekit encode`)."),
+    json_out: bool = JSON_OPTION,
+):
+    from sparsekit.verify import verify_packed
+
+    with _progress("verifying") as progress:
+        report = verify_packed(packed, progress=progress)
+    if json_out:
+        emit_json(report)
+        return
+    console.print(f"[bold green]ok[/]: {report['path']} ({report['format']} v{report['format_version']}): "
+                  f"{report['shards']} shard(s), {report['tensors']} tensors, {report['packed_layers']}/"
+                  f"{report['layers']} layers packed, checksums and structure verified")
+
+
+@handle_errors
+def export_cmd(
+    source: Path = typer.Argument(..., help="Pruned HF directory or packed TCA-BME directory."),
+    output: Path = typer.Option(..., "-o", "--output", help="Output directory (compressed-tensors checkpoint)."),
+    max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest shard file, e.g. 2GB, 500MB."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
+    json_out: bool = JSON_OPTION,
+):
+    from sparsekit.interchange import export_bitmask
+
+    with _progress("exporting") as progress:
+        report = export_bitmask(source, output, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress)
+    if json_out:
+        emit_json(report)
+        return
+    console.print(f"[bold green]exported[/] {report['compressed_weights']} sparse-bitmask weights "
+                  f"(global sparsity {report['global_sparsity']:.1%}) to {report['output']}")
+
+
+@handle_errors
+def import_cmd(
+    source: Path = typer.Argument(..., help="compressed-tensors checkpoint with sparsity_config format sparse-bitmask."),
+    output: Path = typer.Option(..., "-o", "--output", help="Output directory (dense pruned HF checkpoint)."),
+    max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest shard file, e.g. 2GB, 500MB."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
+    json_out: bool = JSON_OPTION,
+):
+    from sparsekit.interchange import import_bitmask
+
+    with _progress("importing") as progress:
+        report = import_bitmask(source, output, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress)
+    if json_out:
+        emit_json(report)
+        return
+    console.print(f"[bold green]imported[/] {report['decompressed_weights']} sparse-bitmask weights into {report['output']}")

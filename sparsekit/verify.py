@@ -190,6 +190,7 @@ def inspect_packed(path: str | os.PathLike) -> dict[str, Any]:
                      "pattern": info.get("pattern"), "packed": bool(info.get("packed")),
                      "dense_bytes": dense, "packed_bytes": stored,
                      "ratio": stored / dense if dense else None, "reason": info.get("reason")})
+    rows.sort(key=lambda r: _natural(r["layer"]))
     dense_t = sum(r["dense_bytes"] for r in rows)
     stored_t = sum(r["packed_bytes"] for r in rows)
     numel = sum(r["shape"][0] * r["shape"][1] for r in rows if r["shape"])
@@ -212,6 +213,11 @@ def inspect_packed(path: str | os.PathLike) -> dict[str, Any]:
             "shards": len(index["shards"]),
         },
     }
+
+
+def _natural(name: str) -> list:
+    """Sort key putting layers.2 before layers.10."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
 
 
 def _linear_tensor_names(index: dict) -> list[str]:
