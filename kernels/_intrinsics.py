@@ -1,0 +1,192 @@
+"""Device primitives the kernels need, in two forms: GPU (inline PTX / LLVM IR) and simulator.
+
+On a GPU, ``mma`` is one ``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`` (inline PTX through
+``numba.cuda.extending.intrinsic`` + llvmlite ``InlineAsm``), ``ldg16`` one 16-byte global load
+(``ld.v2.u64``), ``h2f`` / ``f2h`` single ``cvt`` instructions, ``shfl_up`` / ``shfl_xor`` / ``syncwarp``
+the warp intrinsics.
+
+Under ``NUMBA_ENABLE_CUDASIM=1`` none of that can run (no PTX, and the simulator has no warp
+shuffles), so the same names are plain Python: warp exchanges go through a per-block shared
+scratch array and ``syncthreads`` (every kernel calls them uniformly across the block, which the
+emulation requires), and ``mma`` computes exactly the fragment contract of m16n8k16 (each lane
+publishes its A/B registers, then computes its own four C elements from everyone's). This makes
+the tensor-core kernel's decode, fragment layout and epilogue testable without a GPU; what the
+simulator does not cover is the PTX itself (instruction syntax, register constraints), which
+``scripts/gpu_check_kernels.py`` checks on the device.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import config
+
+SIM = bool(config.ENABLE_CUDASIM)
+
+# Per-block scratch words each emulated warp exchange needs (0 on the GPU: the array is unused).
+SCRATCH_WORDS = 128 * 6 if SIM else 1
+
+if SIM:
+    from numba.cuda.simulator.kernel import _get_kernel_context
+
+    class _Cuda:  # the simulator's per-launch fake ``cuda`` module, looked up at call time
+        def syncthreads(self):
+            _get_kernel_context().syncthreads()
+
+    cuda = _Cuda()
+
+    def _f16(bits) -> float:
+        return float(np.array([int(bits) & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
+
+    def h2f(bits):
+        """fp16 bit pattern (low 16 bits of ``bits``) -> float32."""
+        return np.float32(_f16(bits))
+
+    def f2h(x):
+        """float32 -> fp16 bit pattern (round to nearest even), as uint16."""
+        return np.array([x], dtype=np.float32).astype(np.float16).view(np.uint16)[0]
+
+    def ldg16(arr, i):
+        """arr[i], arr[i+1] of a uint64 array (one 16-byte load on the GPU)."""
+        return np.uint64(arr[i]), np.uint64(arr[i + 1])
+
+    def syncwarp():
+        cuda.syncthreads()
+
+    def shfl_up(scr, tid, val, delta):
+        lane = tid & 31
+        scr[tid] = val
+        cuda.syncthreads()
+        out = scr[tid - delta] if lane >= delta else scr[tid]
+        cuda.syncthreads()
+        return type(val)(out)
+
+    def shfl_xor(scr, tid, val, mask):
+        scr[tid] = val
+        cuda.syncthreads()
+        out = scr[tid ^ mask]
+        cuda.syncthreads()
+        return type(val)(out)
+
+    def _half_pair(word):
+        w = int(word)
+        return _f16(w & 0xFFFF), _f16(w >> 16)
+
+    def mma(scr, tid, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """D = A(16x16, row) * B(16x8, col) + C with the m16n8k16 register layout (fp32 math)."""
+        base = (tid >> 5) * 32 * 6
+        lane = tid & 31
+        for j, r in enumerate((a0, a1, a2, a3, b0, b1)):
+            scr[base + lane * 6 + j] = np.uint32(r)
+        cuda.syncthreads()
+        gid, tig = lane >> 2, lane & 3
+        out = [c0, c1, c2, c3]
+        for oi in range(4):
+            row = gid + 8 * (oi >> 1)
+            col = 2 * tig + (oi & 1)
+            acc = 0.0
+            for k in range(16):
+                # A[row][k]: lane (row%8)*4 + (k%8)//2, register (row>=8) + 2*(k>=8), half k%2
+                al = (row & 7) * 4 + ((k & 7) >> 1)
+                areg = (row >> 3) + 2 * (k >> 3)
+                a = _half_pair(scr[base + al * 6 + areg])[k & 1]
+                # B[k][col]: lane col*4 + (k%8)//2, register (k>=8), half k%2
+                bl = col * 4 + ((k & 7) >> 1)
+                b = _half_pair(scr[base + bl * 6 + 4 + (k >> 3)])[k & 1]
+                acc += a * b
+            out[oi] = np.float32(out[oi] + np.float32(acc))
+        cuda.syncthreads()
+        return out[0], out[1], out[2], out[3]
+
+else:  # pragma: no cover - GPU only
+    from llvmlite import ir
+    from numba import cuda
+    from numba.cuda.extending import intrinsic
+
+    try:  # numba-cuda >= 0.20 carries its own type system
+        from numba.cuda import cgutils, types
+    except ImportError:  # the CUDA target bundled with numba
+        from numba.core import cgutils, types
+
+    _i16, _i32, _f32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+
+    @intrinsic
+    def _mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        u, f = types.uint32, types.float32
+        sig = types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.LiteralStructType([_f32] * 4), [_i32] * 6 + [_f32] * 4)
+            asm = ir.InlineAsm(
+                fnty,
+                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+            )
+            res = builder.call(asm, args)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+
+        return sig, codegen
+
+    @intrinsic
+    def _ldg16(typingctx, arr, idx):
+        sig = types.UniTuple(types.uint64, 2)(arr, types.int64)
+
+        def codegen(context, builder, sig, args):
+            aryty = sig.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+            vty = ir.VectorType(ir.IntType(64), 2)
+            vec = builder.load(builder.bitcast(ptr, vty.as_pointer()), align=16)
+            parts = [builder.extract_element(vec, ir.Constant(_i32, i)) for i in range(2)]
+            return context.make_tuple(builder, sig.return_type, parts)
+
+        return sig, codegen
+
+    @intrinsic
+    def _h2f(typingctx, bits):
+        sig = types.float32(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            h = builder.trunc(args[0], _i16)
+            asm = ir.InlineAsm(ir.FunctionType(_f32, [_i16]), "cvt.f32.f16 $0, $1;", "=f,h")
+            return builder.call(asm, [h])
+
+        return sig, codegen
+
+    @intrinsic
+    def _f2h(typingctx, x):
+        sig = types.uint16(types.float32)
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(_i16, [_f32]), "cvt.rn.f16.f32 $0, $1;", "=h,f")
+            return builder.call(asm, [args[0]])
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def mma(scr, tid, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        return _mma(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0),
+                    np.uint32(b1), np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))
+
+    @cuda.jit(device=True, inline=True)
+    def ldg16(arr, i):
+        return _ldg16(arr, i)
+
+    @cuda.jit(device=True, inline=True)
+    def h2f(bits):
+        return _h2f(np.uint32(bits))
+
+    @cuda.jit(device=True, inline=True)
+    def f2h(x):
+        return _f2h(np.float32(x))
+
+    @cuda.jit(device=True, inline=True)
+    def syncwarp():
+        cuda.syncwarp(0xFFFFFFFF)
+
+    @cuda.jit(device=True, inline=True)
+    def shfl_up(scr, tid, val, delta):
+        return cuda.shfl_up_sync(0xFFFFFFFF, val, delta)
+
+    @cuda.jit(device=True, inline=True)
+    def shfl_xor(scr, tid, val, mask):
+        return cuda.shfl_xor_sync(0xFFFFFFFF, val, mask)

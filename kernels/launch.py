@@ -1,0 +1,112 @@
+"""Host side: torch tensors -> kernel launch on torch's current stream (CUDA-graph capturable).
+
+Everything here is cheap enough to run inside ``torch.cuda.graph`` capture: no synchronization,
+no host<->device copies; workspaces are cached per device and only grow. Numba compiles each kernel
+variant at its first launch, so warm up (one eager call per token count) before capturing.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from numba import cuda
+
+from . import spmm
+from ._intrinsics import SIM
+
+# Token counts up to this use the CUDA-core variant (fp32 FMAs); above it the tensor-core one.
+# Set from the H100 benchmark (docs/kernels-notes.md).
+CUDA_CORE_MAX_N = 0
+MAX_NT = 64                # tokens per launch; more are done in chunks of 64
+TARGET_BLOCKS = 4 * 132    # split-K aims for about this many blocks (4 waves' worth on an H100)
+
+_streams: dict = {}
+_work: dict = {}
+_views: dict = {}
+_VIEW_CACHE_MAX = 4096
+
+
+def _as_numba(t: torch.Tensor):
+    """A numba device array over ``t``'s memory (no copy, no stream sync)."""
+    if SIM:
+        return t.detach().numpy()
+    return cuda.from_cuda_array_interface(t.__cuda_array_interface__, owner=t, sync=False)
+
+
+def _stream(device: torch.device):
+    s = torch.cuda.current_stream(device)
+    key = s.cuda_stream
+    if key not in _streams:
+        _streams[key] = cuda.external_stream(key)
+    return _streams[key]
+
+
+def _weight_views(w):
+    """Numba views of the packed weight's tensors, cached by address (a view is address + shape)."""
+    key = (w.bitmaps.data_ptr(), w.values.data_ptr(), w.gtile_offsets.data_ptr(),
+           w.strip_offsets.data_ptr(), w.values.numel(), w.bitmaps.numel())
+    v = None if SIM else _views.get(key)
+    if v is None:
+        v = (_as_numba(w.bitmaps.view(torch.int32)), _as_numba(w.values.view(torch.int64)),
+             _as_numba(w.gtile_offsets), _as_numba(w.strip_offsets))
+        if not SIM:
+            if len(_views) >= _VIEW_CACHE_MAX:
+                _views.clear()
+            _views[key] = v
+    return v
+
+
+def _workspace(device: torch.device, floats: int, rows: int):
+    """fp32 split-K partials and the per-row arrival counters (zeroed once, reset by the kernel)."""
+    key = str(device)
+    ws, cnt = _work.get(key, (None, None))
+    if ws is None or ws.numel() < floats:
+        ws = torch.empty(max(floats, 1 << 16), dtype=torch.float32, device=device)
+    if cnt is None or cnt.numel() < rows:
+        cnt = torch.zeros(max(rows, 1024), dtype=torch.int32, device=device)
+    _work[key] = (ws, cnt)
+    return ws, cnt
+
+
+def choose_splits(gm: int, gk: int) -> int:
+    """GroupTiles along K per block so that the grid has ~TARGET_BLOCKS blocks (at least 2 steps)."""
+    want = max(1, min(gk // 2 if gk >= 4 else 1, math.ceil(TARGET_BLOCKS / gm)))
+    kper = math.ceil(gk / want)
+    return math.ceil(gk / kper)
+
+
+def variant(n: int) -> tuple[int, bool]:
+    """(token slots, tensor cores?) for a chunk of ``n`` tokens."""
+    if n <= CUDA_CORE_MAX_N:
+        return n, False
+    nt = 8
+    while nt < n:
+        nt *= 2
+    return nt, True
+
+
+def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
+           cuda_core_max_n: int | None = None) -> None:
+    """y[N, M] = x[N, Kp] @ W^T; x already padded to Kp columns, contiguous, 16-byte aligned."""
+    n_all = x.shape[0]
+    m, _ = w.shape
+    gm, gk = w.grid
+    kp = gk * 64
+    bm, vals, goff, soff = _weight_views(w)
+    nsplit = splits if splits is not None else choose_splits(gm, gk)
+    kper = math.ceil(gk / nsplit)
+    nsplit = math.ceil(gk / kper)
+    ccmax = CUDA_CORE_MAX_N if cuda_core_max_n is None else cuda_core_max_n
+    stream = None if SIM else _stream(x.device)
+    for n0 in range(0, n_all, MAX_NT):
+        n = min(MAX_NT, n_all - n0)
+        nt, use_mma = (n, False) if n <= ccmax else variant(max(n, ccmax + 1))
+        ws, cnt = _workspace(x.device, nsplit * nt * gm * 64, gm)
+        kern = spmm.get_kernel(nt, use_mma)
+        xv = _as_numba(x[n0:n0 + n].reshape(-1).view(torch.int64))
+        yv = _as_numba(y[n0:n0 + n].reshape(-1).view(torch.int16))
+        args = (bm, vals, goff, soff, xv, yv, _as_numba(ws), _as_numba(cnt), m, n, gk, kp // 4, kper, nsplit)
+        if SIM:  # CPU tensors: the numpy views share memory, so the kernel writes y in place
+            kern[(gm, nsplit), spmm.THREADS](*args)
+        else:
+            kern[(gm, nsplit), spmm.THREADS, stream](*args)

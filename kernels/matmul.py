@@ -1,0 +1,62 @@
+"""Public entry points: ``tcabme_matmul`` (checks, padding, output) and ``kernels_available``."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_available: bool | None = None
+
+
+def kernels_available() -> bool:
+    """True when a CUDA GPU is visible to torch and numba's CUDA target can use it."""
+    global _available
+    if _available is None:
+        _available = False
+        if torch.cuda.is_available() and os.environ.get("NUMBA_ENABLE_CUDASIM", "0") != "1":
+            try:
+                from numba import cuda
+
+                _available = bool(cuda.is_available())
+            except Exception:  # numba-cuda missing or broken: the reference path is used
+                _available = False
+    return _available
+
+
+def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning) -> torch.Tensor:
+    """``y[N, M] = x[N, K] @ W^T`` for a TCA-BME weight ``w`` (fp16 in, fp32 accumulate, fp16 out).
+
+    ``x``: fp16, 2-D, on the same CUDA device as ``w``. The kernel runs on
+    ``torch.cuda.current_stream()``, so calls can be captured in a CUDA graph (after one eager
+    warm-up call per token count, which compiles the kernel). ``out``, if given, must be a
+    contiguous fp16 ``[N, M]`` tensor. Under ``NUMBA_ENABLE_CUDASIM=1`` it runs CPU tensors through
+    the simulator (slow; tests only). ``tuning`` (``splits``, ``cuda_core_max_n``) is for benchmarks.
+    """
+    from . import launch
+    from ._intrinsics import SIM
+
+    if x.dim() != 2:
+        raise ValueError(f"tcabme_matmul expects x of shape [N, K], got {tuple(x.shape)}")
+    m, k = w.shape
+    n = x.shape[0]
+    if x.shape[1] != k:
+        raise ValueError(f"x has {x.shape[1]} features but the weight expects {k}")
+    if x.dtype != torch.float16 or w.values.dtype != torch.float16:
+        raise ValueError(f"tcabme_matmul needs fp16 x and values, got {x.dtype} and {w.values.dtype}")
+    if not SIM and (not x.is_cuda or x.device != w.values.device):
+        raise ValueError(f"x ({x.device}) and the packed weight ({w.values.device}) must share one CUDA device")
+    if out is None:
+        out = torch.empty((n, m), dtype=torch.float16, device=x.device)
+    elif out.shape != (n, m) or out.dtype != torch.float16 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp16 tensor of shape {(n, m)}")
+    if n == 0 or m == 0:
+        return out
+    kp = w.grid[1] * 64
+    if kp != k or not x.is_contiguous() or x.data_ptr() % 16:
+        xp = torch.zeros((n, kp), dtype=x.dtype, device=x.device)
+        xp[:, :k] = x
+        x = xp
+    if kp == 0:
+        return out.zero_()
+    launch.launch(x, w, out, **tuning)
+    return out
