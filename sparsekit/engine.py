@@ -212,6 +212,19 @@ def _tf32(enabled: bool):
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+class _Phases:
+    """Seconds spent in each phase of a layer (synchronizing the device at each mark)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.seconds, self._t = device, {}, time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        _device_sync(self.device)
+        now = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + now - self._t
+        self._t = now
+
+
 def _linear_kind(module: nn.Module) -> str:
     return "linear" if isinstance(module, nn.Linear) else "conv1d"
 
@@ -300,9 +313,11 @@ def prune_model(
     with torch.no_grad():
         for idx, layer in enumerate(layers):
             t0 = time.perf_counter()
+            phases = _Phases(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             layer.to(device)
+            phases.mark("load")
             linears = L.find_linears(layer, prefix=f"{stack_name}.{idx}", skip=skip)
             stats: dict = {}
             if observer is not None and acts is not None:
@@ -318,15 +333,19 @@ def prune_model(
                 finally:
                     collector.remove()
                 stats = collector.stats
+                phases.mark("stats")
             rep = _prune_linears(linears, stats, method, sparsity, pattern, blocksize, percdamp, warn)
             linear_reports.update(rep)
+            phases.mark("prune")
             if use_stats and idx + 1 < len(layers):
                 acts.run(layer, write=True)  # the pruned layer's outputs: next layer's inputs
+                phases.mark("recompute")
             layer.to("cpu")
-            _device_sync(device)
+            phases.mark("offload")
             layer_reports.append({
                 "index": idx,
                 "seconds": time.perf_counter() - t0,
+                "phases": phases.seconds,
                 "peak_mem_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
                 "linears": list(rep),
             })
