@@ -60,6 +60,46 @@ def prune_(model, sparsity: float) -> None:
             blk.masked_fill_(a <= thr, 0)
 
 
+class FreeLinear(torch.nn.Module):
+    """Stands in for a linear at no cost (an uninitialised output): times everything else."""
+
+    def __init__(self, out_features: int):
+        super().__init__()
+        self.out_features = out_features
+
+    def forward(self, x):
+        return x.new_empty(*x.shape[:-1], self.out_features)
+
+
+def overhead_probe(model, batches, kw) -> dict:
+    """Decode step time with every decoder linear made free, norms as HF wrote them and fused."""
+    from sparsekit.cuda_graph import fuse_rms_norms
+    from sparsekit.layers import find_decoder_layers, find_linears
+    from sparsekit.speed import measure_model
+
+    stack_name, stack = find_decoder_layers(model)
+    saved = find_linears(stack, prefix=stack_name)
+    norms = {n: m for n, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")}
+
+    def put(mapping):
+        for name, mod in mapping.items():
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, mod)
+
+    put({n: FreeLinear(m.out_features) for n, m in saved.items()})
+    out = {}
+    for label in ("hf_norms", "fused_norms"):
+        if label == "fused_norms":
+            fuse_rms_norms(model)
+        for b in batches:
+            r = measure_model(model, b, **kw)
+            out[f"{label}_b{b}_ms"] = r.get("ms_per_token")
+            print(f"overhead ({label}, linears free) b={b}: {r.get('ms_per_token')} ms/step", flush=True)
+    put(saved)
+    put(norms)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
@@ -73,6 +113,9 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (both models)")
+    ap.add_argument("--hf-norms", action="store_true", help="keep HF's RMSNorm (default: fused, both models)")
+    ap.add_argument("--overhead", action="store_true", help="also time a step whose linears cost nothing")
+    ap.add_argument("--dense-only", action="store_true", help="skip the sparse model (shake-down runs)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -94,16 +137,24 @@ def main() -> int:
     print(f"built + pruned in {time.perf_counter() - t0:.1f} s; weights {_model_bytes(model) / 2**30:.2f} GiB", flush=True)
 
     gen = torch.Generator().manual_seed(1)
-    probe = torch.randint(0, args.vocab, (2, 8), generator=gen).cuda()
+    probe = torch.randint(0, args.vocab, (2, 100), generator=gen).cuda()
     with torch.no_grad():
-        ref_small = model(probe[:, :1]).logits.float()  # N = 2 tokens: kernel path
-        ref_big = model(probe).logits.float()            # N = 16 tokens
+        ref_small = model(probe[:, :8]).logits.float()  # N = 16 tokens: kernel path
+        ref_big = model(probe).logits.float()            # N = 200 tokens: prefill path
     dense_bytes = _model_bytes(model)
+    overhead = overhead_probe(model, batches, kw) if args.overhead else None
+    if not args.hf_norms:
+        from sparsekit.cuda_graph import fuse_rms_norms
+
+        print(f"fused {fuse_rms_norms(model)} RMSNorm modules (both models)", flush=True)
     dense = {}
     for b in batches:
         dense[b] = measure_model(model, b, **kw)
         print(f"dense  b={b:3d}: {dense[b]}", flush=True)
 
+    if args.dense_only:
+        print(json.dumps({"dense": dense, "overhead": overhead}, indent=1))
+        return 0
     t0 = time.perf_counter()
     swapped = sparsify(model, min_sparsity=0.3)
     torch.cuda.synchronize()
@@ -112,10 +163,10 @@ def main() -> int:
     sparse_bytes = _model_bytes(model)
     print(f"encoded {len(swapped)} linears in {enc_s:.1f} s; weights {sparse_bytes / 2**30:.2f} GiB", flush=True)
     with torch.no_grad():
-        out_small = model(probe[:, :1]).logits.float()
+        out_small = model(probe[:, :8]).logits.float()
         out_big = model(probe).logits.float()
     errs = {name: float((o - r).norm() / r.norm()) for name, o, r in
-            (("N=2", out_small, ref_small), ("N=16", out_big, ref_big))}
+            (("N=16", out_small, ref_small), ("N=200", out_big, ref_big))}
     print(f"logits rel err sparse vs dense pruned: {errs}", flush=True)
 
     sparse = {}
@@ -135,7 +186,7 @@ def main() -> int:
                   "heads": args.heads, "vocab": args.vocab},
         "sparsity": args.sparsity, "cuda_graphs": graphs, "kernel": _kernel() is not None,
         "weights_gib": {"dense": dense_bytes / 2**30, "sparse": sparse_bytes / 2**30},
-        "encode_s": enc_s, "logits_rel_err": errs, "rows": rows,
+        "encode_s": enc_s, "fused_norms": not args.hf_norms, "overhead_ms": overhead, "logits_rel_err": errs, "rows": rows,
         "dense_above": SparseLinear.dense_above,
         "versions": {"torch": torch.__version__},
     }

@@ -113,8 +113,13 @@ def check_correctness(results: dict) -> None:
         check(bool(torch.isfinite(y).all()) and e < 1e-2, f"SparseLinear N={n}: rel err vs float64 {e:.2e}")
 
     # CUDA graphs vs eager: same greedy tokens
+    from sparsekit.sparse_linear import _kernel
+
     prompt = torch.randint(0, 8000, (4, 12), generator=gen).cuda()
     for label, m in (("packed", packed), ("dense", dense)):
+        if label == "packed" and _kernel() is None:
+            print("note: no bundled kernel, the reference path cannot be captured: packed graph check skipped")
+            continue
         toks = {}
         for use_graph in (False, True):
             dec = GreedyDecoder(m, 4, 12 + 24, use_graph=use_graph)
