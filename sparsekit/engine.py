@@ -203,6 +203,14 @@ class StatsCollector:
 
 
 @contextlib.contextmanager
+def _finishing(mover):
+    try:
+        yield mover
+    finally:
+        mover.finish()
+
+
+@contextlib.contextmanager
 def _tf32(enabled: bool):
     old = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = enabled
@@ -212,6 +220,104 @@ def _tf32(enabled: bool):
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+class _LayerMover:
+    """Moves decoder layers to the device and back.
+
+    On CUDA (``overlap``), a worker thread copies the next layer in on a side stream while the
+    current one computes, and copies each pruned layer's tensors back into its original CPU
+    tensors in the background; :meth:`finish` waits for those copies. Elsewhere it is a plain
+    ``layer.to(device)`` / ``layer.to("cpu")``.
+    """
+
+    def __init__(self, layers: nn.ModuleList, device: torch.device, overlap: bool):
+        self.layers, self.device = layers, device
+        self.overlap = overlap and device.type == "cuda"
+        self.pending: dict[int, object] = {}
+        self.offloads: list = []
+        self.cpu: dict[int, list] = {}
+        if self.overlap:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsekit-mover")
+            self.stream = torch.cuda.Stream(device)
+
+    @staticmethod
+    def _slots(layer: nn.Module):
+        for mod in layer.modules():
+            for key, t in mod._parameters.items():
+                if t is not None:
+                    yield mod, "p", key, t
+            for key, t in mod._buffers.items():
+                if t is not None:
+                    yield mod, "b", key, t
+
+    def _copy_in(self, idx: int):
+        slots = list(self._slots(self.layers[idx]))
+        with torch.cuda.stream(self.stream):
+            gpu = [(t.data if kind == "p" else t).to(self.device, non_blocking=True) for _, kind, _, t in slots]
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return slots, gpu, ev
+
+    def prefetch(self, idx: int) -> None:
+        if self.overlap and 0 <= idx < len(self.layers) and idx not in self.pending:
+            self.pending[idx] = self.pool.submit(self._copy_in, idx)
+
+    def load(self, idx: int) -> nn.Module:
+        layer = self.layers[idx]
+        if not self.overlap:
+            return layer.to(self.device)
+        self.prefetch(idx)
+        slots, gpu, ev = self.pending.pop(idx).result()
+        main = torch.cuda.current_stream(self.device)
+        main.wait_event(ev)
+        originals = []
+        for (mod, kind, key, t), g in zip(slots, gpu):
+            g.record_stream(main)  # allocated on the side stream, used and freed on the main one
+            if kind == "p":
+                originals.append(t.data)
+                t.data = g
+            else:
+                originals.append(t)
+                mod._buffers[key] = g
+        self.cpu[idx] = originals
+        return layer
+
+    def offload(self, idx: int) -> None:
+        layer = self.layers[idx]
+        if not self.overlap:
+            layer.to("cpu")
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        gpu = []
+        for (mod, kind, key, t), cpu in zip(list(self._slots(layer)), self.cpu.pop(idx)):
+            gpu.append((t.data if kind == "p" else t, cpu))
+            if kind == "p":
+                t.data = cpu  # the CPU tensor receives the device values below
+            else:
+                mod._buffers[key] = cpu
+
+        def copy_out():
+            self.stream.wait_event(done)
+            with torch.cuda.stream(self.stream):
+                for g, cpu in gpu:
+                    cpu.copy_(g)  # pageable destination: returns once the copy is complete
+            self.stream.synchronize()
+
+        self.offloads.append(self.pool.submit(copy_out))
+
+    def finish(self) -> None:
+        if self.overlap:
+            for f in self.offloads:
+                f.result()
+            self.offloads.clear()
+            for f in self.pending.values():
+                f.result()
+            self.pending.clear()
+            self.pool.shutdown()
+
+
 class _Phases:
     """Seconds spent in each phase of a layer (synchronizing the device at each mark)."""
 
@@ -219,7 +325,8 @@ class _Phases:
         self.device, self.seconds, self._t = device, {}, time.perf_counter()
 
     def mark(self, name: str) -> None:
-        _device_sync(self.device)
+        if self.device.type == "cuda":  # this stream only: background layer copies keep going
+            torch.cuda.current_stream(self.device).synchronize()
         now = time.perf_counter()
         self.seconds[name] = self.seconds.get(name, 0.0) + now - self._t
         self._t = now
@@ -270,6 +377,7 @@ def prune_model(
     blocksize: int = 128,
     percdamp: float = 0.01,
     batch_size: int | None = None,
+    overlap: bool = True,
     progress: Progress | None = None,
     warn: Callable[[str], None] = print,
     observer: Callable[[int, Activations], None] | None = None,
@@ -277,6 +385,7 @@ def prune_model(
     """Prune ``model`` in place (it stays on the CPU; one layer at a time visits ``device``).
 
     ``calib`` is a LongTensor [nsamples, seqlen] of token ids (ignored by magnitude).
+    ``overlap`` (CUDA only) moves layers in and out in the background while others compute.
     ``observer(idx, acts)``, if given, sees each layer's captured inputs before its stats pass.
     Returns a report: per-linear sparsity/shape/kind, per-layer seconds and peak device memory,
     capture seconds, total seconds and the overall peak device memory.
@@ -310,13 +419,15 @@ def prune_model(
 
     layer_reports = []
     linear_reports: dict[str, dict] = {}
-    with torch.no_grad():
+    mover = _LayerMover(layers, device, overlap)
+    with torch.no_grad(), _finishing(mover):
         for idx, layer in enumerate(layers):
             t0 = time.perf_counter()
             phases = _Phases(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            layer.to(device)
+            mover.load(idx)
+            mover.prefetch(idx + 1)
             phases.mark("load")
             linears = L.find_linears(layer, prefix=f"{stack_name}.{idx}", skip=skip)
             stats: dict = {}
@@ -340,7 +451,7 @@ def prune_model(
             if use_stats and idx + 1 < len(layers):
                 acts.run(layer, write=True)  # the pruned layer's outputs: next layer's inputs
                 phases.mark("recompute")
-            layer.to("cpu")
+            mover.offload(idx)
             phases.mark("offload")
             layer_reports.append({
                 "index": idx,
