@@ -3,7 +3,7 @@
 Columns (input features) are swept left to right. Pruning weight w_rc costs w_rc^2 / [H_F^-1]_cc
 and is compensated by the OBS update of the not-yet-swept columns F of the same row,
 ``w_r,F -= w_rc / [H_F^-1]_cc * [H_F^-1]_c,F``. The rows of the upper Cholesky factor U of H^-1
-give every [H_F^-1]_c,F at once (U_c,F = [H_F^-1]_c,F / sqrt([H_F^-1]_cc)), so one factorization
+(H^-1 = U^T U) give every [H_F^-1]_c,F at once (U_c,F = [H_F^-1]_c,F / sqrt([H_F^-1]_cc)), so one factorization
 serves the whole sweep. Updates are applied lazily: inside a block of ``blocksize`` columns
 column by column (vectorized over rows), to the columns right of the block with one matmul. The
 lazy batching is exact, so the result does not depend on ``blocksize`` for a fixed mask.
@@ -32,30 +32,32 @@ MAX_DAMP_RETRIES = 7  # percdamp grows x10 per retry: 1% -> 1e5 % of the mean di
 def inverse_hessian_cholesky(
     hessian: torch.Tensor, percdamp: float = 0.01, warn: Callable[[str], object] = print
 ) -> tuple[torch.Tensor, float]:
-    """Upper Cholesky factor of (H + damp*I)^-1 with damp = percdamp * mean(diag H).
+    """Upper Cholesky factor U of (H + damp*I)^-1 (so that (H + damp*I)^-1 = U^T U), with
+    damp = percdamp * mean(diag H).
 
-    If a factorization fails (H numerically singular or indefinite), retries with 10x the
-    dampening, says so through ``warn`` and returns the percdamp that worked. ``hessian`` is
-    modified in place (the dampening is added to its diagonal).
+    Computed without forming the inverse: with J the order-reversing permutation and
+    J H J = L L^T, U = J L^-1 J (one Cholesky and one triangular solve). If the factorization
+    fails (H numerically singular or indefinite), retries with 10x the dampening, says so through
+    ``warn`` and returns the percdamp that worked. ``hessian`` is not modified.
     """
-    diag = hessian.diagonal()
-    mean_diag = diag.mean().item()
+    mean_diag = hessian.diagonal().mean().item()
     if not math.isfinite(mean_diag) or mean_diag <= 0:
         raise SparsekitError(
             "the input Hessian is not finite or has no positive diagonal: the calibration activations "
             "overflowed or are all zero; calibrate in fp32/bf16 or with other data"
         )
+    rev = hessian.flip((0, 1))  # a copy: J H J
+    diag = rev.diagonal()
     pd, added = float(percdamp), 0.0
     for attempt in range(MAX_DAMP_RETRIES + 1):
         diag.add_(pd * mean_diag - added)
         added = pd * mean_diag
-        chol, err = torch.linalg.cholesky_ex(hessian)
+        chol, err = torch.linalg.cholesky_ex(rev)
         if err.item() == 0:
-            hinv = torch.cholesky_inverse(chol)
-            del chol
-            upper, err = torch.linalg.cholesky_ex(hinv, upper=True)
-            del hinv
-            if err.item() == 0 and bool(torch.isfinite(upper.diagonal()).all()):
+            eye = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
+            upper = torch.linalg.solve_triangular(chol, eye, upper=False).flip((0, 1)).contiguous()
+            del chol, eye
+            if bool(torch.isfinite(upper.diagonal()).all()) and bool((upper.diagonal() > 0).all()):
                 if attempt:
                     warn(
                         f"sparsegpt: Cholesky failed with dampening {percdamp:g} of the mean Hessian "
