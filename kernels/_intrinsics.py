@@ -52,6 +52,7 @@ if SIM:
         cuda.syncthreads()
 
     def shfl_up(scr, tid, val, delta):
+        """Warp shuffle-up of a uint32 (GPU: shfl.sync.up)."""
         lane = tid & 31
         scr[tid] = val
         cuda.syncthreads()
@@ -60,6 +61,7 @@ if SIM:
         return type(val)(out)
 
     def shfl_xor(scr, tid, val, mask):
+        """Butterfly shuffle of a float32 (GPU: shfl.sync.bfly)."""
         scr[tid] = val
         cuda.syncthreads()
         out = scr[tid ^ mask]
@@ -185,8 +187,8 @@ else:  # pragma: no cover - GPU only
 
     @cuda.jit(device=True, inline=True)
     def shfl_up(scr, tid, val, delta):
-        return cuda.shfl_up_sync(0xFFFFFFFF, val, delta)
+        return np.uint32(cuda.shfl_up_sync(0xFFFFFFFF, np.int32(val), np.int32(delta)))
 
     @cuda.jit(device=True, inline=True)
     def shfl_xor(scr, tid, val, mask):
-        return cuda.shfl_xor_sync(0xFFFFFFFF, val, mask)
+        return cuda.shfl_xor_sync(0xFFFFFFFF, np.float32(val), np.int32(mask))

@@ -49,6 +49,7 @@ def _build(NT: int, USE_MMA: bool):
     NACC = 4 * NB if USE_MMA else 2 * NT
     XU = (NT * 4 + THREADS - 1) // THREADS   # X staging units (32 bytes) per thread
     XUNITS = NT * 4
+    XS_SIZE = NT * XS_STRIDE
     u64 = np.uint64
     u32 = np.uint32
 
@@ -116,7 +117,7 @@ def _build(NT: int, USE_MMA: bool):
     @cuda.jit
     def kernel(bm, vals, goff, soff, x, y, ws, cnt, M, N, GK, ldx, kper, nsplit):
         vs = cuda.shared.array(VS_WORDS, np.uint64)
-        xs = cuda.shared.array(NT * XS_STRIDE, np.uint64)
+        xs = cuda.shared.array(XS_SIZE, np.uint64)
         wb = cuda.shared.array(THREADS, np.uint64)
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
         flag = cuda.shared.array(1, np.int32)

@@ -1,0 +1,230 @@
+"""Benchmark the TCA-BME kernels against cuBLAS, torch 2:4, cuSPARSE CSR and the byte floor.
+
+Every timed call is captured in a CUDA graph (numba's eager launch costs 35-100 us, more than the
+kernels run) that rotates over >= 4 copies of the weight (>= 200 MB in all, so the 50 MB L2 holds
+none of it from one call to the next); the figure is the median over graph replays of the time per
+call, from CUDA events. cuSPARSE CSR and 2:4 fall back to eager timing when they cannot be captured
+(said in the table). The byte floor is the bytes a call must move (packed weight + x + y) over the
+device-to-device copy bandwidth measured in the same run (bytes read + written / time).
+
+    python3 scripts/bench_kernels.py [--quick] [--tune] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096),
+          (576, 576), (192, 576), (1536, 576), (576, 1536)]
+NS = [1, 8, 16, 32, 64]
+SPARSITIES = [0.4, 0.5, 0.6, 0.7]
+L2_ROTATE_BYTES = 200 * 2**20
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write), median of 20."""
+    a = torch.empty(2**28, dtype=torch.uint8, device="cuda")   # 256 MiB
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(20):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        b.copy_(a)
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / 1e3)
+    return 2 * a.numel() / statistics.median(times)
+
+
+def time_calls(calls, reps: int = 15, graph: bool = True) -> tuple[float, str]:
+    """Median microseconds per call over ``reps`` replays of all ``calls`` (graph, else eager)."""
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    mode = "graph"
+    run = None
+    if graph:
+        try:
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for c in calls:
+                    c()
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for c in calls:
+                    c()
+            run = g.replay
+        except Exception:  # noqa: BLE001 - not capturable: time eagerly
+            torch.cuda.synchronize()
+            run = None
+    if run is None:
+        mode = "eager"
+
+        def run():
+            for c in calls:
+                c()
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        run()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) * 1e3 / len(calls))
+    return statistics.median(times), mode
+
+
+def copies_for(nbytes: int) -> int:
+    return max(4, math.ceil(L2_ROTATE_BYTES / max(nbytes, 1)))
+
+
+def random_pruned(m, k, sparsity, gen):
+    w = torch.randn(m, k, device="cuda", generator=gen).half()
+    w[torch.rand(m, k, device="cuda", generator=gen) < sparsity] = 0
+    return w
+
+
+def prune_24(w):
+    """Keep the 2 largest of each 4 consecutive weights along K (for the 2:4 baseline)."""
+    g = w.reshape(-1, 4)
+    idx = g.abs().topk(2, dim=1).indices
+    mask = torch.zeros_like(g, dtype=torch.bool).scatter_(1, idx, True)
+    return (g * mask).reshape(w.shape)
+
+
+def bench(shapes, ns, sparsities, tune: bool):
+    from sparsekit.kernels import tcabme_matmul
+    from sparsekit.tcabme import encode
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth: {bw / 1e12:.3f} TB/s (read + write)", flush=True)
+    rows = []
+    for (m, k) in shapes:
+        dense = random_pruned(m, k, 0.0, gen)
+        nd = copies_for(dense.numel() * 2)
+        dcopies = [dense.clone() for _ in range(nd)]
+        semi = None
+        try:
+            from torch.sparse import to_sparse_semi_structured
+            w24 = prune_24(dense)
+            semi = [to_sparse_semi_structured(w24.clone()) for _ in range(nd)]
+        except Exception as e:  # noqa: BLE001
+            print(f"2:4 unavailable for {m}x{k}: {type(e).__name__}: {str(e)[:100]}")
+        cublas = {}
+        semi_t = {}
+        for n in ns:
+            x = torch.randn(n, k, device="cuda", generator=gen).half()
+            ys = [torch.empty(n, m, device="cuda", dtype=torch.float16) for _ in range(nd)]
+            calls = [lambda i=i: torch.matmul(x, dcopies[i].t(), out=ys[i]) for i in range(nd)]
+            cublas[n] = time_calls(calls)[0]
+            if semi is not None:
+                try:
+                    semi_t[n] = time_calls([lambda i=i: F.linear(x, semi[i]) for i in range(nd)])
+                except Exception as e:  # noqa: BLE001
+                    semi_t[n] = (float("nan"), f"fail:{type(e).__name__}")
+        del dcopies, semi
+        for sp in sparsities:
+            w = random_pruned(m, k, sp, gen)
+            p = encode(w)
+            npk = copies_for(p.nbytes)
+            pcopies = [type(p)(bitmaps=p.bitmaps.clone(), values=p.values.clone(),
+                               gtile_offsets=p.gtile_offsets.clone(), strip_offsets=p.strip_offsets.clone(),
+                               shape=p.shape) for _ in range(npk)]
+            csr = None
+            try:
+                csr = [w.to_sparse_csr() for _ in range(copies_for(int((w != 0).sum()) * 6))]
+            except Exception as e:  # noqa: BLE001
+                print(f"CSR unavailable: {e}")
+            for n in ns:
+                x = torch.randn(n, k, device="cuda", generator=gen).half()
+                ys = [torch.empty(n, m, device="cuda", dtype=torch.float16) for _ in range(npk)]
+                ours, _ = time_calls([lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i]) for i in range(npk)])
+                extra = {}
+                if tune and n in (1, 16):
+                    gm, gk = p.grid
+                    for s in sorted({1, 2, 4, 8, 16, 32, 64} & set(range(1, gk + 1))):
+                        extra[f"splits{s}"] = time_calls(
+                            [lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i], splits=s) for i in range(npk)])[0]
+                if tune and n <= 8:
+                    extra["cudacore"] = time_calls(
+                        [lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i], cuda_core_max_n=8) for i in range(npk)])[0]
+                    extra["mma"] = time_calls(
+                        [lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i], cuda_core_max_n=0) for i in range(npk)])[0]
+                csr_t, csr_mode = float("nan"), "-"
+                if csr is not None:
+                    try:
+                        xt = x.t().contiguous()
+                        csr_t, csr_mode = time_calls([lambda i=i: torch.mm(csr[i], xt) for i in range(len(csr))], reps=5)
+                    except Exception as e:  # noqa: BLE001
+                        csr_mode = f"fail:{type(e).__name__}"
+                moved = p.nbytes + x.numel() * 2 + n * m * 2
+                floor = moved / bw * 1e6
+                dense_floor = (m * k * 2 + x.numel() * 2 + n * m * 2) / bw * 1e6
+                row = dict(m=m, k=k, sparsity=sp, n=n, ours_us=ours, cublas_us=cublas[n],
+                           speedup=cublas[n] / ours, floor_us=floor, dense_floor_us=dense_floor,
+                           pct_of_floor=floor / ours, semi24_us=semi_t.get(n, (float("nan"), "-"))[0],
+                           semi24_mode=semi_t.get(n, (0, "-"))[1], csr_us=csr_t, csr_mode=csr_mode,
+                           packed_bytes=p.nbytes, **extra)
+                rows.append(row)
+                ex = " ".join(f"{a}={b:.1f}" for a, b in extra.items())
+                print(f"{m:>5}x{k:<5} sp={sp:.1f} N={n:<2} ours {ours:7.1f}us cuBLAS {cublas[n]:7.1f}us "
+                      f"x{cublas[n] / ours:4.2f} floor {floor:6.1f}us ({floor / ours:4.0%}) "
+                      f"2:4 {row['semi24_us']:7.1f} CSR {csr_t:8.1f}({csr_mode}) {ex}", flush=True)
+            del pcopies, csr
+    return bw, rows
+
+
+def table(rows) -> str:
+    lines = ["| M x K | sparsity | N | TCA-BME us | cuBLAS us | speedup | floor us | % of floor | 2:4 us | CSR us |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['m']}x{r['k']} | {r['sparsity']:.0%} | {r['n']} | {r['ours_us']:.1f} | "
+                     f"{r['cublas_us']:.1f} | {r['speedup']:.2f}x | {r['floor_us']:.1f} | "
+                     f"{r['pct_of_floor']:.0%} | {r['semi24_us']:.1f} | {r['csr_us']:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="4096x4096 and the demo shapes only")
+    ap.add_argument("--tune", action="store_true", help="also time split-K counts and both variants")
+    ap.add_argument("--shapes", default=None, help="e.g. 4096x4096,576x576")
+    ap.add_argument("--ns", default=None, help="e.g. 1,16")
+    ap.add_argument("--sparsities", default=None, help="e.g. 0.5,0.7")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args()
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    elif args.quick:
+        shapes = [SHAPES[0], SHAPES[4], SHAPES[6]]
+    ns = [int(v) for v in args.ns.split(",")] if args.ns else NS
+    sps = [float(v) for v in args.sparsities.split(",")] if args.sparsities else SPARSITIES
+    bw, rows = bench(shapes, ns, sps, args.tune)
+    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                torch=torch.__version__, copy_bw_TBps=bw / 1e12, command=" ".join(sys.argv))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "bench_kernels.json"), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(json.dumps(meta))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
