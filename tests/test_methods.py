@@ -309,6 +309,26 @@ def test_prune_weight_errors():
         prune_weight(torch.randn(8, 16), "wanda", 0.5, "unstructured", st)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_hybrid_tiles_dense_or_2of4(method):
+    """Every 8x8 tile is dense or 2:4, with round(s / 0.5 * n_tiles) 2:4 tiles; s = 0.5 is plain 2:4."""
+    g = torch.Generator().manual_seed(81)
+    w = torch.randn(24, 32, generator=g) * (1 + 3 * torch.rand(24, 1, generator=g))
+    st = stats_for(realistic_inputs(256, 32, seed=82))
+    for s in (0.125, 0.25, 0.4):
+        res = prune_weight(w, method, s, "hybrid:8", st)
+        tiles = res.mask.reshape(3, 8, 4, 8).permute(0, 2, 1, 3).reshape(12, 8, 2, 4)
+        dense = tiles.all(dim=(1, 2, 3))
+        two_four = (tiles.sum(-1) == 2).all(dim=(1, 2))
+        assert (dense | two_four).all()
+        assert int(two_four.sum()) == round(s / 0.5 * 12) == res.info["sparse_tiles"]
+        assert ((res.weight == 0) == ~res.mask).all()
+    full = prune_weight(w, method, 0.5, "hybrid:8", st)
+    nm = prune_weight(w, method, None, "2:4", st)
+    assert torch.equal(full.mask, nm.mask)
+    torch.testing.assert_close(full.weight, nm.weight)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_matches_cpu():
     w = torch.randn(64, 256)
@@ -320,7 +340,10 @@ def test_cuda_matches_cpu():
     for method in METHODS:
         for pattern in ("unstructured", "2:4"):
             a = prune_weight(w, method, 0.5, pattern, st_cpu)
-            b = prune_weight(w.cuda().half(), method, 0.5, pattern, st_gpu)
-            assert b.weight.is_cuda and b.weight.dtype == torch.float16
+            b = prune_weight(w.cuda(), method, 0.5, pattern, st_gpu)
+            assert b.weight.is_cuda and b.mask.is_cuda
             agree = (a.mask == b.mask.cpu()).float().mean().item()
             assert agree > 0.98, (method, pattern, agree)
+            h = prune_weight(w.cuda().half(), method, 0.5, pattern, st_gpu)
+            assert h.weight.dtype == torch.float16 and (h.weight[~h.mask] == 0).all()
+            assert (~h.mask).sum().item() == 64 * 128
