@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from sparsekit.atomic import atomic_output_dir, check_output_dir
@@ -123,11 +124,15 @@ def target_dtype(config: dict) -> torch.dtype:
     return torch.bfloat16 if "bfloat16" in name else torch.float16
 
 
-def detect_pattern(w: torch.Tensor, nonzero: torch.Tensor) -> str:
-    """A label for the weight's sparsity pattern: "dense", "2:4" (along the input dim) or "unstructured"."""
+def detect_pattern(raw) -> str:
+    """A label for a weight's sparsity pattern: "dense", "2:4" (along the input dim) or "unstructured".
+
+    ``raw`` is the [out, in] weight's 16-bit patterns as a numpy array.
+    """
+    nonzero = raw != 0
     if bool(nonzero.all()):
         return "dense"
-    if w.shape[1] % 4 == 0 and bool((nonzero.reshape(w.shape[0], -1, 4).sum(-1) <= 2).all()):
+    if raw.shape[1] % 4 == 0 and int(nonzero.reshape(raw.shape[0], -1, 4).sum(-1, dtype=np.int8).max()) <= 2:
         return "2:4"
     return "unstructured"
 
@@ -269,16 +274,17 @@ def encode(
 def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: float, force: bool,
                   manifest: dict) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     w = t.t() if transposed else t
-    nonzero = w.view(torch.int16) != 0
+    raw = w.contiguous().view(torch.int16).numpy()   # bit patterns: -0.0 counts as stored
+    nnz = int(np.count_nonzero(raw))
     numel = w.numel()
-    sparsity = 1.0 - int(nonzero.sum()) / numel if numel else 0.0
+    sparsity = 1.0 - nnz / numel if numel else 0.0
     dense_bytes = numel * w.element_size()
     info: dict[str, Any] = {
         "shape": [int(w.shape[0]), int(w.shape[1])],
         "transposed": bool(transposed),
         "dtype": DTYPE_NAMES[w.dtype],
         "sparsity": round(sparsity, 6),
-        "pattern": manifest.get("pattern") or detect_pattern(w, nonzero),
+        "pattern": manifest.get("pattern") or detect_pattern(raw),
         "dense_bytes": dense_bytes,
     }
     if sparsity < min_sparsity and not force:
@@ -287,7 +293,7 @@ def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: 
                            "kept dense (--force packs it anyway)")
         return info, {}
     packed = tcabme.encode(w)
-    info.update(packed=True, stored_bytes=packed.nbytes, nnz=int(nonzero.sum()),
+    info.update(packed=True, stored_bytes=packed.nbytes, nnz=nnz,
                 reason="forced (--force)" if sparsity < min_sparsity else
                 f"sparsity {sparsity:.1%} >= min-sparsity {min_sparsity:.0%}")
     return info, packed.tensors(module)

@@ -157,13 +157,18 @@ def _dense_view(w: torch.Tensor, gm: int, gk: int) -> torch.Tensor:
 
 
 def _popcount_bytes(by: torch.Tensor) -> torch.Tensor:
+    """Set bits of each uint8, as int32."""
+    if _numpy_path(by) and hasattr(np, "bitwise_count"):
+        return torch.from_numpy(np.bitwise_count(by.numpy()).astype(np.int32))
     return _POPCOUNT8.to(by.device)[by.long()]
 
 
 def popcount(bitmaps: torch.Tensor) -> torch.Tensor:
     """Set bits of each uint64 bitmap, as int32."""
+    if _numpy_path(bitmaps) and hasattr(np, "bitwise_count"):
+        return torch.from_numpy(np.bitwise_count(bitmaps.contiguous().view(torch.int64).numpy().view(np.uint64)).astype(np.int32))
     by = bitmaps.contiguous().view(torch.uint8).reshape(-1, 8)
-    return _popcount_bytes(by).sum(dim=1, dtype=torch.int32)
+    return _POPCOUNT8.to(by.device)[by.long()].sum(dim=1, dtype=torch.int32)
 
 
 # CPU fast path through numpy (compress / flatnonzero / unpackbits are several times faster than
