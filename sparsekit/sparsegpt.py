@@ -132,11 +132,10 @@ def sparsegpt_prune(
     U, info["damp"] = inverse_hessian_cholesky(H, percdamp, warn)
     del H
     inv_d = U.diagonal().reciprocal()  # 1 / sqrt([H_F^-1]_cc)
-    inv_d2 = inv_d.square()
 
     sparse_rows = None  # hybrid: [cols/T, rows] bool, rows that are 2:4 in each column tile
     if pattern.is_hybrid:
-        tiles = hybrid_sparse_tiles(W.square() * inv_d2, sparsity, pattern.tile)
+        tiles = hybrid_sparse_tiles((W * inv_d).square(), sparsity, pattern.tile)
         info["sparse_tiles"] = int(tiles.sum().item())
         sparse_rows = tiles.t().repeat_interleave(pattern.tile, dim=1).contiguous()
     budgets = _block_budgets(rows, cols, blocksize, sparsity) if pattern.is_unstructured else None
@@ -152,30 +151,29 @@ def sparsegpt_prune(
         U1 = U[i1:i2, i1:i2]
         P1 = prune_t[i1:i2]
         E1 = torch.empty(count, rows, dtype=dtype, device=dev)  # err of each column, w_pruned / U_cc
+        # per-column views, made once per block (keeps the Python overhead of the sweep low)
+        w_rows, e_rows, u_rows = W1.unbind(0), E1.unbind(0), U1.unbind(0)
+        id1 = inv_d[i1:i2, None]
         if budgets is not None:
             k = budgets[b]
             if k > 0:
-                scores = (W1.square() * inv_d2[i1:i2, None]).reshape(-1)
+                scores = (W1 * id1).square_().reshape(-1)
                 P1.view(-1)[torch.topk(scores, k, largest=False, sorted=False).indices] = True
-            F1 = P1 * inv_d[i1:i2, None]
-            for j in range(count):
-                torch.mul(W1[j], F1[j], out=E1[j])
-                if j + 1 < count:
-                    W1[j + 1 :].addr_(U1[j, j + 1 :], E1[j], alpha=-1)
+            f_rows = (P1 * id1).unbind(0)  # err = w * pruned / U_cc
         else:
-            for j in range(count):
-                if j % m == 0:
-                    g = W1[j : j + m]
-                    scores = g.square() * inv_d2[i1 + j : i1 + j + m, None]
-                    idx = torch.topk(scores, m - n_keep, dim=0, largest=False, sorted=False).indices
-                    Pg = P1[j : j + m]
-                    Pg.scatter_(0, idx, True)
-                    if sparse_rows is not None:
-                        Pg &= sparse_rows[(i1 + j) // pattern.tile]
-                    Fg = Pg * inv_d[i1 + j : i1 + j + m, None]
-                torch.mul(W1[j], Fg[j % m], out=E1[j])
-                if j + 1 < count:
-                    W1[j + 1 :].addr_(U1[j, j + 1 :], E1[j], alpha=-1)
+            f_rows = [None] * count
+        for j in range(count):
+            if budgets is None and j % m == 0:
+                scores = (W1[j : j + m] * id1[j : j + m]).square_()
+                idx = torch.topk(scores, m - n_keep, dim=0, largest=False, sorted=False).indices
+                Pg = P1[j : j + m]
+                Pg.scatter_(0, idx, True)
+                if sparse_rows is not None:
+                    Pg &= sparse_rows[(i1 + j) // pattern.tile]
+                f_rows[j : j + m] = (Pg * id1[j : j + m]).unbind(0)
+            e = torch.mul(w_rows[j], f_rows[j], out=e_rows[j])
+            if j + 1 < count:
+                W1[j + 1 :].addr_(u_rows[j][j + 1 :], e, alpha=-1)
         W1.masked_fill_(P1, 0)
         loss += E1.square().sum()
         if i2 < cols:
