@@ -56,7 +56,7 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
         xp = torch.zeros((n, kp), dtype=x.dtype, device=x.device)
         xp[:, :k] = x
         x = xp
-    if kp == 0:
+    if kp == 0 or w.values.numel() == 0:   # nothing stored: the product is zero
         return out.zero_()
     launch.launch(x, w, out, **tuning)
     return out

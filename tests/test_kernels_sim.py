@@ -1,0 +1,96 @@
+"""TCA-BME kernels against a float64 reference, under Numba's CUDA simulator when there is no GPU.
+
+What the simulator covers: the whole kernel source as written (staging, SMBD decode and its
+popcount indexing, the m16n8k16 fragment layout through an exact emulation of the mma contract,
+the CUDA-core variant, split-K partials with the last-block reduction and counter reset, M/K
+padding, token chunking). What it cannot cover: the inline PTX itself (mma.sync, cvt, 16-byte
+loads) and warp-synchronous timing; scripts/gpu_check_kernels.py checks those on a GPU. Sizes are
+tiny because the simulator runs every thread in Python.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekit.kernels import kernels_available, reference_matmul, tcabme_matmul
+from sparsekit.kernels._intrinsics import SIM
+from sparsekit.tcabme import encode
+
+DEV = "cpu" if SIM else "cuda"
+if not SIM and not torch.cuda.is_available():  # pragma: no cover - conftest sets the simulator
+    pytest.skip("neither the CUDA simulator nor a GPU", allow_module_level=True)
+
+
+def _case(m, k, n, sparsity, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(m, k, generator=g).half()
+    w[torch.rand(m, k, generator=g) < sparsity] = 0
+    x = torch.randn(n, k, generator=g).half()
+    return w, x
+
+
+def _check(m, k, n, sparsity, seed=0, **tuning):
+    w, x = _case(m, k, n, sparsity, seed)
+    p = encode(w).to(DEV)
+    out = torch.full((n, m), float("nan"), dtype=torch.float16, device=DEV)   # poisoned
+    y = tcabme_matmul(x.to(DEV), p, out=out, **tuning)
+    assert y is out
+    ref = x.double() @ w.double().t()
+    assert not torch.isnan(y).any(), "some outputs were never written"
+    err = (y.cpu().double() - ref).norm() / ref.norm()
+    assert err < 1e-3, f"relative error {err:.2e}"   # fp16 output rounding is ~2e-4
+
+
+@pytest.mark.parametrize(
+    "m,k,n,sparsity,tuning",
+    [
+        (128, 128, 16, 0.5, dict(splits=2)),               # tensor cores, 2 x 2 GroupTiles, split-K
+        (64, 64, 3, 0.5, dict(cuda_core_max_n=0)),         # tensor cores, N padded to 8
+        (100, 72, 3, 0.7, dict(splits=2, cuda_core_max_n=8)),  # CUDA cores, M and K padding, split-K
+        (64, 128, 1, 0.0, dict(cuda_core_max_n=8)),        # dense tile: 4 value chunks per thread
+    ],
+)
+def test_kernel_matches_float64_reference(m, k, n, sparsity, tuning):
+    _check(m, k, n, sparsity, **tuning)
+
+
+def test_split_k_counter_resets_between_calls():
+    # the arrival counters must be back at zero after a split-K call, or the next call's
+    # last-block election (and so its output) is wrong
+    _check(64, 128, 2, 0.6, seed=1, splits=2, cuda_core_max_n=0)
+    _check(64, 128, 2, 0.6, seed=2, splits=2, cuda_core_max_n=0)
+
+
+def test_more_than_64_tokens_are_chunked():
+    _check(64, 64, 66, 0.5, seed=3)
+
+
+def test_empty_weight_gives_zeros():
+    w = torch.zeros(64, 64, dtype=torch.float16)
+    x = torch.randn(2, 64).half()
+    y = tcabme_matmul(x.to(DEV), encode(w).to(DEV))
+    assert torch.equal(y.cpu(), torch.zeros(2, 64, dtype=torch.float16))
+
+
+def test_reference_matmul_is_decode_then_matmul():
+    w, x = _case(70, 90, 5, 0.5, 4)
+    y = reference_matmul(x, encode(w))
+    ref = x.double() @ w.double().t()
+    assert y.dtype == torch.float16 and y.shape == (5, 70)
+    assert (y.double() - ref).norm() / ref.norm() < 1e-3
+
+
+def test_bad_inputs_are_rejected():
+    w, x = _case(64, 64, 2, 0.5, 5)
+    p = encode(w).to(DEV)
+    with pytest.raises(ValueError):
+        tcabme_matmul(x.float().to(DEV), p)
+    with pytest.raises(ValueError):
+        tcabme_matmul(x[:, :32].contiguous().to(DEV), p)
+    with pytest.raises(ValueError):
+        tcabme_matmul(x.to(DEV), p, out=torch.empty(2, 63, dtype=torch.float16, device=DEV))
+
+
+@pytest.mark.skipif(not SIM, reason="simulator only")
+def test_kernels_unavailable_under_simulator():
+    assert kernels_available() is False
