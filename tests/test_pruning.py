@@ -1,0 +1,111 @@
+"""prune(): the saved checkpoint (exact sparsity, N:M invariants, sparsekit.json) and safe output."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sparsekit.errors import SparsekitError
+from sparsekit.pruning import prune
+from tiny_models import save_tiny, write_corpus
+
+META_KEYS = {"sparsekit_version", "model", "method", "pattern", "sparsity", "calibration", "skip", "layers",
+             "versions", "elapsed_s"}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("prune")
+    save_tiny("llama", d / "llama")
+    save_tiny("gpt2", d / "gpt2")
+    write_corpus(d / "calib.txt")
+    return d
+
+
+def _saved_tensors(out: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def _as_out_in(t: torch.Tensor, kind: str) -> torch.Tensor:
+    return t.t() if kind == "conv1d" else t
+
+
+@pytest.mark.parametrize("arch,method,pattern", [("llama", "sparsegpt", "2:4"), ("gpt2", "wanda", "2:4"),
+                                                 ("llama", "wanda", "unstructured")])
+def test_saved_checkpoint_has_exact_sparsity(workdir, arch, method, pattern):
+    out = workdir / f"out-{arch}-{method}-{pattern.replace(':', '')}"
+    rep = prune(str(workdir / arch), method=method, pattern=pattern, sparsity=0.5 if pattern == "unstructured" else None,
+                calib=str(workdir / "calib.txt"), nsamples=4, seqlen=64, seed=0, output=out, device="cpu",
+                warn=lambda m: None)
+    for f in ("config.json", "sparsekit.json"):
+        assert (out / f).is_file()
+    assert list(out.glob("*.safetensors")) and list(out.glob("tokenizer*"))
+    meta = json.loads((out / "sparsekit.json").read_text())
+    assert set(meta) == META_KEYS
+    assert meta["method"] == method and meta["pattern"] == pattern and meta["sparsity"] == 0.5
+    assert meta["calibration"] == {"dataset": str(workdir / "calib.txt"), "nsamples": 4, "seqlen": 64, "seed": 0}
+    assert meta["skip"] == ["lm_head"]
+    assert rep["overall_sparsity"] == pytest.approx(0.5)
+    tensors = _saved_tensors(out)
+    n_linears = {"llama": 7, "gpt2": 4}[arch] * 3
+    assert len(meta["layers"]) == n_linears
+    for name, info in meta["layers"].items():
+        w = _as_out_in(tensors[f"{name}.weight"], info["kind"])
+        assert list(w.shape) == info["shape"]
+        assert (w == 0).sum().item() == w.numel() // 2, name  # exactly the requested sparsity
+        assert info["sparsity"] == 0.5
+        if pattern == "2:4":
+            assert ((w.reshape(w.shape[0], -1, 4) == 0).sum(-1) >= 2).all(), name
+    head = tensors.get("lm_head.weight", tensors.get("transformer.wte.weight"))
+    assert head is not None and (head == 0).float().mean() < 0.01  # lm_head stays dense
+
+
+def test_existing_output_refused_before_loading(workdir):
+    out = workdir / "exists"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(SparsekitError, match="--overwrite"):
+        prune(str(workdir / "no-such-model"), method="magnitude", output=out)  # output checked first
+    assert (out / "keep.txt").read_text() == "mine"
+    prune(str(workdir / "llama"), method="magnitude", pattern="4:8", output=out, overwrite=True, device="cpu")
+    assert not (out / "keep.txt").exists()
+    assert json.loads((out / "sparsekit.json").read_text())["calibration"]["nsamples"] == 0
+
+
+def test_failure_leaves_no_output_and_no_temp_dir(workdir, monkeypatch):
+    from transformers import PreTrainedTokenizerFast
+
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(PreTrainedTokenizerFast, "save_pretrained", boom)
+    parent = workdir / "failing"
+    parent.mkdir()
+    with pytest.raises(RuntimeError, match="disk full"):
+        prune(str(workdir / "llama"), method="magnitude", output=parent / "out", device="cpu")
+    assert list(parent.iterdir()) == []
+
+
+def test_seqlen_capped_to_model_context(workdir):
+    notes = []
+    rep = prune(str(workdir / "llama"), method="wanda", calib=str(workdir / "calib.txt"), nsamples=2, seqlen=4096,
+                output=workdir / "capped", device="cpu", warn=notes.append)
+    assert rep["calibration"]["seqlen"] == 256  # the tiny model's max_position_embeddings
+    assert any("context" in n for n in notes)
+
+
+def test_skip_patterns_leave_modules_dense(workdir):
+    rep = prune(str(workdir / "llama"), method="magnitude", skip=["lm_head", "*.mlp.down_proj", "model.layers.0.*"],
+                output=workdir / "skipped", device="cpu")
+    names = set(rep["layers"])
+    assert not any(".down_proj" in n or ".layers.0." in n for n in names)
+    assert len(names) == 2 * 6
+    with pytest.raises(SparsekitError, match="skip"):
+        prune(str(workdir / "llama"), method="magnitude", skip=["*"], output=workdir / "none", device="cpu")
+    assert not (workdir / "none").exists()

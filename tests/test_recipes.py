@@ -1,0 +1,67 @@
+"""Recipes: every shipped file is valid, they cover every method x pattern, bad keys fail clearly,
+and explicit settings override the recipe."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sparsekit.errors import SparsekitError
+from sparsekit.methods import METHODS
+from sparsekit.recipes import DEFAULTS, load_recipe, resolve_settings
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+PATTERN_OF_TAG = {"unstructured50": ("unstructured", 0.5), "2of4": ("2:4", 0.5), "4of8": ("4:8", 0.5),
+                  "hybrid": ("hybrid", 0.25)}
+
+
+def test_shipped_recipes_cover_every_method_and_pattern():
+    names = {p.stem for p in RECIPES.glob("*.yaml")}
+    assert names == {f"{m}-{t}" for m in METHODS for t in PATTERN_OF_TAG}
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_recipe_is_valid_and_named_after_its_content(path):
+    s = resolve_settings(path)
+    method, tag = path.stem.split("-", 1)
+    assert s["method"] == method
+    assert (s["pattern"], s["sparsity"]) == PATTERN_OF_TAG[tag]
+    assert "lm_head" in s["skip"]
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "r.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_flags_override_the_recipe_and_recipe_overrides_defaults(tmp_path):
+    p = _write(tmp_path, 'method: sparsegpt\npattern: "4:8"\ncalibration: {nsamples: 16, seed: 3}\n'
+                         "skip: [lm_head, '*.down_proj']\nsparsegpt: {damp: 0.05}\n")
+    s = resolve_settings(p)
+    assert (s["method"], s["pattern"], s["nsamples"], s["seed"], s["damp"]) == ("sparsegpt", "4:8", 16, 3, 0.05)
+    assert s["seqlen"] == DEFAULTS["seqlen"] and s["skip"] == ["lm_head", "*.down_proj"]
+    s = resolve_settings(p, method="wanda", pattern="unstructured", sparsity=0.7, nsamples=8, skip=["lm_head"])
+    assert (s["method"], s["pattern"], s["sparsity"], s["nsamples"], s["seed"]) == ("wanda", "unstructured", 0.7, 8, 3)
+    assert s["skip"] == ["lm_head"]
+    assert resolve_settings(p, seed=None)["seed"] == 3  # None means "not given"
+
+
+@pytest.mark.parametrize("text,match", [
+    ("method: wanda\nsparsty: 0.5\n", "sparsty"),
+    ("method: wanda\ncalibration: {nsample: 4}\n", "nsample"),
+    ("method: wanda\npattern: 2:4\n", "quote"),
+    ("method: prune-harder\n", "unknown method"),
+    ("- wanda\n", "mapping"),
+    ("method: [wanda\n", "not valid YAML"),
+    ("pattern: unstructured\nsparsity: 1.5\n", "out of range"),
+    ("calibration: {nsamples: 0}\n", "nsamples"),
+])
+def test_bad_recipes_fail_with_a_clear_message(tmp_path, text, match):
+    with pytest.raises(SparsekitError, match=match):
+        resolve_settings(_write(tmp_path, text))
+
+
+def test_missing_recipe_file():
+    with pytest.raises(SparsekitError, match="not found"):
+        load_recipe("recipes/does-not-exist.yaml")
