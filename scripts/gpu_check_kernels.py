@@ -114,6 +114,13 @@ def check(quick: bool) -> int:
             if not (e < 1e-2):
                 failures.append(("graph", n, e))
                 print(f"FAIL graph n={n}: rel err {e}", flush=True)
+    from sparsekit.kernels import spmm
+    for key, kern in sorted(spmm._KERNELS.items()):
+        try:
+            print(f"kernel nt={key[0]} mma={key[1]}: regs {kern.get_regs_per_thread()}, "
+                  f"smem {kern.get_shared_mem_per_block()} B, local {kern.get_local_mem_per_thread()} B")
+        except Exception as e:  # noqa: BLE001
+            print(f"kernel {key}: resource query failed: {e}")
     print(f"gpu_check_kernels: {cases} cases, {len(failures)} failures, worst rel err {worst:.2e}, "
           f"{time.time() - t0:.0f}s")
     return 1 if failures else 0
