@@ -347,3 +347,16 @@ def test_cuda_matches_cpu():
             h = prune_weight(w.cuda().half(), method, 0.5, pattern, st_gpu)
             assert h.weight.dtype == torch.float16 and (h.weight[~h.mask] == 0).all()
             assert (~h.mask).sum().item() == 64 * 128
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_transposed_parameter_views(method):
+    """GPT-2's Conv1D stores [in, out]: the engine hands over a transposed view of a Parameter."""
+    g = torch.Generator().manual_seed(91)
+    stored = torch.nn.Parameter(torch.randn(32, 16, generator=g))  # [in, out]
+    st = stats_for(realistic_inputs(128, 32, seed=92))
+    for pattern in ("unstructured", "2:4"):
+        res = prune_weight(stored.t(), method, 0.5, pattern, st)
+        ref = prune_weight(stored.detach().t().contiguous(), method, 0.5, pattern, st)
+        assert torch.equal(res.mask, ref.mask) and torch.equal(res.weight, ref.weight)
+        assert not res.weight.requires_grad
