@@ -5,6 +5,8 @@ import itertools
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sparsekit.errors import SparsekitError
 from sparsekit.patterns import (
@@ -174,3 +176,45 @@ def test_select_mask_dispatch():
     assert torch.equal(select_mask(s, Pattern.parse("2:4"), 0.5), nm_mask(s, 2, 4))
     assert torch.equal(select_mask(s, Pattern.parse("unstructured"), 0.3, "layer"), unstructured_mask(s, 0.3, "layer"))
     assert torch.equal(select_mask(s, Pattern.parse("hybrid:8"), 0.25), hybrid_mask(s, 0.25, 8))
+
+
+# ----------------------------------------------------------------------------- properties
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    groups=st.integers(1, 6),
+    nm=st.sampled_from([(1, 2), (2, 4), (1, 4), (3, 4), (4, 8), (2, 8)]),
+    levels=st.integers(1, 5),
+    seed=st.integers(0, 2**16),
+)
+def test_nm_mask_property(rows, groups, nm, levels, seed):
+    n, m = nm
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, levels, (rows, groups * m), generator=g).float()  # few levels: many ties
+    keep = nm_mask(scores, n, m).reshape(rows, groups, m)
+    assert (keep.sum(-1) == n).all()
+    s = scores.reshape(rows, groups, m)
+    assert (torch.where(keep, s, torch.inf).amin(-1) >= torch.where(~keep, s, -torch.inf).amax(-1)).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 7),
+    cols=st.integers(1, 30),
+    sparsity=st.floats(0, 0.999),
+    group=st.sampled_from(["row", "layer"]),
+    seed=st.integers(0, 2**16),
+)
+def test_unstructured_mask_property(rows, cols, sparsity, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, 4, (rows, cols), generator=g).float()
+    keep = unstructured_mask(scores, sparsity, group)
+    if group == "row":
+        assert ((~keep).sum(1) == n_pruned(cols, sparsity)).all()
+        lo = torch.where(keep, scores, torch.inf).amin(1)
+        hi = torch.where(~keep, scores, -torch.inf).amax(1)
+        assert (lo >= hi).all()
+    else:
+        assert (~keep).sum() == n_pruned(rows * cols, sparsity)
+        if keep.any() and (~keep).any():
+            assert scores[keep].min() >= scores[~keep].max()
