@@ -58,7 +58,8 @@ def build_model(shape: str, dtype=torch.float16, seed: int = 0):
     return model.eval()
 
 
-def run_one(shape: str, method: str, pattern: str, nsamples: int, seqlen: int, device: str, batch_size=None) -> dict:
+def run_one(shape: str, method: str, pattern: str, nsamples: int, seqlen: int, device: str, batch_size=None,
+            overlap: bool = True) -> dict:
     from sparsekit.engine import prune_model
     from sparsekit.methods import needs_stats
     from sparsekit.patterns import Pattern
@@ -74,7 +75,11 @@ def run_one(shape: str, method: str, pattern: str, nsamples: int, seqlen: int, d
         torch.cuda.reset_peak_memory_stats()
     pat = Pattern.parse(pattern)
     rep = prune_model(model, calib, method=method, sparsity=pat.resolve_sparsity(None), pattern=pat,
-                      skip=["lm_head"], device=device, batch_size=batch_size, warn=warnings.append)
+                      skip=["lm_head"], device=device, batch_size=batch_size, overlap=overlap,
+                      warn=warnings.append)
+    # the pruned values really landed in the CPU model (first and last layer)
+    cpu_sparsity = [round(float((lay.mlp.down_proj.weight == 0).float().mean()), 4)
+                    for lay in (model.model.layers[0], model.model.layers[-1])]
     layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
     act_bytes = nsamples * seqlen * model.config.hidden_size * 2 if calib is not None else 0
     per = rep["per_layer"]
@@ -85,6 +90,7 @@ def run_one(shape: str, method: str, pattern: str, nsamples: int, seqlen: int, d
     sp = [v["sparsity"] for v in rep["layers"].values()]
     out = {
         "shape": shape, "method": method, "pattern": pattern, "nsamples": nsamples, "seqlen": seqlen,
+        "overlap": overlap,
         "build_s": round(t_build, 2),
         "total_s": round(rep["seconds"], 2),
         "capture_s": round(rep["capture_seconds"], 2),
@@ -95,6 +101,7 @@ def run_one(shape: str, method: str, pattern: str, nsamples: int, seqlen: int, d
         "layer_mib": round(layer_bytes / 2**20),
         "activations_mib": round(act_bytes / 2**20),
         "linears": len(sp), "min_sparsity": min(sp), "max_sparsity": max(sp),
+        "cpu_down_proj_sparsity_first_last": cpu_sparsity,
         "warnings": len(warnings), "first_warning": warnings[0] if warnings else None,
     }
     del model
@@ -110,6 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--no-overlap", action="store_true", help="move layers synchronously (no background copies)")
     ap.add_argument("--warmup", action="store_true", help="run the first (shape, method) once untimed first")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -129,7 +137,8 @@ def main(argv=None) -> int:
         run_one(args.shape[0], args.methods[0], args.pattern, 8, min(args.seqlen, 512), args.device, args.batch_size)
     for shape in args.shape:
         for method in args.methods:
-            r = run_one(shape, method, args.pattern, args.nsamples, args.seqlen, args.device, args.batch_size)
+            r = run_one(shape, method, args.pattern, args.nsamples, args.seqlen, args.device, args.batch_size,
+                        overlap=not args.no_overlap)
             print(json.dumps(r), flush=True)
             results.append(r)
     if args.json:
