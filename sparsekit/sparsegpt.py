@@ -156,9 +156,10 @@ def sparsegpt_prune(
         id1 = inv_d[i1:i2, None]
         if budgets is not None:
             k = budgets[b]
-            if k > 0:
-                scores = (W1 * id1).square_().reshape(-1)
-                P1.view(-1)[torch.topk(scores, k, largest=False, sorted=False).indices] = True
+            if k == 0:  # nothing to prune in this block: no errors, no updates
+                continue
+            scores = (W1 * id1).square_().reshape(-1)
+            P1.view(-1)[torch.topk(scores, k, largest=False, sorted=False).indices] = True
             f_rows = (P1 * id1).unbind(0)  # err = w * pruned / U_cc
         else:
             f_rows = [None] * count
