@@ -284,7 +284,7 @@ def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: 
         "transposed": bool(transposed),
         "dtype": DTYPE_NAMES[w.dtype],
         "sparsity": round(sparsity, 6),
-        "pattern": manifest.get("pattern") or detect_pattern(raw),
+        "pattern": _layer_pattern(manifest, module) or detect_pattern(raw),
         "dense_bytes": dense_bytes,
     }
     if sparsity < min_sparsity and not force:
@@ -297,6 +297,13 @@ def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: 
                 reason="forced (--force)" if sparsity < min_sparsity else
                 f"sparsity {sparsity:.1%} >= min-sparsity {min_sparsity:.0%}")
     return info, packed.tensors(module)
+
+
+def _layer_pattern(manifest: dict, module: str) -> str | None:
+    """The pattern the pruner recorded for this layer (its own entry first, then the run's)."""
+    entry = (manifest.get("layers") or {}).get(module) or {}
+    info = entry.get("info") if isinstance(entry.get("info"), dict) else {}
+    return entry.get("pattern") or info.get("pattern") or manifest.get("pattern")
 
 
 def _first_dtype(layers: dict) -> torch.dtype:
