@@ -33,21 +33,22 @@ def inverse_hessian_cholesky(
     hessian: torch.Tensor, percdamp: float = 0.01, warn: Callable[[str], object] = print
 ) -> tuple[torch.Tensor, float]:
     """Upper Cholesky factor U of (H + damp*I)^-1 (so that (H + damp*I)^-1 = U^T U), with
-    damp = percdamp * mean(diag H).
+    damp = percdamp * mean(diag H); dead inputs (H_ii == 0) first get H_ii = 1.
 
     Computed without forming the inverse: with J the order-reversing permutation and
     J H J = L L^T, U = J L^-1 J (one Cholesky and one triangular solve). If the factorization
     fails (H numerically singular or indefinite), retries with 10x the dampening, says so through
     ``warn`` and returns the percdamp that worked. ``hessian`` is not modified.
     """
-    mean_diag = hessian.diagonal().mean().item()
-    if not math.isfinite(mean_diag) or mean_diag <= 0:
+    rev = hessian.flip((0, 1))  # a copy: J H J (same diagonal, reversed)
+    diag = rev.diagonal()
+    diag[diag == 0] = 1
+    mean_diag = diag.mean().item()
+    if not math.isfinite(mean_diag) or mean_diag <= 0 or not bool(torch.isfinite(rev).all()):
         raise SparsekitError(
             "the input Hessian is not finite or has no positive diagonal: the calibration activations "
-            "overflowed or are all zero; calibrate in fp32/bf16 or with other data"
+            "overflowed; calibrate in fp32/bf16 or with other data"
         )
-    rev = hessian.flip((0, 1))  # a copy: J H J
-    diag = rev.diagonal()
     pd, added = float(percdamp), 0.0
     for attempt in range(MAX_DAMP_RETRIES + 1):
         diag.add_(pd * mean_diag - added)
@@ -55,16 +56,18 @@ def inverse_hessian_cholesky(
         chol, err = torch.linalg.cholesky_ex(rev)
         if err.item() == 0:
             eye = torch.eye(chol.shape[0], dtype=chol.dtype, device=chol.device)
-            upper = torch.linalg.solve_triangular(chol, eye, upper=False).flip((0, 1)).contiguous()
+            inv = torch.linalg.solve_triangular(chol, eye, upper=False)  # L^-1
             del chol, eye
-            if bool(torch.isfinite(upper.diagonal()).all()) and bool((upper.diagonal() > 0).all()):
+            if bool(torch.isfinite(inv.diagonal()).all()) and bool((inv.diagonal() > 0).all()):
+                del rev
+                upper = inv.flip((0, 1)).contiguous()
                 if attempt:
                     warn(
                         f"sparsegpt: Cholesky failed with dampening {percdamp:g} of the mean Hessian "
                         f"diagonal (Hessian singular or indefinite); succeeded with {pd:g}"
                     )
                 return upper, pd
-            del upper
+            del inv
         pd = pd * 10 if pd > 0 else 0.01
     raise SparsekitError(
         f"the input Hessian is not positive definite even with dampening {pd / 10:g} of its mean "
@@ -122,12 +125,11 @@ def sparsegpt_prune(
         return weight.detach().to(dtype, copy=True), torch.ones(rows, cols, dtype=torch.bool, device=dev), info
 
     W = weight.detach().to(dtype=dtype, copy=True)
-    H = hessian.detach().to(device=dev, dtype=dtype, copy=True)
+    H = hessian.detach().to(device=dev, dtype=dtype)  # not modified: no copy needed
     dead = H.diagonal() == 0
     n_dead = int(dead.sum().item())
     info["dead"] = n_dead
     if n_dead:
-        H.diagonal()[dead] = 1
         W[:, dead] = 0
     U, info["damp"] = inverse_hessian_cholesky(H, percdamp, warn)
     del H
