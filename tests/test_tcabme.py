@@ -211,3 +211,20 @@ def test_cuda_matches_cpu():
     assert torch.equal(bits(b.values).cpu(), bits(a.values))
     assert torch.equal(b.bitmaps.cpu().view(torch.int64), a.bitmaps.view(torch.int64))
     assert torch.equal(bits(decode(a.to("cuda"))).cpu(), bits(w))
+
+
+def test_worked_example_in_docs():
+    """The 64x64 example of docs/format.md, tensor for tensor."""
+    w = torch.zeros(64, 64, dtype=torch.float16)
+    for (r, c), v in {(0, 0): 1, (0, 3): 2, (2, 1): 3, (8, 0): 4, (5, 12): 5, (15, 15): 6,
+                      (1, 20): 7, (16, 0): 8, (63, 40): 9}.items():
+        w[r, c] = v
+    p = encode(w)
+    expect = [0] * 64
+    expect[0], expect[1], expect[2], expect[3] = 0x20009, 0x1, 0x100000000000, 0x8000000000000000
+    expect[4], expect[16], expect[59] = 0x1000, 0x1, 0x100000000000000
+    got = [int(x) & (2**64 - 1) for x in p.bitmaps.view(torch.int64).tolist()]
+    assert got == expect
+    assert p.values.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9] + [0] * 7
+    assert p.gtile_offsets.tolist() == [0, 16] and p.strip_offsets.tolist() == [0, 7, 8, 8]
+    assert p.nbytes == 584
