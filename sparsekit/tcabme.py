@@ -14,6 +14,7 @@ over tiles, and they run on whatever device the input lives on.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,6 +139,7 @@ def _byte_weights(device) -> torch.Tensor:
     return torch.tensor([1 << c for c in range(8)], dtype=torch.uint8, device=device)
 
 
+_ROW_MAGIC = 0x0102040810204080
 _POPCOUNT8 = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int32)
 
 # Each GroupTile row of the work buffer holds its 4096 elements in BitmapTile order followed by
@@ -216,9 +218,29 @@ def _check_weight(weight: torch.Tensor) -> None:
         )
 
 
+@contextlib.contextmanager
+def _cpu_threads(device: torch.device):
+    """Run CPU work on one intra-op thread: these ops are memory-bound, and on a small (2-core) or
+    busy machine torch's parallel regions wait on descheduled workers (~80 ms per small weight)."""
+    if device.type != "cpu" or torch.get_num_threads() == 1:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def encode(weight: torch.Tensor) -> TcaBme:
     """Pack a dense ``[M, K]`` fp16/bf16 weight (zeros = pruned) into TCA-BME, on its device."""
     _check_weight(weight)
+    with _cpu_threads(weight.device):
+        return _encode(weight)
+
+
+def _encode(weight: torch.Tensor) -> TcaBme:
     m, k = (int(s) for s in weight.shape)
     gm, gk = _ceil(m, GROUP), _ceil(k, GROUP)
     mp, kp = gm * GROUP, gk * GROUP
@@ -236,8 +258,10 @@ def encode(weight: torch.Tensor) -> TcaBme:
     mask = buf != 0                                      # [NGT, 4096 + 8]
 
     # Bitmaps: one byte per tile row (bit c = column c); 8 bytes little-endian = one uint64.
-    rows = mask[:, : BT_PER_GT * 64].reshape(ngt, BT_PER_GT * 8, 8).view(torch.uint8)
-    row_bytes = (rows * _byte_weights(dev)).sum(dim=-1, dtype=torch.uint8)   # [NGT, 512]
+    # The 8 bools of a tile row, read as one little-endian int64 (byte c = 0/1), times
+    # 0x0102040810204080 moves byte c's bit to bit 56 + c without carries: >> 56 is the row byte.
+    rows = mask[:, : BT_PER_GT * 64].view(torch.int64)                    # [NGT, 512]
+    row_bytes = ((rows * _ROW_MAGIC) >> 56).bitwise_and_(0xFF).to(torch.uint8)  # [NGT, 512]
     bitmaps = row_bytes.view(torch.uint64).reshape(ngt * BT_PER_GT)
 
     counts = _popcount_bytes(row_bytes).reshape(ngt, 4, BT_PER_GT * 2).sum(dim=-1)  # [NGT, 4 strips]
@@ -256,6 +280,11 @@ def encode(weight: torch.Tensor) -> TcaBme:
 
 def decode(packed: TcaBme) -> torch.Tensor:
     """Rebuild the dense ``[M, K]`` weight bit-exactly, on the packed weight's device."""
+    with _cpu_threads(packed.values.device):
+        return _decode(packed)
+
+
+def _decode(packed: TcaBme) -> torch.Tensor:
     m, k = packed.shape
     gm, gk = packed.grid
     ngt = gm * gk
