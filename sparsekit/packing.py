@@ -132,8 +132,11 @@ def detect_pattern(raw) -> str:
     nonzero = raw != 0
     if bool(nonzero.all()):
         return "dense"
-    if raw.shape[1] % 4 == 0 and int(nonzero.reshape(raw.shape[0], -1, 4).sum(-1, dtype=np.int8).max()) <= 2:
-        return "2:4"
+    if raw.shape[1] % 4 == 0:
+        groups = np.ascontiguousarray(nonzero).view(np.uint32)   # 4 bools (0/1 bytes) per group
+        per_group = np.bitwise_count(groups) if hasattr(np, "bitwise_count") else nonzero.reshape(-1, 4).sum(-1)
+        if int(per_group.max()) <= 2:
+            return "2:4"
     return "unstructured"
 
 
