@@ -123,6 +123,7 @@ def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
     total = next(it)
     compressed, zeros, numel, done = [], 0, 0, 0
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        sh.public_dir(tmp)
         writer = sh.ShardWriter(tmp, max_bytes, stem="model", file_metadata={"format": "pt"})
         for name, t, is_linear in it:
             if is_linear and name.endswith(".weight") and t.dim() == 2 and t.is_floating_point():
@@ -209,6 +210,7 @@ def import_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
     total = len(groups) + len(files) - len(grouped)
     done = 0
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        sh.public_dir(tmp)
         writer = sh.ShardWriter(tmp, max_bytes, stem="model", file_metadata={"format": "pt"})
         emitted = set()
         for name in files:

@@ -206,6 +206,7 @@ def encode(
     layers: dict[str, dict[str, Any]] = {}
     names = list(files)
     with atomic_output_dir(out, overwrite=overwrite) as tmp:
+        sh.public_dir(tmp)
         writer = sh.ShardWriter(tmp, max_bytes, file_metadata=file_meta)
         done = 0
         by_file: dict[Path, list[str]] = {}

@@ -114,6 +114,11 @@ class ShardWriter:
         return weight_map, shards
 
 
+def public_dir(path: Path) -> None:
+    """Give a finished output directory the usual mode (the atomic temp dir is created 0700)."""
+    os.chmod(path, 0o777 & ~_umask())
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -270,10 +270,11 @@ def _encode(weight: torch.Tensor) -> TcaBme:
     mask[:, BT_PER_GT * 64:] = torch.arange(ALIGN, device=dev) < pad[:, None]
     values = _gather(buf.reshape(-1), mask.reshape(-1)).view(weight.dtype)
 
-    gtile_offsets = torch.zeros(ngt + 1, dtype=torch.int32, device=dev)
-    torch.cumsum(gt_counts + pad, dim=0, out=gtile_offsets[1:])
+    gtile_offsets = torch.zeros(ngt + 1, dtype=torch.int64, device=dev)
+    gtile_offsets[1:] = torch.cumsum(gt_counts + pad, dim=0)
     strip_start = torch.cumsum(counts, dim=1) - counts   # exclusive, within the GroupTile
     strip_offsets = (gtile_offsets[:-1, None] + strip_start).reshape(ngt * 4).to(torch.int32)
+    gtile_offsets = gtile_offsets.to(torch.int32)
     return TcaBme(bitmaps=bitmaps, values=values, gtile_offsets=gtile_offsets,
                   strip_offsets=strip_offsets, shape=(m, k))
 
