@@ -216,6 +216,8 @@ def _check_weight(weight: torch.Tensor) -> None:
         raise SparsekitError(
             f"TCA-BME stores fp16 or bf16 weights, got {weight.dtype}: cast the weight to float16 or bfloat16 first"
         )
+    if weight.numel() == 0:
+        raise SparsekitError(f"cannot pack an empty weight of shape {tuple(weight.shape)}")
 
 
 @contextlib.contextmanager
@@ -246,7 +248,7 @@ def _encode(weight: torch.Tensor) -> TcaBme:
     mp, kp = gm * GROUP, gk * GROUP
     ngt = gm * gk
     dev = weight.device
-    raw = weight.view(torch.int16)      # raw bit patterns: -0.0 is nonzero, bf16 goes through numpy
+    raw = weight.detach().view(torch.int16)  # raw bit patterns: -0.0 is nonzero, bf16 goes through numpy
     if (mp, kp) != (m, k):
         padded = torch.zeros((mp, kp), dtype=torch.int16, device=dev)
         padded[:m, :k] = raw

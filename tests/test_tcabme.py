@@ -186,7 +186,8 @@ def test_tensors_round_trip_and_to():
     assert torch.equal(bits(decode(q)), bits(w))
 
 
-@pytest.mark.parametrize("bad", [torch.zeros(4, 4, 4, dtype=torch.float16), torch.zeros(8, 8), torch.zeros(8, 8, dtype=torch.int8)])
+@pytest.mark.parametrize("bad", [torch.zeros(4, 4, 4, dtype=torch.float16), torch.zeros(8, 8),
+                                 torch.zeros(8, 8, dtype=torch.int8), torch.zeros(0, 8, dtype=torch.float16)])
 def test_bad_input_is_one_clear_error(bad):
     with pytest.raises(SparsekitError):
         encode(bad)
