@@ -51,6 +51,23 @@ if SIM:
     def syncwarp():
         cuda.syncthreads()
 
+    def cp_async16(dst, di, src, si, nbytes=16):
+        """dst[di:di+2] = src[si:si+2] (uint64 views), zero-filled when nbytes == 0."""
+        if nbytes:
+            dst[di] = np.int64(src[si]).view(np.uint64)
+            dst[di + 1] = np.int64(src[si + 1]).view(np.uint64)
+        else:
+            dst[di] = 0
+            dst[di + 1] = 0
+
+    def cp_commit():
+        pass
+
+    def cp_wait0():
+        pass
+
+    cp_wait1 = cp_wait2 = cp_wait0
+
     def shfl_up(scr, tid, val, delta):
         """Warp shuffle-up of a uint32 (GPU: shfl.sync.up)."""
         lane = tid & 31
@@ -163,6 +180,52 @@ else:  # pragma: no cover - GPU only
             return builder.call(asm, [args[0]])
 
         return sig, codegen
+
+    _i8p = ir.IntType(8).as_pointer()
+
+    def _smem_addr(builder, ptr):
+        """32-bit shared-window address of a generic pointer into shared memory (cvta.to.shared)."""
+        sp = builder.addrspacecast(builder.bitcast(ptr, _i8p), ir.IntType(8).as_pointer(addrspace=3))
+        return builder.ptrtoint(sp, _i32)
+
+    @intrinsic
+    def _cp_async16(typingctx, dst, di, src, si, nbytes):
+        sig = types.void(dst, types.int64, src, types.int64, types.int32)
+
+        def codegen(context, builder, sig, args):
+            dty, _, sty, _, _ = sig.args
+            d = context.make_array(dty)(context, builder, args[0])
+            s = context.make_array(sty)(context, builder, args[2])
+            dp = cgutils.get_item_pointer(context, builder, dty, d, [args[1]], wraparound=False)
+            sp = cgutils.get_item_pointer(context, builder, sty, s, [args[3]], wraparound=False)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i8p, _i32]),
+                               "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [_smem_addr(builder, dp), builder.bitcast(sp, _i8p), args[4]])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    def _asm_stmt(text):
+        @intrinsic
+        def _stmt(typingctx):
+            def codegen(context, builder, sig, args):
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True)
+                builder.call(asm, [])
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return _stmt
+
+    cp_commit = _asm_stmt("cp.async.commit_group;")
+    cp_wait0 = _asm_stmt("cp.async.wait_group 0;")
+    cp_wait1 = _asm_stmt("cp.async.wait_group 1;")
+    cp_wait2 = _asm_stmt("cp.async.wait_group 2;")
+
+    @cuda.jit(device=True, inline=True)
+    def cp_async16(dst, di, src, si, nbytes=16):
+        _cp_async16(dst, di, src, si, np.int32(nbytes))
 
     @cuda.jit(device=True, inline=True)
     def mma(scr, tid, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):

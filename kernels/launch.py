@@ -19,6 +19,8 @@ from ._intrinsics import SIM
 CUDA_CORE_MAX_N = 0
 MAX_NT = 64                # tokens per launch; more are done in chunks of 64
 TARGET_BLOCKS = 4 * 132    # split-K aims for about this many blocks (4 waves' worth on an H100)
+DYN_SMEM_MAX = 44 * 1024   # dynamic shared memory per block (static use is ~3.7 KB; 48 KB without opt-in)
+VCAP_DENSE = 1024 + 2      # values capacity (uint64) that fits any GroupTile
 
 _streams: dict = {}
 _work: dict = {}
@@ -41,14 +43,26 @@ def _stream(device: torch.device):
     return _streams[key]
 
 
+def _vcap(w) -> int:
+    """uint64 words a stage needs for the largest GroupTile's values (+2 over-read slack).
+
+    Reading it costs a device->host copy, so it is done once per weight (the first, eager call);
+    inside CUDA-graph capture an unseen weight gets the dense capacity instead.
+    """
+    if not SIM and torch.cuda.is_current_stream_capturing():
+        return VCAP_DENSE
+    longest = int(w.gtile_offsets.diff().max()) if w.gtile_offsets.numel() > 1 else 0
+    return min(VCAP_DENSE, longest // 4 + 2)
+
+
 def _weight_views(w):
-    """Numba views of the packed weight's tensors, cached by address (a view is address + shape)."""
+    """Numba views of the packed weight's tensors + its stage capacity, cached by address."""
     key = (w.bitmaps.data_ptr(), w.values.data_ptr(), w.gtile_offsets.data_ptr(),
            w.strip_offsets.data_ptr(), w.values.numel(), w.bitmaps.numel())
     v = None if SIM else _views.get(key)
     if v is None:
-        v = (_as_numba(w.bitmaps.view(torch.int32)), _as_numba(w.values.view(torch.int64)),
-             _as_numba(w.gtile_offsets), _as_numba(w.strip_offsets))
+        v = (_as_numba(w.bitmaps.view(torch.int64)), _as_numba(w.values.view(torch.int64)),
+             _as_numba(w.gtile_offsets), _as_numba(w.strip_offsets), _vcap(w))
         if not SIM:
             if len(_views) >= _VIEW_CACHE_MAX:
                 _views.clear()
@@ -71,6 +85,7 @@ def _workspace(device: torch.device, floats: int, rows: int):
 def choose_splits(gm: int, gk: int) -> int:
     """GroupTiles along K per block so that the grid has ~TARGET_BLOCKS blocks (at least 2 steps)."""
     want = max(1, min(gk // 2 if gk >= 4 else 1, math.ceil(TARGET_BLOCKS / gm)))
+    want = max(want, math.ceil(gk / spmm.KPER_MAX))
     kper = math.ceil(gk / want)
     return math.ceil(gk / kper)
 
@@ -92,8 +107,9 @@ def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
     m, _ = w.shape
     gm, gk = w.grid
     kp = gk * 64
-    bm, vals, goff, soff = _weight_views(w)
+    bm, vals, goff, soff, vcap = _weight_views(w)
     nsplit = splits if splits is not None else choose_splits(gm, gk)
+    nsplit = min(max(nsplit, math.ceil(gk / spmm.KPER_MAX)), gk)
     kper = math.ceil(gk / nsplit)
     nsplit = math.ceil(gk / kper)
     ccmax = CUDA_CORE_MAX_N if cuda_core_max_n is None else cuda_core_max_n
@@ -102,11 +118,15 @@ def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
         n = min(MAX_NT, n_all - n0)
         nt, use_mma = (n, False) if n <= ccmax else variant(max(n, ccmax + 1))
         ws, cnt = _workspace(x.device, nsplit * nt * gm * 64, gm)
-        kern = spmm.get_kernel(nt, use_mma)
+        slot = spmm.slot_words(vcap, nt)
+        stages = max(s for s in (2, 3, 4) if s == 2 or s * slot * 8 <= DYN_SMEM_MAX)
+        dyn = stages * slot * 8
+        kern = spmm.get_kernel(nt, use_mma, stages)
         xv = _as_numba(x[n0:n0 + n].reshape(-1).view(torch.int64))
         yv = _as_numba(y[n0:n0 + n].reshape(-1).view(torch.int16))
-        args = (bm, vals, goff, soff, xv, yv, _as_numba(ws), _as_numba(cnt), m, n, gk, kp // 4, kper, nsplit)
+        args = (bm, vals, goff, soff, xv, yv, _as_numba(ws), _as_numba(cnt), m, n, gk, kp // 4, kper, nsplit,
+                vcap, slot)
         if SIM:  # CPU tensors: the numpy views share memory, so the kernel writes y in place
-            kern[(gm, nsplit), spmm.THREADS](*args)
+            kern[(gm, nsplit), spmm.THREADS, 0, dyn](*args)
         else:
-            kern[(gm, nsplit), spmm.THREADS, stream](*args)
+            kern[(gm, nsplit), spmm.THREADS, stream, dyn](*args)

@@ -4,10 +4,12 @@ One thread block = 4 warps = the 4 strips (16 rows each) of one GroupTile row (6
 walks a range of GroupTiles along K (split-K: several blocks share a row, the last one to finish
 sums the fp32 partials). Per GroupTile step:
 
-1. **Stage** (whole block, coalesced 16-byte loads): the GroupTile's values (contiguous, 16-byte
-   aligned by the format) into shared memory, and this step's 64-column slice of X, permuted so
-   that each lane's B fragment for a TCTile is one 8-byte shared load. The next step's loads are
-   issued into registers before this step's compute (register double buffering).
+1. **Stage** (whole block, 16-byte ``cp.async`` copies, ``STAGES``-deep ring in dynamic shared
+   memory): the GroupTile's values (contiguous, 16-byte aligned by the format), its 64 bitmaps, and
+   this step's 64-column slice of X (rows padded to 144 bytes: conflict-free B-fragment loads; token
+   rows past N are zero-filled by the copy). The block's GroupTile/strip offsets are read once
+   into shared memory first, so no step waits on a dependent offset load; ``STAGES - 1`` steps
+   are in flight while one is decoded.
 2. **Decode** (SMBD, per warp = per strip): lane ``l`` loads bitmap word ``l`` of its strip (16
    bitmaps x 2 words, one coalesced 128-byte load per warp) and popcounts it; a warp scan gives every
    half-bitmap its value offset. In the m16n8k16 A fragment lane ``l = 4*gid + tig`` holds, of each
@@ -22,88 +24,79 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ._intrinsics import SCRATCH_WORDS, f2h, h2f, ldg16, mma, shfl_up, shfl_xor, syncwarp
+from ._intrinsics import (SCRATCH_WORDS, SIM, cp_async16, cp_commit, cp_wait0, cp_wait1, cp_wait2, f2h, h2f,
+                          mma, shfl_up, shfl_xor, syncwarp)
 
 THREADS = 128          # 4 warps: the 4 strips of a GroupTile row
-VS_WORDS = 1024 + 2    # staged values, in uint64 (4 values each): a dense 64x64 tile + over-read slack
-XS_STRIDE = 17         # uint64 per staged X row: 16 + 1 pad, so the B-fragment loads are conflict-free
+KPER_MAX = 128         # GroupTiles along K per block (offsets staged in shared memory)
+_GOFFS = KPER_MAX + 1
+_SOFFS = 4 * KPER_MAX
+XROW = 18              # uint64 per staged X row: 16 + 2 pad (144 B), conflict-free 4-byte B loads
+BM_WORDS = 64          # uint64 bitmaps per GroupTile
 
-_U32 = np.uint32(0xFFFFFFFF)
 _KERNELS: dict = {}
+# the simulator sizes dynamic shared arrays from a numpy dtype instance
+_SIM_U64 = np.dtype(np.uint64) if SIM else np.uint64
+_SIM_U32 = np.dtype(np.uint32) if SIM else np.uint32
 
 
-def get_kernel(nt: int, use_mma: bool):
-    """Kernel for ``nt`` token slots: a multiple of 8 up to 64 (tensor cores) or 1..8 (CUDA cores)."""
-    key = (nt, use_mma)
+def slot_words(vcap: int, nt: int) -> int:
+    """uint64 words of one pipeline stage: values (vcap) + bitmaps + X rows."""
+    return vcap + BM_WORDS + nt * XROW
+
+
+def get_kernel(nt: int, use_mma: bool, stages: int):
+    """Kernel for ``nt`` token slots (multiple of 8 up to 64 on tensor cores, 1..8 on CUDA cores)."""
+    key = (nt, use_mma, stages)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(nt, use_mma)
+        _KERNELS[key] = _build(nt, use_mma, stages)
     return _KERNELS[key]
 
 
-def _build(NT: int, USE_MMA: bool):
+def _build(NT: int, USE_MMA: bool, STAGES: int):
     if USE_MMA:
         assert NT % 8 == 0 and 8 <= NT <= 64
     else:
         assert 1 <= NT <= 8
+    assert 2 <= STAGES <= 4
     NB = NT // 8                     # 8-token blocks (mma path)
     NACC = 4 * NB if USE_MMA else 2 * NT
-    XU = (NT * 4 + THREADS - 1) // THREADS   # X staging units (32 bytes) per thread
-    XUNITS = NT * 4
-    XS_SIZE = NT * XS_STRIDE
+    XCHUNKS = NT * 8                 # 16-byte chunks of one step's X slice
+    cp_wait = (cp_wait0, cp_wait1, cp_wait2)[STAGES - 2]
     u64 = np.uint64
     u32 = np.uint32
 
     @cuda.jit(device=True, inline=True)
-    def load_x(x, N, ldx, gk, ui):
-        r = ui >> 2
-        t = ui & 3
-        z = u64(0)
-        e0, e1, e2, e3 = z, z, z, z
-        if ui < XUNITS and r < N:
-            base = r * ldx + gk * 16 + 4 * t
-            e0, e1 = ldg16(x, base)
-            e2, e3 = ldg16(x, base + 2)
-        return e0, e1, e2, e3
+    def issue(d64, bm, vals, x, goffs, i, g, gk, N, ldx, vcap, slot):
+        """Start the async copies of step ``i`` (GroupTile ``g``, column block ``gk``)."""
+        sb = (i % STAGES) * slot
+        tid = cuda.threadIdx.x
+        vbase = goffs[i]
+        nch = (goffs[i + 1] - vbase) >> 3
+        vsrc = vbase >> 2
+        for c in range(tid, nch, THREADS):
+            cp_async16(d64, sb + 2 * c, vals, vsrc + 2 * c, 16)
+        if tid < 32:
+            cp_async16(d64, sb + vcap + 2 * tid, bm, g * BM_WORDS + 2 * tid, 16)
+        xb = sb + vcap + BM_WORDS
+        for u in range(tid, XCHUNKS, THREADS):
+            r = u >> 3
+            c = u & 7
+            if r < N:
+                cp_async16(d64, xb + r * XROW + 2 * c, x, r * ldx + gk * 16 + 2 * c, 16)
+            else:
+                cp_async16(d64, xb + r * XROW + 2 * c, x, 0, 0)
 
     @cuda.jit(device=True, inline=True)
-    def store_x(xs, ui, e0, e1, e2, e3):
-        # words of this unit: e0=(w0,w1) e1=(w2,w3) e2=(w4,w5) e3=(w6,w7) of X[r, 16t*? ...]; lane tig
-        # needs (w_tig, w_{4+tig}) packed as one uint64 at xs[r*17 + tig*4 + t].
-        if ui < XUNITS:
-            r = ui >> 2
-            t = ui & 3
-            lo = u64(0xFFFFFFFF)
-            hi = u64(0xFFFFFFFF00000000)
-            o = r * XS_STRIDE + t
-            xs[o] = (e0 & lo) | (e2 << u64(32))
-            xs[o + 4] = (e0 >> u64(32)) | (e2 & hi)
-            xs[o + 8] = (e1 & lo) | (e3 << u64(32))
-            xs[o + 12] = (e1 >> u64(32)) | (e3 & hi)
-
-    @cuda.jit(device=True, inline=True)
-    def load_v(vals, vb, nch, c):
-        z = u64(0)
-        a, b = z, z
-        if c < nch:
-            a, b = ldg16(vals, vb + 2 * c)
-        return a, b
-
-    @cuda.jit(device=True, inline=True)
-    def store_v(vs, nch, c, a, b):
-        if c < nch:
-            vs[2 * c] = a
-            vs[2 * c + 1] = b
-
-    @cuda.jit(device=True, inline=True)
-    def decode(wb, vs, h, lmask, bit0, bit1):
+    def decode(wb, d64, sb, h, lmask, bit0, bit1):
         """A-fragment register (two fp16) of this lane for the half-bitmap entry ``wb[h]``."""
         e = wb[h]
         w = u32(e & u64(0xFFFFFFFF))
         idx = u32(e >> u64(32)) + u32(cuda.popc(w & lmask))
-        q = idx >> u32(2)
+        q = sb + (idx >> u32(2))
         s = u64((idx & u32(3)) * u32(16))
-        lo = vs[q]
-        hi = vs[q + u32(1)]
+        lo = d64[q]
+        hi = d64[q + 1]
         v = u32((lo >> s) & u64(0xFFFFFFFF)) | u32(((hi << u64(16)) << (u64(48) - s)) & u64(0xFFFFFFFF))
         r = u32(0)
         if w & bit0:
@@ -115,9 +108,15 @@ def _build(NT: int, USE_MMA: bool):
         return r
 
     @cuda.jit
-    def kernel(bm, vals, goff, soff, x, y, ws, cnt, M, N, GK, ldx, kper, nsplit):
-        vs = cuda.shared.array(VS_WORDS, np.uint64)
-        xs = cuda.shared.array(XS_SIZE, np.uint64)
+    def kernel(bm, vals, goff, soff, x, y, ws, cnt, M, N, GK, ldx, kper, nsplit, vcap, slot):
+        if SIM:
+            d64 = cuda.shared.array(0, _SIM_U64)
+            d32 = cuda.shared.array(0, _SIM_U32)
+        else:
+            d64 = cuda.shared.array(0, np.uint64, alignment=16)
+            d32 = cuda.shared.array(0, np.uint32, alignment=16)
+        goffs = cuda.shared.array(_GOFFS, np.int32)
+        soffs = cuda.shared.array(_SOFFS, np.int32)
         wb = cuda.shared.array(THREADS, np.uint64)
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
         flag = cuda.shared.array(1, np.int32)
@@ -136,76 +135,59 @@ def _build(NT: int, USE_MMA: bool):
         gm = cuda.blockIdx.x
         split = cuda.blockIdx.y
         gk0 = split * kper
-        gk1 = min(gk0 + kper, GK)
+        nsteps = min(kper, GK - gk0)
+        g0 = gm * GK + gk0
 
         acc = cuda.local.array(NACC, np.float32)
         for i in range(NACC):
             acc[i] = np.float32(0.0)
 
-        # ---- prefetch the first step into registers
-        g = gm * GK + gk0
-        vbase = goff[g]
-        nch = (goff[g + 1] - vbase) >> 3
-        vb = vbase >> 2
-        p0a, p0b = load_v(vals, vb, nch, tid)
-        p1a, p1b = load_v(vals, vb, nch, tid + 128)
-        p2a, p2b = load_v(vals, vb, nch, tid + 256)
-        p3a, p3b = load_v(vals, vb, nch, tid + 384)
-        pbm = u32(bm[g * 128 + tid])
-        psrel = soff[4 * g + warp] - vbase
-        x00, x01, x02, x03 = load_x(x, N, ldx, gk0, tid)
-        x10, x11, x12, x13 = load_x(x, N, ldx, gk0, tid + 128)
+        # ---- this block's offsets, once
+        for e in range(tid, nsteps + 1, THREADS):
+            goffs[e] = goff[g0 + e]
+        for e in range(tid, 4 * nsteps, THREADS):
+            soffs[e] = soff[4 * g0 + e]
+        cuda.syncthreads()
 
-        for gk in range(gk0, gk1):
-            cuda.syncthreads()                    # everyone is done with the last step's smem
-            store_v(vs, nch, tid, p0a, p0b)
-            store_v(vs, nch, tid + 128, p1a, p1b)
-            store_v(vs, nch, tid + 256, p2a, p2b)
-            store_v(vs, nch, tid + 384, p3a, p3b)
-            store_x(xs, tid, x00, x01, x02, x03)
-            if XU > 1:
-                store_x(xs, tid + 128, x10, x11, x12, x13)
-            bmw = pbm
-            srel = psrel
-            cuda.syncthreads()
+        # ---- pipeline: STAGES - 1 steps in flight while one is decoded
+        for i in range(STAGES - 1):
+            if i < nsteps:
+                issue(d64, bm, vals, x, goffs, i, g0 + i, gk0 + i, N, ldx, vcap, slot)
+            cp_commit()
 
-            if gk + 1 < gk1:                      # issue the next step's loads now
-                g = gm * GK + gk + 1
-                vbase = goff[g]
-                nch = (goff[g + 1] - vbase) >> 3
-                vb = vbase >> 2
-                p0a, p0b = load_v(vals, vb, nch, tid)
-                p1a, p1b = load_v(vals, vb, nch, tid + 128)
-                p2a, p2b = load_v(vals, vb, nch, tid + 256)
-                p3a, p3b = load_v(vals, vb, nch, tid + 384)
-                pbm = u32(bm[g * 128 + tid])
-                psrel = soff[4 * g + warp] - vbase
-                x00, x01, x02, x03 = load_x(x, N, ldx, gk + 1, tid)
-                if XU > 1:
-                    x10, x11, x12, x13 = load_x(x, N, ldx, gk + 1, tid + 128)
+        for i in range(nsteps):
+            cp_wait()
+            cuda.syncthreads()            # step i landed for everyone; slot (i-1) is free
+            nxt = i + STAGES - 1
+            if nxt < nsteps:
+                issue(d64, bm, vals, x, goffs, nxt, g0 + nxt, gk0 + nxt, N, ldx, vcap, slot)
+            cp_commit()
 
-            # ---- SMBD: offsets of the 32 half-bitmaps of this strip (inclusive warp scan)
+            sb = (i % STAGES) * slot
+            # SMBD: offsets of the 32 half-bitmaps of this strip (inclusive warp scan)
+            bmw = d32[2 * (sb + vcap) + 32 * warp + lane]
             cnt_l = u32(cuda.popc(bmw))
             incl = cnt_l
             for d in (1, 2, 4, 8, 16):
                 up = shfl_up(scr, tid, incl, d)
                 if lane >= d:
                     incl += up
+            srel = soffs[4 * i + warp] - goffs[i]
             wb[tid] = u64(bmw) | (u64(incl - cnt_l + u32(srel)) << u64(32))
             syncwarp()
 
             hb = warp * 32 + hsel
+            xrow = 2 * (sb + vcap + BM_WORDS)
             for t in range(4):
                 h = hb + 8 * t
-                a0 = decode(wb, vs, h, lmask, bit0, bit1)       # top-left
-                a1 = decode(wb, vs, h + 2, lmask, bit0, bit1)   # bottom-left
-                a2 = decode(wb, vs, h + 4, lmask, bit0, bit1)   # top-right
-                a3 = decode(wb, vs, h + 6, lmask, bit0, bit1)   # bottom-right
+                a0 = decode(wb, d64, sb, h, lmask, bit0, bit1)       # top-left
+                a1 = decode(wb, d64, sb, h + 2, lmask, bit0, bit1)   # bottom-left
+                a2 = decode(wb, d64, sb, h + 4, lmask, bit0, bit1)   # top-right
+                a3 = decode(wb, d64, sb, h + 6, lmask, bit0, bit1)   # bottom-right
                 if USE_MMA:
                     for j in range(NB):
-                        xb = xs[(8 * j + gid) * XS_STRIDE + tig * 4 + t]
-                        c0, c1, c2, c3 = mma(scr, tid, a0, a1, a2, a3,
-                                             u32(xb & u64(0xFFFFFFFF)), u32(xb >> u64(32)),
+                        xo = xrow + (8 * j + gid) * (2 * XROW) + 8 * t + tig
+                        c0, c1, c2, c3 = mma(scr, tid, a0, a1, a2, a3, d32[xo], d32[xo + 4],
                                              acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
                         acc[4 * j] = c0
                         acc[4 * j + 1] = c1
@@ -221,9 +203,9 @@ def _build(NT: int, USE_MMA: bool):
                     w30 = h2f(a3)
                     w31 = h2f(a3 >> u32(16))
                     for n in range(NT):
-                        xb = xs[n * XS_STRIDE + tig * 4 + t]
-                        xl = u32(xb & u64(0xFFFFFFFF))
-                        xh = u32(xb >> u64(32))
+                        xo = xrow + n * (2 * XROW) + 8 * t + tig
+                        xl = d32[xo]
+                        xh = d32[xo + 4]
                         y0 = h2f(xl)
                         y1 = h2f(xl >> u32(16))
                         y2 = h2f(xh)
