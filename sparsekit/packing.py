@@ -70,7 +70,7 @@ def header_info(files: dict[str, Path]) -> dict[str, tuple[str, list[int]]]:
     """tensor name -> (safetensors dtype string, shape), from the headers only."""
     info = {}
     for file in sorted(set(files.values())):
-        header, _ = sh.read_header(file)
+        header, _ = sh.read_header(file, fix="the input checkpoint is damaged; re-create it")
         info.update({k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"})
     return info
 

@@ -182,7 +182,7 @@ def load_index(path: str | os.PathLike) -> dict[str, Any]:
     return index
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], int]:
+def read_header(path: Path, fix: str = "re-run `sparsekit encode`") -> tuple[dict[str, Any], int]:
     """Parse a safetensors header; returns ``(header, data_start)``. Checks the file is complete."""
     try:
         size = path.stat().st_size
@@ -197,13 +197,13 @@ def read_header(path: Path) -> tuple[dict[str, Any], int]:
     except FileNotFoundError:
         raise SparsekitError(f"shard {path.name} is missing from {path.parent}: the checkpoint is incomplete") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise SparsekitError(f"shard {path.name} is corrupt or truncated ({e}): re-run `sparsekit encode`") from None
+        raise SparsekitError(f"shard {path.name} is corrupt or truncated ({e}): {fix}") from None
     start = 8 + n
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if start + end != size:
         raise SparsekitError(
             f"shard {path.name} is truncated or corrupt: its header describes {start + end} bytes but the file "
-            f"has {size}: re-run `sparsekit encode`"
+            f"has {size}: {fix}"
         )
     return header, start
 

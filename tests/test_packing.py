@@ -239,3 +239,13 @@ def test_demo_model_50_percent_unstructured(tmp_path):
     ck = read_packed(tmp_path / "packed")
     for m in ("model.layers.0.self_attn.k_proj", "model.layers.29.mlp.down_proj"):
         assert torch.equal(bits(decode(ck.packed[m])), bits(state[f"{m}.weight"]))
+
+
+def test_truncated_input_checkpoint(tmp_path):
+    src = tmp_path / "pruned"
+    make_pruned(src, max_shard_size="100KB")
+    shard = sorted(src.glob("model-*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-50])
+    with pytest.raises(SparsekitError, match=rf"{shard.name}.*(truncated|corrupt)"):
+        encode(src, tmp_path / "out")
+    assert _no_leftovers(tmp_path, "out")
