@@ -165,7 +165,11 @@ def encode(
     overwrite: bool = False,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
-    """Pack ``pruned_dir`` into ``out_dir`` (atomic). Returns a report (per-layer info and totals)."""
+    """Pack ``pruned_dir`` into ``out_dir`` (atomic). Returns a report (per-layer info and totals).
+
+    ``progress(done, total, tensor_name)`` is called after each source tensor when given.
+    ``max_shard_size`` is bytes or a string such as "2GB" / "500MB" / "1GiB".
+    """
     t0 = time.perf_counter()
     src, out = Path(pruned_dir), Path(out_dir)
     if not 0.0 <= float(min_sparsity) <= 1.0:
