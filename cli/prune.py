@@ -104,7 +104,8 @@ def summary_table(report: dict):
     cal = report["calibration"]
     if cal.get("nsamples"):
         head.add_row("calibration", f"{cal['dataset']}: {cal['nsamples']} x {cal['seqlen']} tokens, seed {cal['seed']}")
-    head.add_row("device", f"{report['device']} ({report['dtype']}), peak device memory {_mib(report['peak_mem_bytes'])}")
+    head.add_row("device", f"{report['device']} ({report['dtype']} compute, saved as {report['saved_dtype']}), "
+                 f"peak device memory {_mib(report['peak_mem_bytes'])}")
     head.add_row("time", f"{report['elapsed_s']:.1f} s total, {report['prune_seconds']:.1f} s pruning "
                  f"({report['capture_seconds']:.1f} s capture)")
     head.add_row("overall sparsity", f"{report['overall_sparsity']:.4f} of {sum(v['params'] for v in report['by_type'].values()):,} pruned-layer weights")

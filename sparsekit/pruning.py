@@ -19,6 +19,20 @@ def _default_output(model: str, method: str, pattern: str, sparsity: float) -> P
     return Path("out") / f"{name}-{method}-{tag}"
 
 
+def _checkpoint_dtype(location: str):
+    """The dtype the source checkpoint stores (config.json's dtype / torch_dtype), if it says."""
+    import json
+
+    import torch
+
+    try:
+        cfg = json.loads((Path(location) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(str(name))
+
+
 def prune(
     model: str = "smollm2-135m",
     *,
@@ -44,6 +58,8 @@ def prune(
     """Prune ``model`` and write the result to ``output``; returns the report (``sparsekit.json``
     plus timings, peak device memory and per-module-type sparsity).
 
+    ``dtype`` is the compute dtype (default fp16 on CUDA, fp32 on CPU); the checkpoint is saved in
+    the source checkpoint's own dtype when that is fp16/bf16 (zeros stay zeros), else in ``dtype``.
     Arguments left as None take the recipe's value, else the default (wanda, 50% unstructured,
     128 wikitext2 windows of 2048 tokens capped to the model context, seed 0, skip lm_head).
     """
@@ -63,7 +79,10 @@ def prune(
 
     from sparsekit.methods import needs_stats
 
-    net, tokenizer = load_model(model, device="cpu", dtype=torch_dtype)
+    from sparsekit.models import resolve_model
+
+    location = resolve_model(model)
+    net, tokenizer = load_model(location, device="cpu", dtype=torch_dtype)
     calib_ids = None
     calibration: dict[str, Any]
     if needs_stats(s["method"]):
@@ -86,6 +105,12 @@ def prune(
     )
     if not report["layers"]:
         raise SparsekitError(f"no linear layer was pruned: the skip patterns {s['skip']} exclude them all")
+    save_dtype = _checkpoint_dtype(location)
+    if save_dtype in _half_dtypes() and save_dtype != torch_dtype:
+        net.to(save_dtype)
+        _recount_sparsity(net, report["layers"])  # a value rounding to zero would count as pruned
+    else:
+        save_dtype = torch_dtype
     elapsed = time.perf_counter() - t0
     meta = checkpoint.build_metadata(
         model=str(model), method=s["method"], pattern=s["pattern"], sparsity=s["sparsity"],
@@ -97,6 +122,7 @@ def prune(
         "output": str(out),
         "device": str(dev),
         "dtype": str(torch_dtype).removeprefix("torch."),
+        "saved_dtype": str(save_dtype).removeprefix("torch."),
         "settings": {k: v for k, v in s.items()},
         "prune_seconds": report["seconds"],
         "capture_seconds": report["capture_seconds"],
@@ -106,6 +132,20 @@ def prune(
         "overall_sparsity": overall_sparsity(report["layers"]),
         "elapsed_s": time.perf_counter() - t0,
     }
+
+
+def _recount_sparsity(model, layers: dict[str, dict]) -> None:
+    from sparsekit.layers import weight_out_in
+
+    for name, r in layers.items():
+        w = weight_out_in(model.get_submodule(name))
+        r["sparsity"] = float((w == 0).sum().item() / w.numel())
+
+
+def _half_dtypes():
+    import torch
+
+    return (torch.float16, torch.bfloat16)
 
 
 def module_type(name: str) -> str:

@@ -109,3 +109,16 @@ def test_skip_patterns_leave_modules_dense(workdir):
     with pytest.raises(SparsekitError, match="skip"):
         prune(str(workdir / "llama"), method="magnitude", skip=["*"], output=workdir / "none", device="cpu")
     assert not (workdir / "none").exists()
+
+
+def test_half_checkpoint_is_saved_in_its_own_dtype(tmp_path, workdir):
+    src = save_tiny("llama", tmp_path / "half", dtype=torch.float16)
+    out = tmp_path / "out"
+    rep = prune(str(src), method="wanda", pattern="2:4", calib=str(workdir / "calib.txt"), nsamples=2, seqlen=64,
+                output=out, device="cpu", warn=lambda m: None)
+    assert (rep["dtype"], rep["saved_dtype"]) == ("float32", "float16")  # computed in fp32 on the CPU
+    tensors = _saved_tensors(out)
+    for name, info in json.loads((out / "sparsekit.json").read_text())["layers"].items():
+        w = tensors[f"{name}.weight"]
+        assert w.dtype == torch.float16
+        assert info["sparsity"] == (w == 0).float().mean().item() == 0.5

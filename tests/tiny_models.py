@@ -84,11 +84,13 @@ def make_model(arch: str, seed: int = 0, vocab_size: int = VOCAB):
     return model.eval()
 
 
-def save_tiny(arch: str, path: str | Path, seed: int = 0) -> Path:
-    """Write a tiny model + tokenizer as an HF checkpoint directory."""
+def save_tiny(arch: str, path: str | Path, seed: int = 0, dtype: torch.dtype | None = None) -> Path:
+    """Write a tiny model + tokenizer as an HF checkpoint directory (fp32 unless ``dtype``)."""
     path = Path(path)
     tok = make_tokenizer()
     model = make_model(arch, seed=seed, vocab_size=len(tok))
+    if dtype is not None:
+        model.to(dtype)
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
