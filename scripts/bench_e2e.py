@@ -6,7 +6,9 @@ row. The dense model is timed first; then every decoder linear is encoded with
 ``sparsekit.tcabme.encode`` on the GPU and swapped for ``SparseLinear``, the logits are checked
 against the dense pruned model, and the sparse model is timed. Both use the same harness
 (``sparsekit.speed.measure_model``): eager prefill into a static KV cache, then greedy decode
-steps replayed from a CUDA graph (``--eager`` to compare without graphs). Random weights are fine
+steps replayed from a CUDA graph (``--eager`` to compare without graphs), each decoder layer of
+the step run through torch.compile (``--no-compile``) and RMSNorm fused (``--hf-norms``), in
+both models alike. Random weights are fine
 for speed; the tokens are meaningless.
 
     python scripts/bench_e2e.py [--layers 32] [--batch-sizes 1,8,16,32] [--json out.json]
@@ -88,11 +90,11 @@ def overhead_probe(model, batches, kw) -> dict:
 
     put({n: FreeLinear(m.out_features) for n, m in saved.items()})
     out = {}
-    for label in ("hf_norms", "fused_norms"):
+    for label in ("hf_norms", "fused_norms", "compiled"):
         if label == "fused_norms":
             fuse_rms_norms(model)
         for b in batches:
-            r = measure_model(model, b, **kw)
+            r = measure_model(model, b, **{**kw, "compile": label == "compiled"})
             out[f"{label}_b{b}_ms"] = r.get("ms_per_token")
             print(f"overhead ({label}, linears free) b={b}: {r.get('ms_per_token')} ms/step", flush=True)
     put(saved)
@@ -114,6 +116,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (both models)")
     ap.add_argument("--hf-norms", action="store_true", help="keep HF's RMSNorm (default: fused, both models)")
+    ap.add_argument("--no-compile", action="store_true", help="decode steps not torch.compile-d (both models)")
     ap.add_argument("--overhead", action="store_true", help="also time a step whose linears cost nothing")
     ap.add_argument("--dense-only", action="store_true", help="skip the sparse model (shake-down runs)")
     ap.add_argument("--json", type=Path)
@@ -126,7 +129,8 @@ def main() -> int:
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     graphs = not args.eager
-    kw = dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats, cuda_graphs=graphs)
+    kw = dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats, cuda_graphs=graphs,
+              compile=not args.no_compile)
     gpu = torch.cuda.get_device_name()
     print(f"GPU {gpu}; torch {torch.__version__}; kernel available: {_kernel() is not None}", flush=True)
 
@@ -142,7 +146,7 @@ def main() -> int:
         ref_small = model(probe[:, :8]).logits.float()  # N = 16 tokens: kernel path
         ref_big = model(probe).logits.float()            # N = 200 tokens: prefill path
     dense_bytes = _model_bytes(model)
-    overhead = overhead_probe(model, batches, kw) if args.overhead else None
+    overhead = overhead_probe(model, [b for b in batches if b in (1, 16)] or batches[:1], kw) if args.overhead else None
     if not args.hf_norms:
         from sparsekit.cuda_graph import fuse_rms_norms
 
@@ -186,7 +190,7 @@ def main() -> int:
                   "heads": args.heads, "vocab": args.vocab},
         "sparsity": args.sparsity, "cuda_graphs": graphs, "kernel": _kernel() is not None,
         "weights_gib": {"dense": dense_bytes / 2**30, "sparse": sparse_bytes / 2**30},
-        "encode_s": enc_s, "fused_norms": not args.hf_norms, "overhead_ms": overhead, "logits_rel_err": errs, "rows": rows,
+        "encode_s": enc_s, "fused_norms": not args.hf_norms, "compile": not args.no_compile, "overhead_ms": overhead, "logits_rel_err": errs, "rows": rows,
         "dense_above": SparseLinear.dense_above,
         "versions": {"torch": torch.__version__},
     }

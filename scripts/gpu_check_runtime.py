@@ -57,7 +57,9 @@ def tiny_llama(hidden=1024, inter=2816, layers=4, vocab=8000, heads=16, seed=0):
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=2048,
                       tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.float16).eval()
+    # built like load_packed builds it (dtype at construction), so that the rotary frequencies
+    # stay fp32: a model.half() would round them to fp16 and drift at long positions
+    model = LlamaForCausalLM._from_config(cfg, dtype=torch.float16).to("cuda").eval()
     with torch.no_grad():
         for n, p in model.named_parameters():
             if p.dim() == 2 and ".layers." in n:

@@ -11,6 +11,14 @@ each to launch from Python, which would dominate a decode step. So:
    buffer, position + 1. The sparse kernels launch on torch's current stream, so they are captured.
 3. Every later ``step()`` is one ``graph.replay()`` (a few us per kernel).
 
+Outside the matmuls a decode step is a long chain of tiny elementwise kernels (norms, rotary,
+residuals, casts: ~2 ms per step on a 32-layer 7B model even inside a graph, measured on an H100).
+``compile=True`` runs each decoder layer of the decode step through one ``torch.compile``-d call
+(regional compilation: every layer sees only its own slice of the cache, so the one compiled
+layer serves all of them and compiles in seconds); Inductor fuses that glue, while the sparse
+matmul stays one opaque op (``sparsekit::tcabme_mm``). If compiling fails the step runs uncompiled
+and ``notes`` says why. ``fuse_rms_norms`` is a cheaper, compile-free partial fix.
+
 ``use_graph=False`` (or no GPU) runs the very same step eagerly: the fallback, and the reference
 the graph is checked against (scripts/gpu_check_runtime.py). Prompts in a batch share one length
 (no padding); decoding is greedy and ignores EOS, which is what speed measurement needs.
@@ -36,10 +44,108 @@ def _make_static_cache(model: nn.Module, max_len: int):
                            device=p.device, dtype=p.dtype)
 
 
+class _LayerCache:
+    """One layer of a StaticCache, presented to that decoder layer as if it were the whole cache.
+
+    The layer then never indexes the cache by its ``layer_idx``, so one compiled decoder layer
+    serves every layer of the stack (no recompilation per layer index)."""
+
+    is_compileable = True
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        return self.layer.update(key_states, value_states, *args, **kwargs)
+
+
+def _layer_call(layer, hidden_states, cache_layer, args, kwargs):
+    return layer(hidden_states, *args, past_key_values=_LayerCache(cache_layer), **kwargs)
+
+
+_compiled_layer_call = None
+COMPILE_OPTIONS: dict = {"backend": "inductor", "fullgraph": False}  # tests use aot_eager + fullgraph
+
+
+def _get_compiled_layer_call():
+    global _compiled_layer_call
+    if _compiled_layer_call is None:
+        cfg = torch._dynamo.config
+        # one entry per (model kind, batch specialisation); the default limit (8) is tight when
+        # several models are measured in one process
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), 64))
+                break
+        _compiled_layer_call = torch.compile(_layer_call, **COMPILE_OPTIONS)
+    return _compiled_layer_call
+
+
+class _CompiledLayer(nn.Module):
+    """Stands in for decoder layer ``idx`` during a decode step: runs it through the compiled call."""
+
+    def __init__(self, layer: nn.Module, idx: int):
+        super().__init__()
+        self._inner = (layer,)  # a tuple: not registered as a submodule
+        self.idx = idx
+
+    def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
+        return _get_compiled_layer_call()(self._inner[0], hidden_states, past_key_values.layers[self.idx],
+                                          args, kwargs)
+
+
+def equalize_packed_sizes(model: nn.Module) -> float:
+    """Pad the ``values`` buffer of every SparseLinear to the longest one of its shape, in place.
+
+    Layers of one shape then look alike to ``torch.compile`` (a tensor's size is part of what a
+    compiled graph is specialised to), so the one compiled decoder layer serves the whole stack.
+    The padding sits past ``gtile_offsets[-1]`` and is never read. Returns the added fraction of
+    packed bytes (small: layers pruned to one sparsity differ by a fraction of a percent).
+    """
+    from sparsekit.sparse_linear import SparseLinear
+
+    groups: dict = {}
+    for mod in model.modules():
+        if isinstance(mod, SparseLinear):
+            groups.setdefault((mod.out_features, mod.in_features, mod.values.dtype), []).append(mod)
+    added = total = 0
+    for mods in groups.values():
+        longest = max(m.values.numel() for m in mods)
+        for m in mods:
+            n = m.values.numel()
+            total += n
+            if n < longest:
+                padded = m.values.new_zeros(longest)
+                padded[:n] = m.values
+                m.values = padded
+                added += longest - n
+    return added / max(1, total)
+
+
+def decoder_stack(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers: the longest ModuleList of same-class blocks holding a linear layer
+    (``nn.Linear``, ``Conv1D`` or ``SparseLinear``)."""
+    from sparsekit.layers import is_linear
+    from sparsekit.sparse_linear import SparseLinear
+
+    best = None
+    for mod in model.modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) == 0 or len({type(c) for c in mod}) != 1:
+            continue
+        if not any(is_linear(m) or isinstance(m, SparseLinear) for m in mod[0].modules()):
+            continue
+        if best is None or len(mod) > len(best):
+            best = mod
+    if best is None:
+        raise SparsekitError(f"no decoder layer stack found in {type(model).__name__}: pass compile=False")
+    return best
+
+
 class GreedyDecoder:
     """Static-cache greedy decoding for a batch of ``batch_size`` prompts of one length."""
 
-    def __init__(self, model: nn.Module, batch_size: int, max_len: int, *, use_graph: bool | None = None):
+    def __init__(self, model: nn.Module, batch_size: int, max_len: int, *, use_graph: bool | None = None,
+                 compile: bool = False):
         self.model = model
         self.device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
         if use_graph is None:
@@ -57,6 +163,13 @@ class GreedyDecoder:
         if "logits_to_keep" in params:
             self._extra["logits_to_keep"] = 1
         self._has_cache_position = "cache_position" in params
+        self.compile = compile
+        self._stack = None
+        if compile:
+            self._stack = decoder_stack(model)
+            equalize_packed_sizes(model)
+            self._wrapped = [_CompiledLayer(layer, i) for i, layer in enumerate(self._stack)]
+        self.notes: list[str] = []
         self.length = 0  # tokens in the cache (host-side mirror of self.pos)
 
     # one decode step, written so that it can be captured --------------------------------------
@@ -68,7 +181,17 @@ class GreedyDecoder:
         return out.logits[:, -1, :]
 
     def _step_body(self) -> None:
-        logits = self._forward(self.ids, self.pos)
+        if self.compile:
+            originals = list(self._stack)
+            try:
+                for i, w in enumerate(self._wrapped):
+                    self._stack[i] = w
+                logits = self._forward(self.ids, self.pos)
+            finally:
+                for i, layer in enumerate(originals):
+                    self._stack[i] = layer
+        else:
+            logits = self._forward(self.ids, self.pos)
         self.ids.copy_(logits.argmax(dim=-1, keepdim=True))
         self.pos.add_(1)
 
@@ -102,9 +225,24 @@ class GreedyDecoder:
                 self.capture()
             self.graph.replay()
         else:
-            self._step_body()
+            self._step_with_fallback()
         self.length += 1
         return self.ids
+
+    def _step_with_fallback(self) -> None:
+        """One eager step; if compiling it fails, note why and redo the step without compiling."""
+        if not self.compile:
+            self._step_body()
+            return
+        saved = self._snapshot()
+        try:
+            self._step_body()
+        except Exception as e:
+            self._restore(saved)
+            self.compile = False
+            self.notes.append(f"torch.compile of the decode step failed ({type(e).__name__}: "
+                              f"{(str(e).splitlines() or [''])[0][:200]}): decoding without it")
+            self._step_body()
 
     def _snapshot(self) -> list:
         """Copies of the small mutable state a step touches (token, position, cache counters)."""
@@ -141,8 +279,10 @@ class GreedyDecoder:
         with torch.cuda.stream(side):
             for _ in range(warmup):
                 saved = self._snapshot()
-                self._step_body()
-                self._restore(saved)
+                try:
+                    self._step_with_fallback()
+                finally:
+                    self._restore(saved)
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         saved = self._snapshot()  # capturing records work but must leave Python-side state alone

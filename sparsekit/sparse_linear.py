@@ -28,8 +28,9 @@ from sparsekit import layers as _layers
 from sparsekit.errors import SparsekitError
 from sparsekit.tcabme import TcaBme, decode, encode
 
-# Measured on H100 (see docs/benchmarks.md, "End to end"); kernel up to and including this N.
-DEFAULT_DENSE_ABOVE = 64
+# Kernel up to and including this many tokens, decode + cuBLAS above: measured on an H100 with
+# scripts/gpu_check_runtime.py (7B shapes, 50%; see docs/benchmarks.md, "End to end").
+DEFAULT_DENSE_ABOVE = 128
 
 NO_GPU_NOTICE = "no CUDA GPU: sparse layers run the reference path (decode + matmul), which is slow"
 CPU_NOTICE = "sparse layers on the CPU run the reference path (decode + matmul), which is slow"
@@ -64,6 +65,31 @@ def _kernel() -> Callable | None:
     return _KERNEL or None
 
 
+@torch.compiler.assume_constant_result
+def kernels_ready() -> bool:
+    """Whether the bundled GPU kernel can run (a constant to ``torch.compile``)."""
+    return _kernel() is not None
+
+
+@torch.library.custom_op("sparsekit::tcabme_mm", mutates_args=())
+def tcabme_mm(x: torch.Tensor, bitmaps: torch.Tensor, values: torch.Tensor, gtile_offsets: torch.Tensor,
+              strip_offsets: torch.Tensor, out_features: int, use_kernel: bool) -> torch.Tensor:
+    """``x[N, K] @ W^T`` for W given by its TCA-BME tensors, as one torch op (so ``torch.compile``
+    keeps it whole inside a compiled decode step): the bundled kernel when ``use_kernel``, else
+    decode + matmul in x's dtype."""
+    w = TcaBme(bitmaps=bitmaps, values=values, gtile_offsets=gtile_offsets, strip_offsets=strip_offsets,
+               shape=(out_features, x.shape[1]))
+    if use_kernel:  # the kernel reads values through the offsets: a padded tail is harmless
+        return _kernel()(x, w)
+    w.values = values[: int(gtile_offsets[-1])]  # drop padding added by cuda_graph.equalize_packed_sizes
+    return F.linear(x, decode(w).to(x.dtype))
+
+
+@tcabme_mm.register_fake
+def _tcabme_mm_fake(x, bitmaps, values, gtile_offsets, strip_offsets, out_features, use_kernel):
+    return x.new_empty((x.shape[0], out_features))
+
+
 def _env_dense_above() -> int:
     raw = os.environ.get("SPARSEKIT_DENSE_ABOVE")
     if raw is None:
@@ -95,7 +121,9 @@ class SparseLinear(nn.Module):
         else:
             self.bias = None
         self.nnz = packed.nnz
+        self.n_values = int(packed.values.numel())  # the buffer may be padded past this later
         self._packed: TcaBme | None = None
+        self._packed_src: torch.Tensor | None = None
 
     # construction ---------------------------------------------------------------------------
     @classmethod
@@ -130,15 +158,17 @@ class SparseLinear(nn.Module):
     def packed(self) -> TcaBme:
         """The weight as a TcaBme over this module's buffers (cached; rebuilt after ``.to()``)."""
         p = self._packed
-        if p is None or p.values is not self.values or p.bitmaps is not self.bitmaps:
+        if p is None or self._packed_src is not self.values or p.bitmaps is not self.bitmaps:
+            values = self.values if self.values.numel() == self.n_values else self.values[: self.n_values]
             p = self._packed = TcaBme(
-                bitmaps=self.bitmaps, values=self.values, gtile_offsets=self.gtile_offsets,
+                bitmaps=self.bitmaps, values=values, gtile_offsets=self.gtile_offsets,
                 strip_offsets=self.strip_offsets, shape=(self.out_features, self.in_features),
             )
+            self._packed_src = self.values
         return p
 
     def _apply(self, fn, *args, **kwargs):
-        self._packed = None
+        self._packed = self._packed_src = None
         return super()._apply(fn, *args, **kwargs)
 
     def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -170,19 +200,20 @@ class SparseLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         n = x2.shape[0]
         if x2.is_cuda:
-            kernel = _kernel() if (n <= self.dense_above and x2.dtype == torch.float16
-                                   and self.values.dtype == torch.float16) else None
-            if kernel is not None:
-                y = kernel(x2.contiguous(), self.packed)
-                if self.bias is not None:
-                    y.add_(self.bias.to(y.dtype))
-                return y.reshape(*lead, self.out_features)
-        else:
-            notice_once(CPU_NOTICE if torch.cuda.is_available() else NO_GPU_NOTICE)
-        # prefill on the GPU and the reference path: decode the tiles to dense, then a dense matmul
-        w = self.dense_weight(x2.dtype)
-        b = None if self.bias is None else self.bias.to(x2.dtype)
-        return F.linear(x2, w, b).reshape(*lead, self.out_features)
+            if (n <= self.dense_above and x2.dtype == torch.float16 and self.values.dtype == torch.float16
+                    and kernels_ready()):
+                y = tcabme_mm(x2.contiguous(), self.bitmaps, self.values, self.gtile_offsets,
+                              self.strip_offsets, self.out_features, True)
+            else:  # prefill: decode the tiles to a dense weight on the GPU, then cuBLAS
+                y = F.linear(x2, self.dense_weight(x2.dtype))
+        else:  # the reference path, as one op (decode + matmul)
+            if not torch.compiler.is_compiling():
+                notice_once(CPU_NOTICE if torch.cuda.is_available() else NO_GPU_NOTICE)
+            y = tcabme_mm(x2, self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets,
+                          self.out_features, False)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features)
 
 
 # swapping whole models -------------------------------------------------------------------------

@@ -6,7 +6,8 @@ into ``nn.Linear``, so cuBLAS runs them) are timed in the same process on the sa
 * prefill: one forward over ``batch x prompt_len`` tokens into a static cache, median of
   ``repeats`` runs, timed with CUDA events -> prefill tokens/s;
 * decode: ``new_tokens`` greedy steps, each one replay of a CUDA graph of the decode step
-  (``sparsekit.cuda_graph``; eager with ``cuda_graphs=False``), median over ``repeats`` ->
+  (``sparsekit.cuda_graph``; eager with ``cuda_graphs=False``; each decoder layer compiled with
+  ``torch.compile`` unless ``compile=False``), median over ``repeats`` ->
   ms per token (one step) and decode tokens/s (= batch / step time);
 * peak GPU memory (``torch.cuda.max_memory_allocated``) over that batch size's run.
 
@@ -68,7 +69,8 @@ def _time_ms(fn) -> float:
 
 
 def measure_model(model: nn.Module, batch_size: int, *, prompt_len: int = 128, new_tokens: int = 64,
-                  repeats: int = 3, cuda_graphs: bool = True, seed: int = 0) -> dict[str, Any]:
+                  repeats: int = 3, cuda_graphs: bool = True, compile: bool = True,
+                  seed: int = 0) -> dict[str, Any]:
     """Prefill/decode speed and peak memory of one model at one batch size (on its CUDA device)."""
     from sparsekit.cuda_graph import GreedyDecoder
 
@@ -81,7 +83,8 @@ def measure_model(model: nn.Module, batch_size: int, *, prompt_len: int = 128, n
     torch.cuda.reset_peak_memory_stats(device)
     dec = None
     try:
-        dec = GreedyDecoder(model, batch_size, prompt_len + new_tokens + 1, use_graph=cuda_graphs)
+        dec = GreedyDecoder(model, batch_size, prompt_len + new_tokens + 1, use_graph=cuda_graphs,
+                            compile=compile)
         dec.prefill(ids)  # warm-up: kernels compile, cache allocates
         prefill_ms = statistics.median(_time_ms(lambda: dec.prefill(ids)) for _ in range(repeats))
 
@@ -99,7 +102,9 @@ def measure_model(model: nn.Module, batch_size: int, *, prompt_len: int = 128, n
                 step_ms.append(ms / new_tokens)
         step_ms = statistics.median(step_ms)
         peak = torch.cuda.max_memory_allocated(device)
-        return {
+        extra = {"notes": dec.notes} if dec.notes else {}
+        return {**extra,
+                "compiled": dec.compile,
             "prefill_ms": prefill_ms,
             "prefill_tok_s": batch_size * prompt_len / (prefill_ms / 1e3),
             "ms_per_token": step_ms,
@@ -133,13 +138,15 @@ def _load(model_dir, device, dtype, notes: list[str]):
 
 def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_len: int = 128,
                   new_tokens: int = 64, repeats: int = 3, cuda_graphs: bool = True,
-                  dtype: torch.dtype = torch.float16, fuse_norms: bool = True,
+                  dtype: torch.dtype = torch.float16, fuse_norms: bool = True, compile: bool = True,
                   progress=None) -> dict[str, Any]:
     """Speed report of a packed model and its dense counterpart (see the module docstring).
 
     ``fuse_norms`` swaps the HF RMSNorm modules for ``cuda_graph.FusedRMSNorm`` (same rounding,
     two launches instead of eight) in both models: decode steps are launch-bound outside the
-    matmuls, so this is what lets the matmul speed-up show.
+    matmuls, so this is what lets the matmul speed-up show. ``compile`` goes further: each
+    decoder layer of the decode step runs through ``torch.compile`` (see ``sparsekit.cuda_graph``),
+    again in both models; when compiling fails the step runs uncompiled and ``notes`` says so.
     """
     from sparsekit.packed_loader import resolve_device
     from sparsekit.sparse_linear import SparseLinear, densify
@@ -166,7 +173,7 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     if n_sparse == 0:
         notes.append("no sparse layers: both columns measure the same dense model")
     tick("loaded")
-    kw = dict(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats)
+    kw = dict(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, compile=compile)
 
     def run_all(label: str) -> dict[int, dict]:
         nonlocal cuda_graphs
@@ -180,6 +187,9 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
                 notes.append(f"CUDA graphs failed, measured eagerly instead: {e}")
                 cuda_graphs = False
                 out[b] = measure_model(model, b, cuda_graphs=False, **kw)
+            for note in out[b].pop("notes", []):
+                if note not in notes:
+                    notes.append(note)
             tick(f"{label} batch {b}")
         return out
 
@@ -211,6 +221,7 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
         "repeats": repeats,
         "cuda_graphs": cuda_graphs,
         "fused_norms": fuse_norms,
+        "compiled": all(r.get("compiled", False) for d in (packed, dense) for r in d.values()),
         "sparse_layers": n_sparse,
         "weights_gib": {"packed": packed_bytes / GIB, "dense": dense_bytes / GIB},
         "rows": rows,

@@ -138,6 +138,30 @@ def test_static_cache_greedy_matches_hf_generate():
         dec.step()
 
 
+def test_compiled_decode_step_matches_and_compiles_once(monkeypatch):
+    """Regional compilation: one compiled decoder layer serves every layer (the packed value
+    counts differ per layer), the sparse matmul traces as one op (fullgraph), same tokens."""
+    from sparsekit import cuda_graph
+    from sparsekit.cuda_graph import GreedyDecoder
+    from sparsekit.sparse_linear import sparsify
+
+    monkeypatch.setattr(cuda_graph, "COMPILE_OPTIONS", {"backend": "aot_eager", "fullgraph": True})
+    monkeypatch.setattr(cuda_graph, "_compiled_layer_call", None)
+    model = pruned_tiny("llama")
+    sparsify(model)
+    ids = IDS[:, :6]
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    dec = GreedyDecoder(model, batch_size=2, max_len=12, use_graph=False, compile=True)
+    assert torch.equal(dec.generate(ids, 6), ref)
+    assert dec.compile and dec.notes == []
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"  # the stack is restored
+    torch._dynamo.reset()
+
+
 # --- load_packed ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def packed_llama(tmp_path_factory):
