@@ -63,6 +63,37 @@ if SIM:
     def cp_commit():
         pass
 
+    def smem_base(arr, i):
+        """Shared-memory "address" of uint64 element ``i`` (simulator: its uint32 word index)."""
+        return 2 * i
+
+    def lds32(d32, base, woff):
+        """The uint32 word ``woff`` words past ``base`` (a ``smem_base`` address)."""
+        return np.uint32(d32[base + woff])
+
+    def decode_pair(d32, e, lmask, pos, vbase):
+        """SMBD: this lane's A-fragment register from its half-bitmap entry ``e``.
+
+        ``e`` = bitmap half-word (low 32 bits) | value offset of that half-word (high 32 bits).
+        The lane's two elements are bits ``pos`` and ``pos + 1`` of the word; the first set one is
+        value ``offset + popc(word & lmask)``; the register holds (low, high) = (element 0,
+        element 1), zeros for unset bits.
+        """
+        e = int(e)
+        w = e & 0xFFFFFFFF
+        idx = (e >> 32) + bin(w & int(lmask)).count("1")
+        a = vbase + (idx >> 1)
+        pair = (int(d32[a]) | (int(d32[a + 1]) << 32)) >> (16 * (idx & 1))
+        first, second = pair & 0xFFFF, (pair >> 16) & 0xFFFF
+        b0, b1 = (w >> int(pos)) & 1, (w >> (int(pos) + 1)) & 1
+        if b0 and b1:
+            return np.uint32(first | (second << 16))
+        if b0:
+            return np.uint32(first)
+        if b1:
+            return np.uint32(first << 16)
+        return np.uint32(0)
+
     def cp_wait0():
         pass
 
@@ -217,6 +248,71 @@ else:  # pragma: no cover - GPU only
             return types.void(), codegen
 
         return _stmt
+
+    @intrinsic
+    def _smem_base(typingctx, arr, i):
+        sig = types.uint32(arr, types.int64)
+
+        def codegen(context, builder, sig, args):
+            aryty = sig.args[0]
+            ary = context.make_array(aryty)(context, builder, args[0])
+            ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+            return _smem_addr(builder, ptr)
+
+        return sig, codegen
+
+    @intrinsic
+    def _lds32(typingctx, addr):
+        sig = types.uint32(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(_i32, [_i32]), "ld.shared.u32 $0, [$1];", "=r,r")
+            return builder.call(asm, [args[0]])
+
+        return sig, codegen
+
+    # SMBD decode of one lane's A-fragment register: value index = offset + popc(word & lmask);
+    # two 16-bit shared loads (value i, value i+1); a 2-bit code (bit0, bit1 set?) picks a byte
+    # permutation from a 4-entry table (PRMT), so the register is (v_i, v_i+1), (v_i, 0),
+    # (0, v_i) or (0, 0) without branches.
+    _DECODE_PTX = """{
+    .reg .u32 w, b, t, i, a, f, s, k, c, sel;
+    mov.b64 {w, b}, $1;
+    and.b32 t, w, $2;
+    popc.b32 t, t;
+    add.u32 i, b, t;
+    mad.lo.u32 a, i, 2, $4;
+    ld.shared.u16 f, [a];
+    ld.shared.u16 s, [a+2];
+    bfe.u32 k, w, $3, 2;
+    mad.lo.u32 c, k, 34, 16;
+    prmt.b32 sel, 0x22102222, 0x54101022, c;
+    prmt.b32 $0, f, s, sel;
+}"""
+
+    @intrinsic
+    def _decode_pair(typingctx, e, lmask, pos, vbase):
+        u = types.uint32
+        sig = u(types.uint64, u, u, u)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(_i32, [ir.IntType(64), _i32, _i32, _i32])
+            asm = ir.InlineAsm(fnty, _DECODE_PTX, "=r,l,r,r,r")
+            return builder.call(asm, args)
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def smem_base(arr, i):
+        return _smem_base(arr, i)
+
+    @cuda.jit(device=True, inline=True)
+    def lds32(d32, base, woff):
+        return _lds32(np.uint32(base + np.uint32(woff) * np.uint32(4)))
+
+    @cuda.jit(device=True, inline=True)
+    def decode_pair(d32, e, lmask, pos, vbase):
+        return _decode_pair(np.uint64(e), np.uint32(lmask), np.uint32(pos), np.uint32(vbase))
 
     cp_commit = _asm_stmt("cp.async.commit_group;")
     cp_wait0 = _asm_stmt("cp.async.wait_group 0;")

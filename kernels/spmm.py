@@ -24,8 +24,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ._intrinsics import (SCRATCH_WORDS, SIM, cp_async16, cp_commit, cp_wait0, cp_wait1, cp_wait2, f2h, h2f,
-                          mma, shfl_up, shfl_xor, syncwarp)
+from ._intrinsics import (SCRATCH_WORDS, SIM, cp_async16, cp_commit, cp_wait0, cp_wait1, cp_wait2, decode_pair,
+                          f2h, h2f, lds32, mma, shfl_up, shfl_xor, smem_base, syncwarp)
 
 THREADS = 128          # 4 warps: the 4 strips of a GroupTile row
 KPER_MAX = 128         # GroupTiles along K per block (offsets staged in shared memory)
@@ -87,26 +87,6 @@ def _build(NT: int, USE_MMA: bool, STAGES: int):
             else:
                 cp_async16(d64, xb + r * XROW + 2 * c, x, 0, 0)
 
-    @cuda.jit(device=True, inline=True)
-    def decode(wb, d64, sb, h, lmask, bit0, bit1):
-        """A-fragment register (two fp16) of this lane for the half-bitmap entry ``wb[h]``."""
-        e = wb[h]
-        w = u32(e & u64(0xFFFFFFFF))
-        idx = u32(e >> u64(32)) + u32(cuda.popc(w & lmask))
-        q = sb + (idx >> u32(2))
-        s = u64((idx & u32(3)) * u32(16))
-        lo = d64[q]
-        hi = d64[q + 1]
-        v = u32((lo >> s) & u64(0xFFFFFFFF)) | u32(((hi << u64(16)) << (u64(48) - s)) & u64(0xFFFFFFFF))
-        r = u32(0)
-        if w & bit0:
-            r = v & u32(0xFFFF)
-            if w & bit1:
-                r = v
-        elif w & bit1:
-            r = (v & u32(0xFFFF)) << u32(16)
-        return r
-
     @cuda.jit
     def kernel(bm, vals, goff, soff, x, y, ws, cnt, M, N, GK, ldx, kper, nsplit, vcap, slot):
         if SIM:
@@ -129,8 +109,6 @@ def _build(NT: int, USE_MMA: bool, STAGES: int):
         hsel = lane >> 4
         p = u32(2 * (lane & 15))
         lmask = (u32(1) << p) - u32(1)
-        bit0 = u32(1) << p
-        bit1 = u32(2) << p
 
         gm = cuda.blockIdx.x
         split = cuda.blockIdx.y
@@ -177,17 +155,20 @@ def _build(NT: int, USE_MMA: bool, STAGES: int):
             syncwarp()
 
             hb = warp * 32 + hsel
-            xrow = 2 * (sb + vcap + BM_WORDS)
+            vbase = smem_base(d64, sb)
+            xbase = smem_base(d64, sb + vcap + BM_WORDS)
             for t in range(4):
                 h = hb + 8 * t
-                a0 = decode(wb, d64, sb, h, lmask, bit0, bit1)       # top-left
-                a1 = decode(wb, d64, sb, h + 2, lmask, bit0, bit1)   # bottom-left
-                a2 = decode(wb, d64, sb, h + 4, lmask, bit0, bit1)   # top-right
-                a3 = decode(wb, d64, sb, h + 6, lmask, bit0, bit1)   # bottom-right
+                # SMBD decode (inline PTX on the GPU: popc, 2 x ld.shared, funnel shift, selects)
+                a0 = decode_pair(d32, wb[h], lmask, p, vbase)       # top-left
+                a1 = decode_pair(d32, wb[h + 2], lmask, p, vbase)   # bottom-left
+                a2 = decode_pair(d32, wb[h + 4], lmask, p, vbase)   # top-right
+                a3 = decode_pair(d32, wb[h + 6], lmask, p, vbase)   # bottom-right
                 if USE_MMA:
                     for j in range(NB):
-                        xo = xrow + (8 * j + gid) * (2 * XROW) + 8 * t + tig
-                        c0, c1, c2, c3 = mma(scr, tid, a0, a1, a2, a3, d32[xo], d32[xo + 4],
+                        xo = (8 * j + gid) * (2 * XROW) + 8 * t + tig
+                        c0, c1, c2, c3 = mma(scr, tid, a0, a1, a2, a3, lds32(d32, xbase, xo),
+                                             lds32(d32, xbase, xo + 4),
                                              acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
                         acc[4 * j] = c0
                         acc[4 * j + 1] = c1
@@ -203,9 +184,9 @@ def _build(NT: int, USE_MMA: bool, STAGES: int):
                     w30 = h2f(a3)
                     w31 = h2f(a3 >> u32(16))
                     for n in range(NT):
-                        xo = xrow + n * (2 * XROW) + 8 * t + tig
-                        xl = d32[xo]
-                        xh = d32[xo + 4]
+                        xo = n * (2 * XROW) + 8 * t + tig
+                        xl = lds32(d32, xbase, xo)
+                        xh = lds32(d32, xbase, xo + 4)
                         y0 = h2f(xl)
                         y1 = h2f(xl >> u32(16))
                         y2 = h2f(xh)
