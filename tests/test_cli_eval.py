@@ -82,3 +82,50 @@ def test_demo_alias_subprocess_json(wikitext_dir):
     r = report["ppl"]
     assert r["windows"] == 2 and r["tokens"] == 256 and r["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     assert 12 < r["ppl"] < 100, r  # measured ~47 at seqlen 128 on CPU
+
+
+def test_pruned_and_packed_dirs_give_the_same_perplexity(tiny, tmp_path):
+    """prune -> encode -> eval: the packed TCA-BME directory evaluates like the pruned one it came from."""
+    from sparsekit.packing import encode
+    from sparsekit.pruning import prune
+
+    model_dir, text_file = tiny
+    pruned, packed = tmp_path / "pruned", tmp_path / "packed"
+    prune(str(model_dir), method="wanda", pattern="2:4", calib=str(text_file), nsamples=4, seqlen=32,
+          device="cpu", output=pruned, warn=lambda m: None)
+    encode(pruned, packed)
+    reports = {}
+    for name, d in (("pruned", pruned), ("packed", packed)):
+        res = runner.invoke(app, ["eval", str(d), "--dataset", str(text_file), "--seqlen", "32", "--max-windows", "8",
+                                  "--device", "cpu", "--json"])
+        assert res.exit_code == 0, res.output
+        reports[name] = json.loads(res.stdout)["ppl"]
+    assert reports["packed"]["windows"] == reports["pruned"]["windows"] == 8
+    # packed values are stored in fp16; the pruned checkpoint keeps the model's fp32
+    assert reports["packed"]["ppl"] == pytest.approx(reports["pruned"]["ppl"], rel=1e-3)
+
+
+def test_speed_flags_reach_the_runtime(tiny, tmp_path, monkeypatch):
+    """--speed/--batch-sizes/--plot are passed to sparsekit.speed; --json carries both reports."""
+    import sparsekit.speed as speed
+
+    calls = {}
+
+    def fake_measure(model_dir, *, device, batch_sizes, dtype, progress=None, **kw):
+        calls["measure"] = (model_dir, device, batch_sizes, dtype)
+        return {"rows": [], "notes": ["a note"], "gpu": "fake"}
+
+    def fake_plot(report, path):
+        calls["plot"] = str(path)
+        return path
+
+    monkeypatch.setattr(speed, "measure_speed", fake_measure)
+    monkeypatch.setattr(speed, "plot_speed", fake_plot)
+    png = tmp_path / "speed.png"
+    res = runner.invoke(app, ["eval", str(tiny[0]), "--speed", "--batch-sizes", "1, 4", "--plot", str(png), "--json"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert set(report) == {"model", "speed"}  # --speed alone: no perplexity
+    assert calls["measure"] == (str(tiny[0]), "cuda", (1, 4), torch.float16)
+    assert calls["plot"] == str(png) and report["speed"]["plot"] == str(png)
+    assert "a note" in res.stderr
