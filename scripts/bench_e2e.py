@@ -73,7 +73,7 @@ class FreeLinear(torch.nn.Module):
         return x.new_empty(*x.shape[:-1], self.out_features)
 
 
-def overhead_probe(model, batches, kw) -> dict:
+def overhead_probe(model, batches, kw, skip_hf: bool = False) -> dict:
     """Decode step time with every decoder linear made free, norms as HF wrote them and fused."""
     from sparsekit.cuda_graph import fuse_rms_norms
     from sparsekit.layers import find_decoder_layers, find_linears
@@ -90,7 +90,7 @@ def overhead_probe(model, batches, kw) -> dict:
 
     put({n: FreeLinear(m.out_features) for n, m in saved.items()})
     out = {}
-    for label in ("hf_norms", "fused_norms", "compiled"):
+    for label in ("hf_norms", "fused_norms", "compiled")[1 if skip_hf else 0:]:
         if label == "fused_norms":
             fuse_rms_norms(model)
         for b in batches:
@@ -146,7 +146,8 @@ def main() -> int:
         ref_small = model(probe[:, :8]).logits.float()  # N = 16 tokens: kernel path
         ref_big = model(probe).logits.float()            # N = 200 tokens: prefill path
     dense_bytes = _model_bytes(model)
-    overhead = overhead_probe(model, [b for b in batches if b in (1, 16)] or batches[:1], kw) if args.overhead else None
+    overhead = (overhead_probe(model, [b for b in batches if b in (1, 16)] or batches[:1], kw, skip_hf=True)
+                if args.overhead else None)
     if not args.hf_norms:
         from sparsekit.cuda_graph import fuse_rms_norms
 

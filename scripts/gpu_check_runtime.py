@@ -129,6 +129,14 @@ def check_correctness(results: dict) -> None:
             toks[f"again{use_graph}"] = dec.generate(prompt, 24)  # reuse: cache reset, graph replayed
         same = torch.equal(toks[False], toks[True]) and torch.equal(toks[True], toks["againTrue"])
         check(same, f"{label}: CUDA-graph greedy tokens == eager tokens (24 new tokens, batch 4)")
+        dec = GreedyDecoder(m, 4, 12 + 24, use_graph=True, compile=True)
+        toks["compiled"] = dec.generate(prompt, 24)
+        agree_c = float((toks["compiled"][:, 12:] == toks[False][:, 12:]).float().mean())
+        results.setdefault("compiled_agreement", {})[label] = agree_c
+        first4 = torch.equal(toks["compiled"][:, :16], toks[False][:, :16])
+        check(dec.compile and not dec.notes and first4,
+              f"{label}: compiled + graph decode ran compiled ({dec.notes or 'no notes'}), first 4 new tokens "
+              f"== eager; agreement over 24: {agree_c:.3f} (fusion may change rounding later)")
         with torch.no_grad():
             hf = m.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
         agree = float((hf[:, 12:] == toks[True][:, 12:]).float().mean())

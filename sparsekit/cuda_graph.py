@@ -128,14 +128,17 @@ def decoder_stack(model: nn.Module) -> nn.ModuleList:
     from sparsekit.layers import is_linear
     from sparsekit.sparse_linear import SparseLinear
 
-    best = None
+    best = fallback = None
     for mod in model.modules():
         if not isinstance(mod, nn.ModuleList) or len(mod) == 0 or len({type(c) for c in mod}) != 1:
             continue
+        if fallback is None or len(mod) > len(fallback):
+            fallback = mod
         if not any(is_linear(m) or isinstance(m, SparseLinear) for m in mod[0].modules()):
             continue
         if best is None or len(mod) > len(best):
             best = mod
+    best = best if best is not None else fallback
     if best is None:
         raise SparsekitError(f"no decoder layer stack found in {type(model).__name__}: pass compile=False")
     return best

@@ -30,7 +30,7 @@ from sparsekit.tcabme import TcaBme, decode, encode
 
 # Kernel up to and including this many tokens, decode + cuBLAS above: measured on an H100 with
 # scripts/gpu_check_runtime.py (7B shapes, 50%; see docs/benchmarks.md, "End to end").
-DEFAULT_DENSE_ABOVE = 128
+DEFAULT_DENSE_ABOVE = 96
 
 NO_GPU_NOTICE = "no CUDA GPU: sparse layers run the reference path (decode + matmul), which is slow"
 CPU_NOTICE = "sparse layers on the CPU run the reference path (decode + matmul), which is slow"
