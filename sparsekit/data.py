@@ -115,6 +115,8 @@ def _is_local(source: str) -> bool:
 
 def _local_path(source: str) -> Path:
     path = Path(source).expanduser()
+    if path.is_dir():
+        raise SparsekitError(f"{source} is a directory: pass one .txt/.jsonl/.parquet file, or wikitext2 / c4")
     if not path.is_file():
         raise SparsekitError(f"no file at {source}: pass an existing .txt/.jsonl/.parquet file, or wikitext2 / c4")
     return path

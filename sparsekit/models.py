@@ -239,9 +239,12 @@ def is_packed(path: str | os.PathLike) -> bool:
 
 
 def load_tokenizer(id_or_path: str | os.PathLike | None = None):
+    return _load_tokenizer(resolve_model(id_or_path))
+
+
+def _load_tokenizer(location: str):
     from transformers import AutoTokenizer
 
-    location = resolve_model(id_or_path)
     try:
         return AutoTokenizer.from_pretrained(location)
     except Exception as e:
@@ -259,7 +262,7 @@ def load_model(id_or_path: str | os.PathLike | None = None, device: str | torch.
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     location = resolve_model(id_or_path)
-    tokenizer = load_tokenizer(location)
+    tokenizer = _load_tokenizer(location)
     if is_packed(location):
         from sparsekit.packed_loader import load_packed
 

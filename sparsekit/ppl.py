@@ -51,7 +51,8 @@ def _model_device(model) -> torch.device:
 
 
 def default_batch_size(seqlen: int, vocab: int, device: torch.device) -> int:
-    """Windows per forward pass: bounded by the float32 logits of a batch (~2 GiB on CUDA, ~256 MiB on CPU)."""
+    """Windows per forward pass: bounded by the logits of a batch (~2 GiB on CUDA, ~256 MiB on CPU, at 4
+    bytes a value); an out-of-memory error on CUDA halves it and retries."""
     budget = (2 << 30) if device.type == "cuda" else (256 << 20)
     return max(1, min(32, budget // max(1, seqlen * vocab * 4)))
 
@@ -85,12 +86,25 @@ def perplexity(
     model.eval()
     task = progress.add_task("perplexity", total=n) if progress is not None else None
     nlls = []
+    i = 0
     try:
-        for i in range(0, n, bs):
+        while i < n:
             batch = windows[i : i + bs].to(dev)
-            logits = model(input_ids=batch, use_cache=False).logits
-            nlls.append(window_nll(logits, batch).double().cpu())
-            del logits
+            try:
+                logits = model(input_ids=batch, use_cache=False).logits
+                # one window at a time in float32: bounds the fp32 copy of the logits to one window
+                part = [window_nll(logits[j : j + 1], batch[j : j + 1]).double().cpu() for j in range(batch.shape[0])]
+                del logits
+            except torch.cuda.OutOfMemoryError:
+                if bs == 1:
+                    raise SparsekitError(
+                        f"out of GPU memory on one window of {seqlen} tokens: use a smaller --seqlen or --device cpu"
+                    ) from None
+                bs = max(1, bs // 2)  # retry the same windows in smaller batches
+                torch.cuda.empty_cache()
+                continue
+            nlls.extend(part)
+            i += batch.shape[0]
             if task is not None:
                 progress.advance(task, batch.shape[0])
     finally:
