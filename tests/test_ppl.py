@@ -110,3 +110,26 @@ def test_demo_model_on_real_wikitext(wikitext_dir):
     assert r["windows"] == 2 and r["tokens"] == 512
     assert r["text_tokens"] > 250_000  # the whole test split was tokenized once
     assert 12 < r["ppl"] < 60, r  # measured 30.9; a broken conversion gives hundreds or more
+
+
+class _OomAbove(torch.nn.Module):
+    """Delegates to a model but raises CUDA's out-of-memory error for batches larger than ``limit``."""
+
+    def __init__(self, model, limit):
+        super().__init__()
+        self.inner, self.limit, self.config = model, limit, model.config
+
+    def forward(self, input_ids, **kw):
+        if input_ids.shape[0] > self.limit:
+            raise torch.cuda.OutOfMemoryError("fake OOM")
+        return self.inner(input_ids=input_ids, **kw)
+
+
+def test_out_of_memory_halves_the_batch(tiny):
+    model, tok = tiny
+    text = corpus(n_words=700, seed=5)
+    want = perplexity(model, tok, text, seqlen=SEQLEN, batch_size=1)
+    got = perplexity(_OomAbove(model, 2), tok, text, seqlen=SEQLEN, batch_size=8)  # 8 -> 4 -> 2
+    assert got["windows"] == want["windows"] and got["ppl"] == pytest.approx(want["ppl"], rel=1e-6)
+    with pytest.raises(SparsekitError, match="out of GPU memory"):
+        perplexity(_OomAbove(model, 0), tok, text, seqlen=SEQLEN, batch_size=4)
