@@ -114,6 +114,14 @@ def eval_cmd(
     if plot and not speed:
         raise SparsekitError("--plot draws the speed measurement: add --speed")
     sizes = _batch_sizes(batch_sizes)
+    if speed:  # fail before a long perplexity run, not after it
+        import torch
+        from pathlib import Path
+
+        if device == "cpu" or not torch.cuda.is_available():
+            raise SparsekitError("--speed measures the CUDA kernels and needs a CUDA GPU: run it on a GPU machine or drop --speed")
+        if plot and not Path(plot).expanduser().resolve().parent.is_dir():
+            raise SparsekitError(f"cannot write --plot {plot}: its folder does not exist")
 
     def warn(msg: str) -> None:
         err_console.print(f"[yellow]warning:[/] {msg}", highlight=False, soft_wrap=True)
@@ -130,6 +138,10 @@ def eval_cmd(
         from sparsekit.speed import measure_speed, plot_speed, speed_table
 
         location = resolve_model(model_dir)
+        if not Path(location).is_dir():  # a hub id: the speed runner reads a local directory
+            from huggingface_hub import snapshot_download
+
+            location = snapshot_download(location)
         dev = "cuda" if device == "auto" else device
         with _progress() as bars:
             report["speed"] = measure_speed(location, device=dev, batch_sizes=sizes,
