@@ -63,6 +63,23 @@ if SIM:
     def cp_commit():
         pass
 
+    def mbar_init(mbar, i, count):
+        pass
+
+    def mbar_expect(mbar, i, nbytes):
+        pass
+
+    def mbar_wait(mbar, i, parity):
+        pass
+
+    def fence_proxy_async():
+        pass
+
+    def bulk_copy(dst, di, src, si, nbytes, mbar, mi):
+        """dst[di:di+nbytes/8] = src[si:...] (uint64 views): one TMA bulk copy on the GPU."""
+        for k in range(nbytes // 8):
+            dst[di + k] = np.int64(src[si + k]).view(np.uint64)
+
     def smem_base(arr, i):
         """Shared-memory "address" of uint64 element ``i`` (simulator: its uint32 word index)."""
         return 2 * i
@@ -313,6 +330,65 @@ else:  # pragma: no cover - GPU only
     @cuda.jit(device=True, inline=True)
     def decode_pair(d32, e, lmask, pos, vbase):
         return _decode_pair(np.uint64(e), np.uint32(lmask), np.uint32(pos), np.uint32(vbase))
+
+    def _asm_fn2(text, constraints, ret=False):
+        """An intrinsic running ``text`` on two uint32 operands (optionally returning a uint32)."""
+        @intrinsic
+        def _fn(typingctx, a, b):
+            u = types.uint32
+            sig = (u if ret else types.void)(u, u)
+
+            def codegen(context, builder, sig, args):
+                fnty = ir.FunctionType(_i32 if ret else ir.VoidType(), [_i32, _i32])
+                out = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), args)
+                return out if ret else context.get_dummy_value()
+
+            return sig, codegen
+
+        return _fn
+
+    _mbar_init = _asm_fn2("mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}")
+    _mbar_expect = _asm_fn2("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}")
+    _mbar_try = _asm_fn2("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; "
+                         "selp.u32 $0, 1, 0, p; }", "=r,r,r,~{memory}", ret=True)
+    fence_proxy_async = _asm_stmt("fence.proxy.async.shared::cta;")
+    fence_mbar_init = _asm_stmt("fence.mbarrier_init.release.cluster;")
+
+    @intrinsic
+    def _bulk(typingctx, dst_addr, src, si, nbytes, mbar_addr):
+        u = types.uint32
+        sig = types.void(u, src, types.int64, u, u)
+
+        def codegen(context, builder, sig, args):
+            sty = sig.args[1]
+            ary = context.make_array(sty)(context, builder, args[1])
+            sp = cgutils.get_item_pointer(context, builder, sty, ary, [args[2]], wraparound=False)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i8p, _i32, _i32]),
+                               "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                               "[$0], [$1], $2, [$3];", "r,l,r,r,~{memory}", side_effect=True)
+            builder.call(asm, [args[0], builder.bitcast(sp, _i8p), args[3], args[4]])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def mbar_init(mbar, i, count):
+        _mbar_init(_smem_base(mbar, i), np.uint32(count))
+        fence_mbar_init()
+
+    @cuda.jit(device=True, inline=True)
+    def mbar_expect(mbar, i, nbytes):
+        _mbar_expect(_smem_base(mbar, i), np.uint32(nbytes))
+
+    @cuda.jit(device=True, inline=True)
+    def mbar_wait(mbar, i, parity):
+        a = _smem_base(mbar, i)
+        while _mbar_try(a, np.uint32(parity)) == 0:
+            pass
+
+    @cuda.jit(device=True, inline=True)
+    def bulk_copy(dst, di, src, si, nbytes, mbar, mi):
+        _bulk(_smem_base(dst, di), src, si, np.uint32(nbytes), _smem_base(mbar, mi))
 
     cp_commit = _asm_stmt("cp.async.commit_group;")
     cp_wait0 = _asm_stmt("cp.async.wait_group 0;")

@@ -4,10 +4,11 @@ One thread block = 4 warps = the 4 strips (16 rows each) of one GroupTile row (6
 walks a range of GroupTiles along K (split-K: several blocks share a row, the last one to finish
 sums the fp32 partials). Per GroupTile step:
 
-1. **Stage** (whole block, 16-byte ``cp.async`` copies, ``STAGES``-deep ring in dynamic shared
-   memory): the GroupTile's values (contiguous, 16-byte aligned by the format), its 64 bitmaps, and
-   this step's 64-column slice of X (rows padded to 144 bytes: conflict-free B-fragment loads; token
-   rows past N are zero-filled by the copy). The block's GroupTile/strip offsets are read once
+1. **Stage** (Hopper bulk copies, ``cp.async.bulk`` completing on an ``mbarrier``, ``STAGES``-deep
+   ring in dynamic shared memory): one copy for the GroupTile's values (contiguous, 16-byte
+   aligned by the format), one for its 64 bitmaps, one per token row of this step's 64-column
+   slice of X (rows padded to 144 bytes: conflict-free B-fragment loads; rows past N are zeroed
+   once). Warp 0 issues them; everyone else only waits on the stage's barrier. The block's GroupTile/strip offsets are read once
    into shared memory first, so no step waits on a dependent offset load; ``STAGES - 1`` steps
    are in flight while one is decoded.
 2. **Decode** (SMBD, per warp = per strip): lane ``l`` loads bitmap word ``l`` of its strip (16
@@ -24,8 +25,8 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ._intrinsics import (SCRATCH_WORDS, SIM, cp_async16, cp_commit, cp_wait0, cp_wait1, cp_wait2, decode_pair,
-                          f2h, h2f, lds32, mma, shfl_up, shfl_xor, smem_base, syncwarp)
+from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, decode_pair, f2h, fence_proxy_async, h2f, lds32,
+                          mbar_expect, mbar_init, mbar_wait, mma, shfl_up, shfl_xor, smem_base, syncwarp)
 
 THREADS = 128          # 4 warps: the 4 strips of a GroupTile row
 KPER_MAX = 128         # GroupTiles along K per block (offsets staged in shared memory)
@@ -62,30 +63,25 @@ def _build(NT: int, USE_MMA: bool, STAGES: int):
     NB = NT // 8                     # 8-token blocks (mma path)
     NACC = 4 * NB if USE_MMA else 2 * NT
     XCHUNKS = NT * 8                 # 16-byte chunks of one step's X slice
-    cp_wait = (cp_wait0, cp_wait1, cp_wait2)[STAGES - 2]
     u64 = np.uint64
     u32 = np.uint32
 
     @cuda.jit(device=True, inline=True)
-    def issue(d64, bm, vals, x, goffs, i, g, gk, N, ldx, vcap, slot):
-        """Start the async copies of step ``i`` (GroupTile ``g``, column block ``gk``)."""
-        sb = (i % STAGES) * slot
-        tid = cuda.threadIdx.x
+    def issue(d64, mbar, bm, vals, x, goffs, i, g, gk, N, ldx, vcap, slot, lane):
+        """Warp 0: start the bulk copies of step ``i`` (GroupTile ``g``, column block ``gk``)."""
+        st = i % STAGES
+        sb = st * slot
+        fence_proxy_async()
         vbase = goffs[i]
-        nch = (goffs[i + 1] - vbase) >> 3
-        vsrc = vbase >> 2
-        for c in range(tid, nch, THREADS):
-            cp_async16(d64, sb + 2 * c, vals, vsrc + 2 * c, 16)
-        if tid < 32:
-            cp_async16(d64, sb + vcap + 2 * tid, bm, g * BM_WORDS + 2 * tid, 16)
+        vbytes = (goffs[i + 1] - vbase) * 2
+        if lane == 0:
+            mbar_expect(mbar, st, vbytes + BM_WORDS * 8 + N * 128)
+            if vbytes > 0:
+                bulk_copy(d64, sb, vals, vbase >> 2, vbytes, mbar, st)
+            bulk_copy(d64, sb + vcap, bm, g * BM_WORDS, BM_WORDS * 8, mbar, st)
         xb = sb + vcap + BM_WORDS
-        for u in range(tid, XCHUNKS, THREADS):
-            r = u >> 3
-            c = u & 7
-            if r < N:
-                cp_async16(d64, xb + r * XROW + 2 * c, x, r * ldx + gk * 16 + 2 * c, 16)
-            else:
-                cp_async16(d64, xb + r * XROW + 2 * c, x, 0, 0)
+        for r in range(lane, N, 32):
+            bulk_copy(d64, xb + r * XROW, x, r * ldx + gk * 16, 128, mbar, st)
 
     @cuda.jit
     def kernel(bm, vals, goff, soff, x, y, ws, cnt, M, N, GK, ldx, kper, nsplit, vcap, slot):
@@ -98,6 +94,7 @@ def _build(NT: int, USE_MMA: bool, STAGES: int):
         goffs = cuda.shared.array(_GOFFS, np.int32)
         soffs = cuda.shared.array(_SOFFS, np.int32)
         wb = cuda.shared.array(THREADS, np.uint64)
+        mbar = cuda.shared.array(STAGES, np.uint64)
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
         flag = cuda.shared.array(1, np.int32)
 
@@ -125,21 +122,28 @@ def _build(NT: int, USE_MMA: bool, STAGES: int):
             goffs[e] = goff[g0 + e]
         for e in range(tid, 4 * nsteps, THREADS):
             soffs[e] = soff[4 * g0 + e]
+        if tid == 0:
+            for st in range(STAGES):
+                mbar_init(mbar, st, 1)
+        # X rows past N stay zero in every stage (no copy writes them)
+        for e in range(tid, STAGES * XROW * (NT - N), THREADS):
+            st = e // (XROW * (NT - N))
+            r = e - st * (XROW * (NT - N))
+            d64[st * slot + vcap + BM_WORDS + N * XROW + r] = u64(0)
         cuda.syncthreads()
 
         # ---- pipeline: STAGES - 1 steps in flight while one is decoded
-        for i in range(STAGES - 1):
-            if i < nsteps:
-                issue(d64, bm, vals, x, goffs, i, g0 + i, gk0 + i, N, ldx, vcap, slot)
-            cp_commit()
+        if warp == 0:
+            for i in range(STAGES - 1):
+                if i < nsteps:
+                    issue(d64, mbar, bm, vals, x, goffs, i, g0 + i, gk0 + i, N, ldx, vcap, slot, lane)
 
         for i in range(nsteps):
-            cp_wait()
-            cuda.syncthreads()            # step i landed for everyone; slot (i-1) is free
+            mbar_wait(mbar, i % STAGES, (i // STAGES) & 1)   # step i has landed
+            cuda.syncthreads()            # and everyone is done with step i-1's slot
             nxt = i + STAGES - 1
-            if nxt < nsteps:
-                issue(d64, bm, vals, x, goffs, nxt, g0 + nxt, gk0 + nxt, N, ldx, vcap, slot)
-            cp_commit()
+            if warp == 0 and nxt < nsteps:
+                issue(d64, mbar, bm, vals, x, goffs, nxt, g0 + nxt, gk0 + nxt, N, ldx, vcap, slot, lane)
 
             sb = (i % STAGES) * slot
             # SMBD: offsets of the 32 half-bitmaps of this strip (inclusive warp scan)
