@@ -119,6 +119,10 @@ def equalize_packed_sizes(model: nn.Module) -> float:
                 padded[:n] = m.values
                 m.values = padded
                 added += longest - n
+    if added:
+        from sparsekit.sparse_linear import release_kernel_caches
+
+        release_kernel_caches()  # else the kernels' cached views keep the unpadded copies alive
     return added / max(1, total)
 
 

@@ -205,7 +205,7 @@ class SparseLinear(nn.Module):
                 y = tcabme_mm(x2.contiguous(), self.bitmaps, self.values, self.gtile_offsets,
                               self.strip_offsets, self.out_features, True)
             else:  # prefill: decode the tiles to a dense weight on the GPU, then cuBLAS
-                y = F.linear(x2, self.dense_weight(x2.dtype))
+                y = F.linear(x2, decode_dense(self.packed).to(x2.dtype))
         else:  # the reference path, as one op (decode + matmul)
             if not torch.compiler.is_compiling():
                 notice_once(CPU_NOTICE if torch.cuda.is_available() else NO_GPU_NOTICE)
@@ -214,6 +214,28 @@ class SparseLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
+
+
+def decode_dense(packed: TcaBme) -> torch.Tensor:
+    """The dense ``[M, K]`` weight, bit-exact like ``tcabme.decode`` but with fixed-size tensor
+    ops only: no host synchronisation and no data-dependent shapes, so it is fast on a GPU (the
+    prefill path) and could be captured. The value of the element at bit ``j`` of BitmapTile ``i``
+    (GroupTile ``g``) is ``values[gtile_offsets[g] + (set bits of g before it)]``.
+    """
+    m, k = packed.shape
+    gm, gk = packed.grid
+    ngt = gm * gk
+    dev = packed.values.device
+    weights = torch.tensor([1 << c for c in range(8)], dtype=torch.uint8, device=dev)
+    rows = packed.bitmaps.contiguous().view(torch.uint8).reshape(ngt, 64 * 8, 1)   # byte = tile row
+    mask = ((rows & weights) != 0).reshape(ngt, 64 * 64)        # value order inside each GroupTile
+    rank = torch.cumsum(mask, dim=1, dtype=torch.int32)         # 1-based rank of each set bit
+    idx = (rank + packed.gtile_offsets[:-1, None].to(torch.int32)) * mask  # 0 where the bit is clear
+    ext = torch.cat([packed.values.new_zeros(1), packed.values])  # ext[0] = 0, ext[1 + v] = values[v]
+    tiles = ext[idx]                                             # [NGT, 4096]
+    # (gm, gk, s, t, colhalf, rowhalf, r, c) -> (gm, s, rowhalf, r, gk, t, colhalf, c)
+    x = tiles.reshape(gm, gk, 4, 4, 2, 2, 8, 8).permute(0, 2, 5, 6, 1, 3, 4, 7)
+    return x.reshape(gm * 64, gk * 64)[:m, :k]
 
 
 # swapping whole models -------------------------------------------------------------------------
@@ -246,6 +268,20 @@ def sparsify(model: nn.Module, *, min_sparsity: float = 0.3, skip: Iterable[str]
     return swapped
 
 
+def release_kernel_caches() -> None:
+    """Drop the bundled kernels' cached device views of packed weights.
+
+    Those views keep their tensors alive; call this after packed weights are replaced or freed
+    (``densify``, ``cuda_graph.equalize_packed_sizes``) so the memory really goes back."""
+    try:
+        from sparsekit.kernels import launch
+    except Exception:
+        return
+    cache = getattr(launch, "_views", None)
+    if isinstance(cache, dict):
+        cache.clear()
+
+
 def densify(model: nn.Module, dtype: torch.dtype | None = None) -> list[str]:
     """Replace, in place, every SparseLinear by the equivalent ``nn.Linear`` (decoded weight).
 
@@ -258,4 +294,5 @@ def densify(model: nn.Module, dtype: torch.dtype | None = None) -> list[str]:
         sl = model.get_submodule(name)
         _set_submodule(model, name, sl.to_linear(dtype))
         del sl
+    release_kernel_caches()
     return names

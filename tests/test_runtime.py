@@ -76,6 +76,20 @@ def test_sparse_linear_matches_linear_any_leading_dims():
     assert torch.equal(back.weight.float(), lin.weight) and torch.equal(back.bias, lin.bias)
 
 
+@pytest.mark.parametrize("shape,sparsity", [((70, 130), 0.5), ((64, 64), 0.0), ((64, 64), 1.0), ((200, 300), 0.7)])
+def test_decode_dense_is_bit_exact(shape, sparsity):
+    """The sync-free GPU decode (prefill path) rebuilds exactly the encoded bits, -0.0 included."""
+    from sparsekit.sparse_linear import decode_dense
+    from sparsekit.tcabme import encode
+
+    g = torch.Generator().manual_seed(sum(shape))
+    w = torch.randn(shape, generator=g).half()
+    w[torch.rand(shape, generator=g) < sparsity] = 0.0
+    w[torch.rand(shape, generator=g) < 0.05] = -0.0
+    out = decode_dense(encode(w))
+    assert out.shape == w.shape and torch.equal(out.view(torch.int16), w.view(torch.int16))
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_sparsify_logits_match_dense_pruned(arch):
     from sparsekit.sparse_linear import SparseLinear, densify, sparsify
