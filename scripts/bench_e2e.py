@@ -102,6 +102,22 @@ def overhead_probe(model, batches, kw, skip_hf: bool = False) -> dict:
     return out
 
 
+def _table(rows, dk: str, sk: str) -> list[str]:
+    out = [f"| batch | dense tok/s | sparse tok/s | speedup | dense ms/tok | sparse ms/tok | "
+           f"dense prefill tok/s | sparse prefill tok/s | peak GiB dense / sparse |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        d, s = r[dk], r[sk]
+        if "decode_tok_s" not in s or "decode_tok_s" not in d:
+            out.append(f"| {r['batch_size']} | {d} | {s} |")
+            continue
+        out.append(f"| {r['batch_size']} | {d['decode_tok_s']:.0f} | {s['decode_tok_s']:.0f} | "
+                   f"{s['decode_tok_s'] / d['decode_tok_s']:.2f}x | {d['ms_per_token']:.2f} | {s['ms_per_token']:.2f} | "
+                   f"{d['prefill_tok_s']:.0f} | {s['prefill_tok_s']:.0f} | "
+                   f"{d['peak_mem_gib']:.1f} / {s['peak_mem_gib']:.1f} |")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=32)
@@ -117,20 +133,23 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (both models)")
     ap.add_argument("--hf-norms", action="store_true", help="keep HF's RMSNorm (default: fused, both models)")
     ap.add_argument("--no-compile", action="store_true", help="decode steps not torch.compile-d (both models)")
+    ap.add_argument("--fuse-proj", choices=("on", "off", "both"), default="both",
+                    help="merge q/k/v and gate/up into one matmul each (both models); 'both' measures each way")
     ap.add_argument("--overhead", action="store_true", help="also time a step whose linears cost nothing")
-    ap.add_argument("--dense-only", action="store_true", help="skip the sparse model (shake-down runs)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA GPU: bench_e2e runs on a GPU machine", file=sys.stderr)
         return 2
-    from sparsekit.sparse_linear import SparseLinear, _kernel, sparsify
+    from sparsekit.cuda_graph import equalize_packed_sizes, fuse_projections, fuse_rms_norms
+    from sparsekit.sparse_linear import SparseLinear, _kernel, densify, sparsify
     from sparsekit.speed import _model_bytes, measure_model
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     graphs = not args.eager
+    compile_ = not args.no_compile
     kw = dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats, cuda_graphs=graphs,
-              compile=not args.no_compile)
+              compile=compile_)
     gpu = torch.cuda.get_device_name()
     print(f"GPU {gpu}; torch {torch.__version__}; kernel available: {_kernel() is not None}", flush=True)
 
@@ -145,76 +164,88 @@ def main() -> int:
     with torch.no_grad():
         ref_small = model(probe[:, :8]).logits.float()  # N = 16 tokens: kernel path
         ref_big = model(probe).logits.float()            # N = 200 tokens: prefill path
-    dense_bytes = _model_bytes(model)
+    errs = {}
+
+    def check_logits(label):
+        with torch.no_grad():
+            for name, ids, ref in (("N=16", probe[:, :8], ref_small), ("N=200", probe, ref_big)):
+                out = model(ids).logits.float()
+                errs[f"{label} {name}"] = float((out - ref).norm() / ref.norm())
+        print(f"logits rel err vs dense pruned: {errs}", flush=True)
+
+    def measure(label):
+        res = {}
+        for b in batches:
+            res[b] = measure_model(model, b, **kw)
+            print(f"{label} b={b:3d}: {res[b]}", flush=True)
+        return res
+
+    sizes = {"dense": _model_bytes(model) / 2**30}
     overhead = (overhead_probe(model, [b for b in batches if b in (1, 16)] or batches[:1], kw, skip_hf=True)
                 if args.overhead else None)
     if not args.hf_norms:
-        from sparsekit.cuda_graph import fuse_rms_norms
-
         print(f"fused {fuse_rms_norms(model)} RMSNorm modules (both models)", flush=True)
-    dense = {}
-    for b in batches:
-        dense[b] = measure_model(model, b, **kw)
-        print(f"dense  b={b:3d}: {dense[b]}", flush=True)
+    results = {}
+    if args.fuse_proj == "on":
+        print(f"merged {fuse_projections(model)} projection groups (both models)", flush=True)
+    if args.fuse_proj in ("off", "both"):
+        results["dense"] = measure("dense")
 
-    if args.dense_only:
-        print(json.dumps({"dense": dense, "overhead": overhead}, indent=1))
-        return 0
     t0 = time.perf_counter()
     swapped = sparsify(model, min_sparsity=0.3)
-    if not args.no_compile:
-        from sparsekit.cuda_graph import equalize_packed_sizes
-
+    if compile_:
         pad = equalize_packed_sizes(model)  # before any kernel call (see its docstring)
         print(f"packed values padded by {100 * pad:.3f}% to equal sizes per shape", flush=True)
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     enc_s = time.perf_counter() - t0
-    sparse_bytes = _model_bytes(model)
-    print(f"encoded {len(swapped)} linears in {enc_s:.1f} s; weights {sparse_bytes / 2**30:.2f} GiB", flush=True)
-    with torch.no_grad():
-        out_small = model(probe[:, :8]).logits.float()
-        out_big = model(probe).logits.float()
-    errs = {name: float((o - r).norm() / r.norm()) for name, o, r in
-            (("N=16", out_small, ref_small), ("N=200", out_big, ref_big))}
-    print(f"logits rel err sparse vs dense pruned: {errs}", flush=True)
+    sizes["sparse"] = _model_bytes(model) / 2**30
+    print(f"encoded {len(swapped)} linears in {enc_s:.1f} s; weights {sizes['sparse']:.2f} GiB", flush=True)
+    check_logits("sparse")
+    if args.fuse_proj in ("off", "both"):
+        results["sparse"] = measure("sparse")
+    if args.fuse_proj == "both":
+        print(f"merged {fuse_projections(model)} projection groups (both models)", flush=True)
+        if compile_:
+            equalize_packed_sizes(model)
+        check_logits("sparse fused")
+    if args.fuse_proj in ("on", "both"):
+        results["sparse_fused"] = measure("sparse_fused")
+        densify(model)
+        torch.cuda.empty_cache()
+        results["dense_fused"] = measure("dense_fused")
+    del model
+    torch.cuda.empty_cache()
 
-    sparse = {}
-    for b in batches:
-        sparse[b] = measure_model(model, b, **kw)
-        print(f"sparse b={b:3d}: {sparse[b]}", flush=True)
-
+    pairs = [(d, s) for d, s in (("dense", "sparse"), ("dense_fused", "sparse_fused")) if d in results and s in results]
     rows = []
     for b in batches:
-        s, d = sparse[b], dense[b]
-        ratio = s.get("decode_tok_s", 0) / d["decode_tok_s"] if "decode_tok_s" in d else None
-        rows.append({"batch_size": b, "sparse": s, "dense": d, "decode_speedup": ratio})
+        row = {"batch_size": b, **{k: v[b] for k, v in results.items()}}
+        for d, s in pairs:
+            if "decode_tok_s" in row[d] and "decode_tok_s" in row[s]:
+                row[f"decode_speedup_{s}"] = row[s]["decode_tok_s"] / row[d]["decode_tok_s"]
+        rows.append(row)
     report = {
         "gpu": gpu, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python scripts/bench_e2e.py " + " ".join(sys.argv[1:]),
         "shape": {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
                   "heads": args.heads, "vocab": args.vocab},
         "sparsity": args.sparsity, "cuda_graphs": graphs, "kernel": _kernel() is not None,
-        "weights_gib": {"dense": dense_bytes / 2**30, "sparse": sparse_bytes / 2**30},
-        "encode_s": enc_s, "fused_norms": not args.hf_norms, "compile": not args.no_compile, "overhead_ms": overhead, "logits_rel_err": errs, "rows": rows,
+        "weights_gib": sizes, "encode_s": enc_s, "fused_norms": not args.hf_norms, "compile": compile_,
+        "fuse_proj": args.fuse_proj, "overhead_ms": overhead, "logits_rel_err": errs, "rows": rows,
         "dense_above": SparseLinear.dense_above,
         "versions": {"torch": torch.__version__},
     }
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
-
-    print(f"\n| batch | dense tok/s | sparse tok/s | speedup | dense ms/tok | sparse ms/tok | dense prefill tok/s | sparse prefill tok/s | peak GiB dense / sparse |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        s, d = r["sparse"], r["dense"]
-        if "decode_tok_s" not in s or "decode_tok_s" not in d:
-            print(f"| {r['batch_size']} | {d} | {s} |")
-            continue
-        print(f"| {r['batch_size']} | {d['decode_tok_s']:.0f} | {s['decode_tok_s']:.0f} | {r['decode_speedup']:.2f}x | "
-              f"{d['ms_per_token']:.2f} | {s['ms_per_token']:.2f} | {d['prefill_tok_s']:.0f} | {s['prefill_tok_s']:.0f} | "
-              f"{d['peak_mem_gib']:.1f} / {s['peak_mem_gib']:.1f} |")
-    ok = all((r["decode_speedup"] or 0) >= 1.4 for r in rows if r["batch_size"] in (1, 16))
-    print(f"\nTARGET >= 1.4x at batch 1 and 16: {'MET' if ok else 'NOT MET'}", flush=True)
+    met = {}
+    for d, s in pairs:
+        print(f"\n{s} vs {d} (decode: CUDA graphs{', compiled layers' if compile_ else ''}"
+              f"{', fused norms' if not args.hf_norms else ''})")
+        print("\n".join(_table(rows, d, s)))
+        met[s] = all(r.get(f"decode_speedup_{s}", 0) >= 1.4 for r in rows if r["batch_size"] in (1, 16))
+    print(f"\nTARGET >= 1.4x at batch 1 and 16: " + ", ".join(f"{k}: {'MET' if v else 'NOT MET'}" for k, v in met.items()),
+          flush=True)
     return 0
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparsekit.sparse_linear import SparseLinear, sparsify
+from sparsekit.sparse_linear import SparseLinear, decode_dense, sparsify
 from sparsekit.tcabme import decode, encode
 
 FAIL = []
@@ -144,6 +144,27 @@ def check_correctness(results: dict) -> None:
         print(f"{label}: agreement with HF generate (dynamic cache): {agree:.3f}", flush=True)
 
 
+def check_measure_speed(results: dict, out_dir: Path | None) -> None:
+    """The `sparsekit eval --speed` library path on a small packed model: report, table, plot."""
+    from rich.console import Console
+
+    from sparsekit.packing import encode as pack_dir
+    from sparsekit.speed import measure_speed, plot_speed, speed_table
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        tiny_llama(hidden=512, inter=1408, layers=4).save_pretrained(tmp / "pruned")
+        pack_dir(tmp / "pruned", tmp / "packed")
+        rep = measure_speed(tmp / "packed", batch_sizes=(1, 4), prompt_len=32, new_tokens=16, repeats=2)
+        Console(width=220).print(speed_table(rep))
+        png = plot_speed(rep, (out_dir or tmp) / "speed_smoke.png")
+        ok = (len(rep["rows"]) == 2 and rep["sparse_layers"] == 28 and png.stat().st_size > 5000
+              and all(r["ratio"].get("decode_tok_s", 0) > 0 for r in rep["rows"]))
+        check(ok, f"measure_speed on a packed 4-layer model: rows, ratios, plot; compiled={rep.get('compiled')}, "
+                  f"notes={rep.get('notes')}")
+        results["measure_speed_smoke"] = rep
+
+
 def time_ms(fn, reps=20) -> float:
     fn()
     torch.cuda.synchronize()
@@ -181,7 +202,7 @@ def measure_threshold(results: dict) -> None:
                 return copies[it["i"]]
 
             t_kernel = time_ms(lambda: kernel(x, nxt()))
-            t_decode = time_ms(lambda: F.linear(x, decode(nxt())))
+            t_decode = time_ms(lambda: F.linear(x, decode_dense(nxt())))
             rows.append({"m": m, "k": k, "n": n, "kernel_ms": t_kernel, "decode_cublas_ms": t_decode})
             print(f"{m}x{k} N={n:5d}: kernel {t_kernel:8.3f} ms   decode+cuBLAS {t_decode:8.3f} ms", flush=True)
     results["threshold_rows"] = rows
@@ -208,6 +229,7 @@ def main() -> int:
     results: dict = {"gpu": torch.cuda.get_device_name()}
     try:
         check_correctness(results)
+        check_measure_speed(results, args.json.parent if args.json else None)
         if not args.skip_threshold:
             measure_threshold(results)
     finally:

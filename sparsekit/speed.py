@@ -139,7 +139,7 @@ def _load(model_dir, device, dtype, notes: list[str]):
 def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_len: int = 128,
                   new_tokens: int = 64, repeats: int = 3, cuda_graphs: bool = True,
                   dtype: torch.dtype = torch.float16, fuse_norms: bool = True, compile: bool = True,
-                  progress=None) -> dict[str, Any]:
+                  fuse_proj: bool = True, progress=None) -> dict[str, Any]:
     """Speed report of a packed model and its dense counterpart (see the module docstring).
 
     ``fuse_norms`` swaps the HF RMSNorm modules for ``cuda_graph.FusedRMSNorm`` (same rounding,
@@ -147,6 +147,8 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     matmuls, so this is what lets the matmul speed-up show. ``compile`` goes further: each
     decoder layer of the decode step runs through ``torch.compile`` (see ``sparsekit.cuda_graph``),
     again in both models; when compiling fails the step runs uncompiled and ``notes`` says so.
+    ``fuse_proj`` merges q/k/v and gate/up into one matmul each (``cuda_graph.fuse_projections``),
+    in both models too.
     """
     from sparsekit.packed_loader import resolve_device
     from sparsekit.sparse_linear import SparseLinear, densify
@@ -169,6 +171,10 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
         from sparsekit.cuda_graph import fuse_rms_norms
 
         fuse_rms_norms(model)
+    if fuse_proj:
+        from sparsekit.cuda_graph import fuse_projections
+
+        fuse_projections(model)
     if compile:
         from sparsekit.cuda_graph import equalize_packed_sizes
 
@@ -225,6 +231,7 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
         "repeats": repeats,
         "cuda_graphs": cuda_graphs,
         "fused_norms": fuse_norms,
+        "fused_projections": fuse_proj,
         "compiled": all(r.get("compiled", False) for d in (packed, dense) for r in d.values()),
         "sparse_layers": n_sparse,
         "weights_gib": {"packed": packed_bytes / GIB, "dense": dense_bytes / GIB},

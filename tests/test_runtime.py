@@ -152,12 +152,14 @@ def test_static_cache_greedy_matches_hf_generate():
         dec.step()
 
 
-def test_compiled_decode_step_matches_and_compiles_once(monkeypatch):
+@pytest.mark.parametrize("fuse", [False, True])
+def test_compiled_decode_step_matches_and_compiles_once(monkeypatch, fuse):
     """Regional compilation: one compiled decoder layer serves every layer (the packed value
-    counts differ per layer), the sparse matmul traces as one op (fullgraph), same tokens."""
+    counts differ per layer), the sparse matmul traces as one op (fullgraph), same tokens;
+    with q/k/v and gate/up merged (fuse_projections) the logits stay the same too."""
     from sparsekit import cuda_graph
-    from sparsekit.cuda_graph import GreedyDecoder
-    from sparsekit.sparse_linear import sparsify
+    from sparsekit.cuda_graph import FusedProjection, GreedyDecoder, fuse_projections
+    from sparsekit.sparse_linear import SparseLinear, sparsify
 
     monkeypatch.setattr(cuda_graph, "COMPILE_OPTIONS", {"backend": "aot_eager", "fullgraph": True})
     monkeypatch.setattr(cuda_graph, "_compiled_layer_call", None)
@@ -166,6 +168,12 @@ def test_compiled_decode_step_matches_and_compiles_once(monkeypatch):
     ids = IDS[:, :6]
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    if fuse:
+        ref_logits = logits(model, IDS)
+        assert fuse_projections(model) == 2 * tiny_models.LAYERS
+        fused = [m for m in model.modules() if isinstance(m, FusedProjection)]
+        assert all(isinstance(m.fused, SparseLinear) for m in fused)
+        torch.testing.assert_close(logits(model, IDS), ref_logits, rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     dec = GreedyDecoder(model, batch_size=2, max_len=12, use_graph=False, compile=True)
