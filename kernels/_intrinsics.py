@@ -22,7 +22,7 @@ from numba import config
 SIM = bool(config.ENABLE_CUDASIM)
 
 # Per-block scratch words each emulated warp exchange needs (0 on the GPU: the array is unused).
-SCRATCH_WORDS = 128 * 6 if SIM else 1
+SCRATCH_WORDS = 512 * 6 if SIM else 1
 
 if SIM:
     from numba.cuda.simulator.kernel import _get_kernel_context

@@ -81,7 +81,7 @@ def check(quick: bool) -> int:
                 if n <= 8:
                     variants = [{"cuda_core_max_n": 0}, {"cuda_core_max_n": 8}]
                 if (m, k) in ((576, 576), (4096, 4096), (100, 72)) and n in (1, 17):
-                    variants += [{"splits": s} for s in (1, 3, 64)]
+                    variants += [{"splits": s} for s in (1, 3, 64)] + [{"wg": 1}, {"wg": 1, "splits": 1}]
                 for kw in variants:
                     out = torch.full((n, m), float("nan"), device=dev, dtype=torch.float16)
                     tcabme_matmul(x, p, out=out, **kw)
