@@ -14,11 +14,15 @@ start of each group of M columns, the M-N lowest scores of every row from the cu
 updated) weights; hybrid chooses its 2:4 tiles up front from the initial scores, then does the
 2:4 selection inside those tiles during the sweep.
 
-Works on the weight's device; computes in fp32 (fp64 for fp64 weights).
+Works on the weight's device; computes in fp32 (fp64 for fp64 weights). The in-block sweep is a
+few hundred tiny kernels per block, the same sequence for every block of a given shape: on CUDA
+each block is staged into static buffers and the sweep replayed from a CUDA graph captured once
+per (rows, block columns, pattern, dtype, device) and cached for the process (``clear_graph_cache``).
 """
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -86,6 +90,130 @@ def _block_budgets(rows: int, cols: int, blocksize: int, sparsity: float) -> lis
     return out
 
 
+def _sweep_block(
+    W1: torch.Tensor,
+    U1: torch.Tensor,
+    id1: torch.Tensor,
+    P1: torch.Tensor,
+    E1: torch.Tensor,
+    m: int = 0,
+    n_keep: int = 0,
+    sparse: "torch.Tensor | None" = None,
+) -> None:
+    """The OBS sweep of one block of columns, in place (the same kernel sequence for every block
+    of a given shape, so it can be captured once in a CUDA graph and replayed).
+
+    ``W1`` [count, rows] the block's columns (column c of W is row c), ``U1`` [count, count] the
+    block's part of the Cholesky factor, ``id1`` [count, 1] = 1 / U_cc, ``E1`` [count, rows]
+    receives the errors w_pruned / U_cc. ``m == 0`` (unstructured): ``P1`` already holds the block's
+    prune mask. ``m > 0`` (N:M, hybrid): ``P1`` is all False on entry and every group of ``m``
+    columns prunes its ``m - n_keep`` lowest scores per row, only in rows where ``sparse``
+    [count, rows] is True (hybrid). The pruned weights end up zero.
+    """
+    count = W1.shape[0]
+    # per-column views, made once per block (keeps the Python overhead of the sweep low)
+    w_rows, e_rows, u_rows = W1.unbind(0), E1.unbind(0), U1.unbind(0)
+    f_rows = list((P1 * id1).unbind(0)) if not m else [None] * count  # err = w * pruned / U_cc
+    for j in range(count):
+        if m and j % m == 0:
+            scores = (W1[j : j + m] * id1[j : j + m]).square_()
+            idx = torch.topk(scores, m - n_keep, dim=0, largest=False, sorted=False).indices
+            Pg = P1[j : j + m]
+            Pg.scatter_(0, idx, True)
+            if sparse is not None:
+                Pg &= sparse[j]
+            f_rows[j : j + m] = (Pg * id1[j : j + m]).unbind(0)
+        e = torch.mul(w_rows[j], f_rows[j], out=e_rows[j])
+        if j + 1 < count:
+            W1[j + 1 :].addr_(u_rows[j][j + 1 :], e, alpha=-1)
+    W1.masked_fill_(P1, 0)
+
+
+class _StagedSweep:
+    """Static buffers for one block shape and, on CUDA, the captured graph of ``_sweep_block``.
+
+    ``run()`` sweeps what was staged into ``W``, ``U``, ``id``, ``P`` (and ``sparse``): the first
+    call runs the sweep eagerly on the capture stream (its result is kept, and it warms up the
+    kernels), then captures it; later calls replay the graph (one launch instead of a few hundred).
+    Without CUDA (or if the capture fails) every call runs eagerly on the same buffers.
+    """
+
+    def __init__(self, rows: int, count: int, m: int, n_keep: int, hybrid: bool, dtype, device):
+        kw = dict(dtype=dtype, device=device)
+        self.W = torch.zeros(count, rows, **kw)
+        self.U = torch.zeros(count, count, **kw)
+        self.id = torch.zeros(count, 1, **kw)
+        self.E = torch.zeros(count, rows, **kw)
+        self.P = torch.zeros(count, rows, dtype=torch.bool, device=device)
+        self.sparse = torch.zeros(count, rows, dtype=torch.bool, device=device) if hybrid else None
+        self.m, self.n_keep = m, n_keep
+        self.graph = None
+        self.capture = device.type == "cuda"
+        self.failed: "str | None" = None  # why the capture failed, once
+
+    def _eager(self) -> None:
+        _sweep_block(self.W, self.U, self.id, self.P, self.E, self.m, self.n_keep, self.sparse)
+
+    def run(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        if not self.capture:
+            self._eager()
+            return
+        self.capture = False  # one try per shape
+        dev = self.W.device
+        main = torch.cuda.current_stream(dev)
+        side = _capture_stream(dev)
+        side.wait_stream(main)
+        with torch.cuda.device(dev), torch.cuda.stream(side):
+            self._eager()  # the real sweep of this block, and the warm-up before capturing
+            graph = torch.cuda.CUDAGraph()
+            try:
+                # thread_local: the engine's layer-mover thread may synchronize its own stream meanwhile
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._eager()  # recorded, not run: the buffers keep the result above
+                finally:
+                    graph.capture_end()
+                self.graph = graph
+            except RuntimeError as exc:  # pragma: no cover - depends on the CUDA/torch build
+                self.failed = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        main.wait_stream(side)
+
+
+_STREAMS: dict = {}
+_GRAPH_CACHE: "OrderedDict[tuple, _StagedSweep]" = OrderedDict()
+GRAPH_CACHE_SIZE = 16  # block shapes kept (a Llama-like model has 2-6); each holds ~5 blocks of buffers
+
+
+def _capture_stream(device: torch.device):
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
+def _staged_sweep(rows: int, count: int, m: int, n_keep: int, hybrid: bool, dtype, device) -> _StagedSweep:
+    """The cached ``_StagedSweep`` of this block shape (per process: one capture serves every block
+    and layer of that shape)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (rows, count, m, n_keep, hybrid, dtype, device)
+    st = _GRAPH_CACHE.get(key)
+    if st is None:
+        st = _GRAPH_CACHE[key] = _StagedSweep(rows, count, m, n_keep, hybrid, dtype, device)
+        while len(_GRAPH_CACHE) > GRAPH_CACHE_SIZE:
+            _GRAPH_CACHE.popitem(last=False)
+    _GRAPH_CACHE.move_to_end(key)
+    return st
+
+
+def clear_graph_cache() -> None:
+    """Drop the cached CUDA graphs and their buffers (frees their GPU memory)."""
+    _GRAPH_CACHE.clear()
+    _STREAMS.clear()
+
+
 def sparsegpt_prune(
     weight: torch.Tensor,
     hessian: torch.Tensor,
@@ -95,6 +223,7 @@ def sparsegpt_prune(
     blocksize: int = 128,
     percdamp: float = 0.01,
     warn: Callable[[str], object] = print,
+    cuda_graph: "bool | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Prune ``weight`` [out, in] given H [in, in] -> (new weight, keep-mask, info).
 
@@ -102,6 +231,11 @@ def sparsegpt_prune(
     ``info``: ``damp`` (the percdamp used), ``dead`` (inputs with H_ii == 0, whose weights are
     zeroed), ``loss`` (sum of the OBS costs, 1/2 sum err^2), ``blocksize`` (as used: rounded up to a
     multiple of M for N:M and hybrid), and ``sparse_tiles`` for hybrid.
+
+    ``cuda_graph`` (default: on CUDA devices) sweeps each block in static buffers whose kernel
+    sequence is captured once per block shape in a CUDA graph and replayed (the same kernels on the
+    same numbers as the eager sweep; a capture failure falls back to it with a warning). On a CPU
+    device ``True`` only stages the blocks through the same buffers (a testing aid).
     """
     dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
     dev = weight.device
@@ -113,7 +247,7 @@ def sparsegpt_prune(
         )
     info: dict = {"damp": 0.0, "dead": 0, "loss": 0.0}
     structured = not pattern.is_unstructured  # N:M or hybrid: groups of M along the input dim
-    m = pattern.m if structured else 1
+    m = pattern.m if structured else 0
     n_keep = pattern.n if structured else 0
     blocksize = max(1, int(blocksize))
     if structured:
@@ -123,6 +257,7 @@ def sparsegpt_prune(
         if pattern.is_hybrid:
             info["sparse_tiles"] = 0
         return weight.detach().to(dtype, copy=True), torch.ones(rows, cols, dtype=torch.bool, device=dev), info
+    staged = dev.type == "cuda" if cuda_graph is None else bool(cuda_graph)
 
     W = weight.detach().to(dtype=dtype, copy=True)
     H = hessian.detach().to(device=dev, dtype=dtype)  # not modified: no copy needed
@@ -135,11 +270,11 @@ def sparsegpt_prune(
     del H
     inv_d = U.diagonal().reciprocal()  # 1 / sqrt([H_F^-1]_cc)
 
-    sparse_rows = None  # hybrid: [cols/T, rows] bool, rows that are 2:4 in each column tile
+    sparse_cols = None  # hybrid: [cols, rows] bool, whether row r is 2:4 in the tile of column c
     if pattern.is_hybrid:
         tiles = hybrid_sparse_tiles((W * inv_d).square(), sparsity, pattern.tile)
         info["sparse_tiles"] = int(tiles.sum().item())
-        sparse_rows = tiles.t().repeat_interleave(pattern.tile, dim=1).contiguous()
+        sparse_cols = expand_tiles(tiles.t(), pattern.tile)
     budgets = _block_budgets(rows, cols, blocksize, sparsity) if pattern.is_unstructured else None
 
     Wt = W.t().contiguous()  # [cols, rows]: column c of W is the contiguous row Wt[c]
@@ -148,36 +283,34 @@ def sparsegpt_prune(
     loss = torch.zeros((), dtype=dtype, device=dev)
     for b, i1 in enumerate(range(0, cols, blocksize)):
         i2 = min(i1 + blocksize, cols)
-        count = i2 - i1
-        W1 = Wt[i1:i2]  # view, updated in place
-        U1 = U[i1:i2, i1:i2]
-        P1 = prune_t[i1:i2]
-        E1 = torch.empty(count, rows, dtype=dtype, device=dev)  # err of each column, w_pruned / U_cc
-        # per-column views, made once per block (keeps the Python overhead of the sweep low)
-        w_rows, e_rows, u_rows = W1.unbind(0), E1.unbind(0), U1.unbind(0)
-        id1 = inv_d[i1:i2, None]
-        if budgets is not None:
-            k = budgets[b]
-            if k == 0:  # nothing to prune in this block: no errors, no updates
-                continue
-            scores = (W1 * id1).square_().reshape(-1)
-            P1.view(-1)[torch.topk(scores, k, largest=False, sorted=False).indices] = True
-            f_rows = (P1 * id1).unbind(0)  # err = w * pruned / U_cc
+        if budgets is not None and budgets[b] == 0:
+            continue  # nothing to prune in this block: no errors, no updates
+        sp = None if sparse_cols is None else sparse_cols[i1:i2]
+        if staged:
+            st = _staged_sweep(rows, i2 - i1, m, n_keep, sp is not None, dtype, dev)
+            W1, U1, id1, P1, E1 = st.W, st.U, st.id, st.P, st.E
+            W1.copy_(Wt[i1:i2])
+            U1.copy_(U[i1:i2, i1:i2])
+            id1.copy_(inv_d[i1:i2, None])
+            P1.zero_()
+            if sp is not None:
+                st.sparse.copy_(sp)
         else:
-            f_rows = [None] * count
-        for j in range(count):
-            if budgets is None and j % m == 0:
-                scores = (W1[j : j + m] * id1[j : j + m]).square_()
-                idx = torch.topk(scores, m - n_keep, dim=0, largest=False, sorted=False).indices
-                Pg = P1[j : j + m]
-                Pg.scatter_(0, idx, True)
-                if sparse_rows is not None:
-                    Pg &= sparse_rows[(i1 + j) // pattern.tile]
-                f_rows[j : j + m] = (Pg * id1[j : j + m]).unbind(0)
-            e = torch.mul(w_rows[j], f_rows[j], out=e_rows[j])
-            if j + 1 < count:
-                W1[j + 1 :].addr_(u_rows[j][j + 1 :], e, alpha=-1)
-        W1.masked_fill_(P1, 0)
+            W1, U1, P1 = Wt[i1:i2], U[i1:i2, i1:i2], prune_t[i1:i2]  # views, updated in place
+            id1 = inv_d[i1:i2, None]
+            E1 = torch.empty(i2 - i1, rows, dtype=dtype, device=dev)
+        if budgets is not None:  # unstructured: the block's share of the budget, chosen up front
+            scores = (W1 * id1).square_().reshape(-1)
+            P1.view(-1)[torch.topk(scores, budgets[b], largest=False, sorted=False).indices] = True
+        if staged:
+            st.run()
+            if st.failed:
+                warn(f"sparsegpt: CUDA graph capture failed ({st.failed}); sweeping without graphs")
+                st.failed = None
+            Wt[i1:i2].copy_(W1)
+            prune_t[i1:i2].copy_(P1)
+        else:
+            _sweep_block(W1, U1, id1, P1, E1, m, n_keep, sp)
         loss += E1.square().sum()
         if i2 < cols:
             Wt[i2:].addmm_(U[i1:i2, i2:].t(), E1, alpha=-1)

@@ -361,3 +361,54 @@ def test_transposed_parameter_views(method):
         ref = prune_weight(stored.detach().t().contiguous(), method, 0.5, pattern, st)
         assert torch.equal(res.mask, ref.mask) and torch.equal(res.weight, ref.weight)
         assert not res.weight.requires_grad
+
+
+# ----------------------------------------------------------------------------- staged / CUDA-graph sweep
+def _staged_vs_eager(device: str):
+    """The staged sweep (static per-shape buffers; captured and replayed as a CUDA graph on CUDA)
+    gives what the eager sweep gives, for every pattern, a short last block, and a second weight of
+    the same shape (the cached buffers/graph reused with other numbers)."""
+    from sparsekit.patterns import Pattern
+    from sparsekit.sparsegpt import _GRAPH_CACHE, clear_graph_cache, sparsegpt_prune
+
+    clear_graph_cache()
+    cases = [("unstructured", 0.5, 16), ("unstructured", 0.3, 128), ("2:4", 0.5, 16), ("4:8", 0.5, 24), ("hybrid:8", 0.25, 16)]
+    for seed in range(2):
+        g = torch.Generator().manual_seed(300 + seed)
+        w = torch.randn(16, 72, generator=g).to(device)  # 72 columns: blocks of 16 + a last one of 8
+        x = realistic_inputs(256, 72, seed=400 + seed)
+        h = (2 / 256 * x.T @ x).to(device)
+        for pattern, s, bs in cases:
+            warned = []
+            args = (w, h, s, Pattern.parse(pattern))
+            ew, ekeep, einfo = sparsegpt_prune(*args, blocksize=bs, cuda_graph=False)
+            gw, gkeep, ginfo = sparsegpt_prune(*args, blocksize=bs, cuda_graph=True, warn=warned.append)
+            assert warned == [], warned
+            assert torch.equal(gkeep, ekeep), (pattern, seed)
+            torch.testing.assert_close(gw, ew, rtol=1e-6, atol=1e-6)
+            assert ginfo["loss"] == pytest.approx(einfo["loss"], rel=1e-6)
+            assert ((gw == 0) == ~gkeep).all()
+    shapes = {key[:2] for key in _GRAPH_CACHE}
+    assert {(16, 16), (16, 8), (16, 24)} <= shapes  # one entry per block shape, reused across blocks
+    return list(_GRAPH_CACHE.values())
+
+
+def test_staged_sweep_matches_eager_on_cpu():
+    _staged_vs_eager("cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_sweep_matches_eager():
+    staged = _staged_vs_eager("cuda")
+    assert all(st.graph is not None for st in staged)  # every block shape was captured, then replayed
+    # the default on CUDA is the graph path: prune_weight agrees with the eager sweep
+    from sparsekit.patterns import Pattern
+    from sparsekit.sparsegpt import sparsegpt_prune
+
+    w = torch.randn(64, 256).cuda()
+    st = stats_for(realistic_inputs(512, 256, seed=77))
+    h = st.hessian.cuda()
+    res = prune_weight(w, "sparsegpt", 0.5, "2:4", st)
+    ew, ekeep, _ = sparsegpt_prune(w, h, 0.5, Pattern.parse("2:4"), cuda_graph=False)
+    assert torch.equal(res.mask, ekeep)
+    torch.testing.assert_close(res.weight, ew, rtol=1e-6, atol=1e-6)
