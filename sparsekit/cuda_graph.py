@@ -397,17 +397,17 @@ class ProjectionPart(nn.Module):
 
 
 def _concat_linears(mods: list[nn.Module]) -> nn.Module:
+    """One linear whose outputs are those of ``mods`` stacked (same input features)."""
     from sparsekit.sparse_linear import SparseLinear, decode_dense
     from sparsekit.tcabme import encode
 
-    biases = [m.bias for m in mods]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b if b is not None else torch.zeros(m.out_features, dtype=mods[0].values.dtype if isinstance(m, SparseLinear)
-                                             else m.weight.dtype, device=(b if b is not None else biases[0]).device)
-         for m, b in zip(mods, biases)])
+    bias = None
+    if any(m.bias is not None for m in mods):
+        ref = next(m.bias for m in mods if m.bias is not None)
+        bias = torch.cat([m.bias if m.bias is not None else ref.new_zeros(m.out_features) for m in mods])
     if all(isinstance(m, SparseLinear) for m in mods):
-        w = torch.cat([decode_dense(m.packed) for m in mods])
-        return SparseLinear(encode(w.contiguous()), bias)
+        weight = torch.cat([decode_dense(m.packed) for m in mods])
+        return SparseLinear(encode(weight.contiguous()), bias)
     lin = nn.Linear(mods[0].in_features, sum(m.out_features for m in mods), bias=bias is not None, device="meta")
     lin.weight = nn.Parameter(torch.cat([m.weight.detach() for m in mods]), requires_grad=False)
     if bias is not None:
