@@ -205,7 +205,9 @@ class SparseLinear(nn.Module):
                 y = tcabme_mm(x2.contiguous(), self.bitmaps, self.values, self.gtile_offsets,
                               self.strip_offsets, self.out_features, True)
             else:  # prefill: decode the tiles to a dense weight on the GPU, then cuBLAS
-                y = F.linear(x2, decode_dense(self.packed).to(x2.dtype))
+                raw = TcaBme(bitmaps=self.bitmaps, values=self.values, gtile_offsets=self.gtile_offsets,
+                             strip_offsets=self.strip_offsets, shape=(self.out_features, self.in_features))
+                y = F.linear(x2, decode_dense(raw).to(x2.dtype))  # reads through the offsets: padding-proof
         else:  # the reference path, as one op (decode + matmul)
             if not torch.compiler.is_compiling():
                 notice_once(CPU_NOTICE if torch.cuda.is_available() else NO_GPU_NOTICE)
