@@ -21,7 +21,6 @@ MAX_NT = 64                # tokens per launch; more are done in chunks of 64
 TARGET_BLOCKS = 4 * 132    # split-K aims for about this many blocks (4 waves' worth on an H100)
 DYN_SMEM_MAX = 44 * 1024   # dynamic shared memory per block (static use is ~3.7 KB; 48 KB without opt-in)
 VCAP_DENSE = 1024 + 2      # values capacity (uint64) that fits any GroupTile
-WARP_GROUPS = 2            # warp groups per block (each decodes its own GroupTile step)
 
 _streams: dict = {}
 _work: dict = {}
@@ -101,20 +100,8 @@ def variant(n: int) -> tuple[int, bool]:
     return nt, True
 
 
-def _pipeline(slot: int, nt: int, use_mma: bool, wg: int) -> tuple[int, int]:
-    """(ring stages, warp groups): the deepest ring that fits DYN_SMEM_MAX, ``wg`` groups if the
-    ring holds at least two iterations of them (and their final exchange), else one group."""
-    while wg > 1:
-        fits = [st for st in (2 * wg, 3 * wg) if st * slot * 8 <= DYN_SMEM_MAX
-                and st * slot * 8 >= (wg - 1) * spmm.THREADS * spmm.nacc(nt, use_mma) * 4]
-        if fits:
-            return max(fits), wg
-        wg //= 2
-    return max(st for st in (2, 3, 4) if st == 2 or st * slot * 8 <= DYN_SMEM_MAX), 1
-
-
 def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
-           cuda_core_max_n: int | None = None, wg: int | None = None) -> None:
+           cuda_core_max_n: int | None = None) -> None:
     """y[N, M] = x[N, Kp] @ W^T; x already padded to Kp columns, contiguous, 16-byte aligned."""
     n_all = x.shape[0]
     m, _ = w.shape
@@ -132,14 +119,14 @@ def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
         nt, use_mma = (n, False) if n <= ccmax else variant(max(n, ccmax + 1))
         ws, cnt = _workspace(x.device, nsplit * nt * gm * 64, gm)
         slot = spmm.slot_words(vcap, nt)
-        stages, wg_used = _pipeline(slot, nt, use_mma, wg if wg is not None else WARP_GROUPS)
+        stages = max(s for s in (2, 3, 4) if s == 2 or s * slot * 8 <= DYN_SMEM_MAX)
         dyn = stages * slot * 8
-        kern = spmm.get_kernel(nt, use_mma, stages, wg_used)
+        kern = spmm.get_kernel(nt, use_mma, stages)
         xv = _as_numba(x[n0:n0 + n].reshape(-1).view(torch.int64))
         yv = _as_numba(y[n0:n0 + n].reshape(-1).view(torch.int16))
         args = (bm, vals, goff, soff, xv, yv, _as_numba(ws), _as_numba(cnt), m, n, gk, kp // 4, kper, nsplit,
                 vcap, slot)
         if SIM:  # CPU tensors: the numpy views share memory, so the kernel writes y in place
-            kern[(gm, nsplit), spmm.THREADS * wg_used, 0, dyn](*args)
+            kern[(gm, nsplit), spmm.THREADS, 0, dyn](*args)
         else:
-            kern[(gm, nsplit), spmm.THREADS * wg_used, stream, dyn](*args)
+            kern[(gm, nsplit), spmm.THREADS, stream, dyn](*args)

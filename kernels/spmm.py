@@ -1,9 +1,8 @@
 """The TCA-BME SpMM kernel: Y[N, M] = X[N, K] @ W[M, K]^T with W packed (docs/format.md).
 
-One thread block = ``WG`` groups of 4 warps; a group's warps are the 4 strips (16 rows each) of
-one GroupTile row (64 outputs), and the groups take turns over the block's range of GroupTiles
-along K (group q does steps q, q+WG, ...; their sums meet in shared memory at the end). Split-K:
-several blocks share a row and the last one to finish sums the fp32 partials. Per step:
+One thread block = 4 warps = the 4 strips (16 rows each) of one GroupTile row (64 outputs); it
+walks a range of GroupTiles along K (split-K: several blocks share a row, the last one to finish
+sums the fp32 partials). Per GroupTile step:
 
 1. **Stage** (Hopper bulk copies, ``cp.async.bulk`` completing on an ``mbarrier``, ``STAGES``-deep
    ring in dynamic shared memory): one copy for the GroupTile's values (contiguous, 16-byte
@@ -29,11 +28,10 @@ from numba import cuda
 from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, decode_pair, f2h, fence_proxy_async, h2f, lds32,
                           mbar_expect, mbar_init, mbar_wait, mma, shfl_up, shfl_xor, smem_base, syncwarp)
 
-THREADS = 128          # one warp group: the 4 strips of a GroupTile row
+THREADS = 128          # 4 warps: the 4 strips of a GroupTile row
 KPER_MAX = 128         # GroupTiles along K per block (offsets staged in shared memory)
 _GOFFS = KPER_MAX + 1
 _SOFFS = 4 * KPER_MAX
-_WB = 2 * THREADS      # half-bitmap table entries (up to 2 warp groups)
 XROW = 18              # uint64 per staged X row: 16 + 2 pad (144 B), conflict-free 4-byte B loads
 BM_WORDS = 64          # uint64 bitmaps per GroupTile
 
@@ -41,7 +39,6 @@ _KERNELS: dict = {}
 # the simulator sizes dynamic shared arrays from a numpy dtype instance
 _SIM_U64 = np.dtype(np.uint64) if SIM else np.uint64
 _SIM_U32 = np.dtype(np.uint32) if SIM else np.uint32
-_SIM_F32 = np.dtype(np.float32) if SIM else np.float32
 
 
 def slot_words(vcap: int, nt: int) -> int:
@@ -49,73 +46,60 @@ def slot_words(vcap: int, nt: int) -> int:
     return vcap + BM_WORDS + nt * XROW
 
 
-def nacc(nt: int, use_mma: bool) -> int:
-    return 4 * (nt // 8) if use_mma else 2 * nt
-
-
-def get_kernel(nt: int, use_mma: bool, stages: int, wg: int = 1):
-    """Kernel for ``nt`` token slots (multiple of 8 up to 64 on tensor cores, 1..8 on CUDA cores),
-    a ring of ``stages`` shared-memory stages and ``wg`` warp groups per block."""
-    key = (nt, use_mma, stages, wg)
+def get_kernel(nt: int, use_mma: bool, stages: int):
+    """Kernel for ``nt`` token slots (multiple of 8 up to 64 on tensor cores, 1..8 on CUDA cores)."""
+    key = (nt, use_mma, stages)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(nt, use_mma, stages, wg)
+        _KERNELS[key] = _build(nt, use_mma, stages)
     return _KERNELS[key]
 
 
-def _build(NT: int, USE_MMA: bool, STAGES: int, WG: int):
+def _build(NT: int, USE_MMA: bool, STAGES: int):
     if USE_MMA:
         assert NT % 8 == 0 and 8 <= NT <= 64
     else:
         assert 1 <= NT <= 8
-    assert WG in (1, 2) and STAGES % WG == 0 and STAGES // WG >= 2
-    D = STAGES // WG                 # ring depth in iterations (one iteration = WG steps)
-    NTHR = THREADS * WG
-    NWARP = 4 * WG
+    assert 2 <= STAGES <= 4
     NB = NT // 8                     # 8-token blocks (mma path)
-    NACC = nacc(NT, USE_MMA)
+    NACC = 4 * NB if USE_MMA else 2 * NT
+    XCHUNKS = NT * 8                 # 16-byte chunks of one step's X slice
     u64 = np.uint64
     u32 = np.uint32
 
     @cuda.jit(device=True, inline=True)
-    def issue(d64, mbar, bm, vals, x, goffs, i, g, gk, N, ldx, vcap, slot, warp, lane):
-        """Start the bulk copies of step ``i`` (GroupTile ``g``, column block ``gk``): lane 0 of
-        warp 0 the values + bitmaps (and the barrier's byte count), lane 0 of every warp some X rows."""
+    def issue(d64, mbar, bm, vals, x, goffs, i, g, gk, N, ldx, vcap, slot, lane):
+        """Warp 0: start the bulk copies of step ``i`` (GroupTile ``g``, column block ``gk``)."""
         st = i % STAGES
         sb = st * slot
+        fence_proxy_async()
+        vbase = goffs[i]
+        vbytes = (goffs[i + 1] - vbase) * 2
         if lane == 0:
-            fence_proxy_async()
-            if warp == 0:
-                vbase = goffs[i]
-                vbytes = (goffs[i + 1] - vbase) * 2
-                mbar_expect(mbar, st, vbytes + BM_WORDS * 8 + N * 128)
-                if vbytes > 0:
-                    bulk_copy(d64, sb, vals, vbase >> 2, vbytes, mbar, st)
-                bulk_copy(d64, sb + vcap, bm, g * BM_WORDS, BM_WORDS * 8, mbar, st)
-            xb = sb + vcap + BM_WORDS
-            for r in range(warp, N, NWARP):
-                bulk_copy(d64, xb + r * XROW, x, r * ldx + gk * 16, 128, mbar, st)
+            mbar_expect(mbar, st, vbytes + BM_WORDS * 8 + N * 128)
+            if vbytes > 0:
+                bulk_copy(d64, sb, vals, vbase >> 2, vbytes, mbar, st)
+            bulk_copy(d64, sb + vcap, bm, g * BM_WORDS, BM_WORDS * 8, mbar, st)
+        xb = sb + vcap + BM_WORDS
+        for r in range(lane, N, 32):
+            bulk_copy(d64, xb + r * XROW, x, r * ldx + gk * 16, 128, mbar, st)
 
     @cuda.jit
     def kernel(bm, vals, goff, soff, x, y, ws, cnt, M, N, GK, ldx, kper, nsplit, vcap, slot):
         if SIM:
             d64 = cuda.shared.array(0, _SIM_U64)
             d32 = cuda.shared.array(0, _SIM_U32)
-            df = cuda.shared.array(0, _SIM_F32)
         else:
             d64 = cuda.shared.array(0, np.uint64, alignment=16)
             d32 = cuda.shared.array(0, np.uint32, alignment=16)
-            df = cuda.shared.array(0, np.float32, alignment=16)
         goffs = cuda.shared.array(_GOFFS, np.int32)
         soffs = cuda.shared.array(_SOFFS, np.int32)
-        wb = cuda.shared.array(_WB, np.uint64)
+        wb = cuda.shared.array(THREADS, np.uint64)
         mbar = cuda.shared.array(STAGES, np.uint64)
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
         flag = cuda.shared.array(1, np.int32)
 
         tid = cuda.threadIdx.x
         warp = tid >> 5
-        strip = warp & 3
-        grp = warp >> 2
         lane = tid & 31
         gid = lane >> 2
         tig = lane & 3
@@ -133,61 +117,53 @@ def _build(NT: int, USE_MMA: bool, STAGES: int, WG: int):
         for i in range(NACC):
             acc[i] = np.float32(0.0)
 
-        # ---- this block's offsets, the stage barriers, zero X rows past N
-        for e in range(tid, nsteps + 1, NTHR):
+        # ---- this block's offsets, once
+        for e in range(tid, nsteps + 1, THREADS):
             goffs[e] = goff[g0 + e]
-        for e in range(tid, 4 * nsteps, NTHR):
+        for e in range(tid, 4 * nsteps, THREADS):
             soffs[e] = soff[4 * g0 + e]
         if tid == 0:
             for st in range(STAGES):
                 mbar_init(mbar, st, 1)
-        for e in range(tid, STAGES * XROW * (NT - N), NTHR):
+        # X rows past N stay zero in every stage (no copy writes them)
+        for e in range(tid, STAGES * XROW * (NT - N), THREADS):
             st = e // (XROW * (NT - N))
             r = e - st * (XROW * (NT - N))
             d64[st * slot + vcap + BM_WORDS + N * XROW + r] = u64(0)
         cuda.syncthreads()
 
-        # ---- pipeline: (D - 1) iterations of WG steps in flight while one is decoded
-        for i in range((D - 1) * WG):
-            if i < nsteps:
-                issue(d64, mbar, bm, vals, x, goffs, i, g0 + i, gk0 + i, N, ldx, vcap, slot, warp, lane)
+        # ---- pipeline: STAGES - 1 steps in flight while one is decoded
+        if warp == 0:
+            for i in range(STAGES - 1):
+                if i < nsteps:
+                    issue(d64, mbar, bm, vals, x, goffs, i, g0 + i, gk0 + i, N, ldx, vcap, slot, lane)
 
-        for it in range((nsteps + WG - 1) // WG):
-            i = it * WG + grp                 # this warp group's step
-            valid = i < nsteps
-            if valid:
-                mbar_wait(mbar, i % STAGES, (i // STAGES) & 1)
-            cuda.syncthreads()                # everyone is done with the last iteration's slots
-            for k in range(WG):
-                nxt = (it + D - 1) * WG + k
-                if nxt < nsteps:
-                    issue(d64, mbar, bm, vals, x, goffs, nxt, g0 + nxt, gk0 + nxt, N, ldx, vcap, slot,
-                          warp, lane)
+        for i in range(nsteps):
+            mbar_wait(mbar, i % STAGES, (i // STAGES) & 1)   # step i has landed
+            cuda.syncthreads()            # and everyone is done with step i-1's slot
+            nxt = i + STAGES - 1
+            if warp == 0 and nxt < nsteps:
+                issue(d64, mbar, bm, vals, x, goffs, nxt, g0 + nxt, gk0 + nxt, N, ldx, vcap, slot, lane)
 
             sb = (i % STAGES) * slot
-            # SMBD: offsets of the 32 half-bitmaps of this strip (inclusive warp scan); a group
-            # with no step left decodes an empty strip (all bits clear, offsets 0, B zeroed)
-            bmw = u32(0)
-            srel = 0
-            if valid:
-                bmw = d32[2 * (sb + vcap) + 32 * strip + lane]
-                srel = soffs[4 * i + strip] - goffs[i]
+            # SMBD: offsets of the 32 half-bitmaps of this strip (inclusive warp scan)
+            bmw = d32[2 * (sb + vcap) + 32 * warp + lane]
             cnt_l = u32(cuda.popc(bmw))
             incl = cnt_l
             for d in (1, 2, 4, 8, 16):
                 up = shfl_up(scr, tid, incl, d)
                 if lane >= d:
                     incl += up
+            srel = soffs[4 * i + warp] - goffs[i]
             wb[tid] = u64(bmw) | (u64(incl - cnt_l + u32(srel)) << u64(32))
             syncwarp()
 
             hb = warp * 32 + hsel
             vbase = smem_base(d64, sb)
             xbase = smem_base(d64, sb + vcap + BM_WORDS)
-            xon = u32(0xFFFFFFFF) if valid else u32(0)
             for t in range(4):
                 h = hb + 8 * t
-                # SMBD decode (inline PTX on the GPU: popc, 2 x ld.shared.u16, PRMT-table select)
+                # SMBD decode (inline PTX on the GPU: popc, 2 x ld.shared, funnel shift, selects)
                 a0 = decode_pair(d32, wb[h], lmask, p, vbase)       # top-left
                 a1 = decode_pair(d32, wb[h + 2], lmask, p, vbase)   # bottom-left
                 a2 = decode_pair(d32, wb[h + 4], lmask, p, vbase)   # top-right
@@ -195,8 +171,8 @@ def _build(NT: int, USE_MMA: bool, STAGES: int, WG: int):
                 if USE_MMA:
                     for j in range(NB):
                         xo = (8 * j + gid) * (2 * XROW) + 8 * t + tig
-                        c0, c1, c2, c3 = mma(scr, tid, a0, a1, a2, a3, lds32(d32, xbase, xo) & xon,
-                                             lds32(d32, xbase, xo + 4) & xon,
+                        c0, c1, c2, c3 = mma(scr, tid, a0, a1, a2, a3, lds32(d32, xbase, xo),
+                                             lds32(d32, xbase, xo + 4),
                                              acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
                         acc[4 * j] = c0
                         acc[4 * j + 1] = c1
@@ -213,8 +189,8 @@ def _build(NT: int, USE_MMA: bool, STAGES: int, WG: int):
                     w31 = h2f(a3 >> u32(16))
                     for n in range(NT):
                         xo = n * (2 * XROW) + 8 * t + tig
-                        xl = lds32(d32, xbase, xo) & xon
-                        xh = lds32(d32, xbase, xo + 4) & xon
+                        xl = lds32(d32, xbase, xo)
+                        xh = lds32(d32, xbase, xo + 4)
                         y0 = h2f(xl)
                         y1 = h2f(xl >> u32(16))
                         y2 = h2f(xh)
@@ -222,24 +198,14 @@ def _build(NT: int, USE_MMA: bool, STAGES: int, WG: int):
                         acc[2 * n] += w00 * y0 + w01 * y1 + w20 * y2 + w21 * y3
                         acc[2 * n + 1] += w10 * y0 + w11 * y1 + w30 * y2 + w31 * y3
 
-        # ---- epilogue: warp groups meet in shared memory (the ring is idle now)
-        if WG > 1:
-            cuda.syncthreads()
-            if grp > 0:
-                for i2 in range(NACC):
-                    df[((grp - 1) * THREADS + (tid & (THREADS - 1))) * NACC + i2] = acc[i2]
-            cuda.syncthreads()
-            if grp == 0:
-                for q in range(WG - 1):
-                    for i2 in range(NACC):
-                        acc[i2] += df[(q * THREADS + tid) * NACC + i2]
+        # ---- epilogue
         if not USE_MMA:                      # sum the 4 lanes (tig) that share output rows
             for i in range(NACC):
                 v = acc[i]
                 v += shfl_xor(scr, tid, v, 1)
                 v += shfl_xor(scr, tid, v, 2)
                 acc[i] = v
-        mrow = gm * 64 + strip * 16 + gid
+        mrow = gm * 64 + warp * 16 + gid
         mp = cuda.gridDim.x * 64
         for i in range(NACC):
             if USE_MMA:
@@ -247,11 +213,11 @@ def _build(NT: int, USE_MMA: bool, STAGES: int, WG: int):
                 oi = i & 3
                 n = 8 * j + 2 * tig + (oi & 1)
                 m = mrow + 8 * (oi >> 1)
-                mine = grp == 0
+                mine = True
             else:
                 n = i >> 1
                 m = mrow + 8 * (i & 1)
-                mine = tig == 0 and grp == 0
+                mine = tig == 0
             if mine:
                 if nsplit == 1:
                     if n < N and m < M:
@@ -267,7 +233,7 @@ def _build(NT: int, USE_MMA: bool, STAGES: int, WG: int):
             cuda.syncthreads()
             if flag[0] == 1:                 # last block of this row: reduce the partials
                 cuda.threadfence()
-                for e in range(tid, 64 * N, NTHR):
+                for e in range(tid, 64 * N, THREADS):
                     n = e >> 6
                     m = gm * 64 + (e & 63)
                     s = np.float32(0.0)

@@ -160,9 +160,6 @@ def bench(shapes, ns, sparsities, tune: bool):
                     for s in sorted({2, 4, 8, 16} & set(range(1, gk + 1))):
                         extra[f"splits{s}"] = time_calls(
                             [lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i], splits=s) for i in range(npk)])[0]
-                if tune and n in (1, 16):
-                    extra["wg1"] = time_calls(
-                        [lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i], wg=1) for i in range(npk)])[0]
                 if tune and n <= 8:
                     extra["cudacore"] = time_calls(
                         [lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i], cuda_core_max_n=8) for i in range(npk)])[0]

@@ -81,7 +81,7 @@ def check(quick: bool) -> int:
                 if n <= 8:
                     variants = [{"cuda_core_max_n": 0}, {"cuda_core_max_n": 8}]
                 if (m, k) in ((576, 576), (4096, 4096), (100, 72)) and n in (1, 17):
-                    variants += [{"splits": s} for s in (1, 3, 64)] + [{"wg": 1}, {"wg": 1, "splits": 1}]
+                    variants += [{"splits": s} for s in (1, 3, 64)]
                 for kw in variants:
                     out = torch.full((n, m), float("nan"), device=dev, dtype=torch.float16)
                     tcabme_matmul(x, p, out=out, **kw)
@@ -126,11 +126,29 @@ def check(quick: bool) -> int:
     return 1 if failures else 0
 
 
+def profile_case(m: int, k: int, n: int, sparsity: float, calls: int = 20) -> int:
+    """Run one case ``calls`` times (for ncu: --launch-skip/--launch-count pick one)."""
+    from sparsekit.kernels import tcabme_matmul
+    from sparsekit.tcabme import encode
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    p = encode(random_pruned(m, k, sparsity, "cuda", gen))
+    x = torch.randn(n, k, device="cuda", generator=gen).half()
+    for _ in range(calls):
+        tcabme_matmul(x, p)
+    torch.cuda.synchronize()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", default=None, help="M,K,N,sparsity: just run that case (for ncu)")
     ap.add_argument("--quick", action="store_true", help="small shapes only")
     ap.add_argument("--probe", action="store_true", help="print environment facts first")
     args = ap.parse_args()
+    if args.profile:
+        m, k, n, sp = args.profile.split(",")
+        return profile_case(int(m), int(k), int(n), float(sp))
     if args.probe:
         probe()
     return check(args.quick)

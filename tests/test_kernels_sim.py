@@ -1,7 +1,7 @@
 """TCA-BME kernels against a float64 reference, under Numba's CUDA simulator when there is no GPU.
 
 What the simulator covers: the whole kernel source as written (stage ring and its slot/phase
-bookkeeping, one and two warp groups, SMBD decode and its popcount indexing, the m16n8k16 fragment layout through an exact emulation of the mma contract,
+bookkeeping, SMBD decode and its popcount indexing, the m16n8k16 fragment layout through an exact emulation of the mma contract,
 the CUDA-core variant, split-K partials with the last-block reduction and counter reset, M/K
 padding, token chunking). What it cannot cover: the inline PTX itself (mma.sync, cvt, 16-byte
 loads) and warp-synchronous timing; scripts/gpu_check_kernels.py checks those on a GPU. Sizes are
@@ -48,7 +48,7 @@ def _check(m, k, n, sparsity, seed=0, **tuning):
         (64, 64, 3, 0.5, dict(cuda_core_max_n=0)),         # tensor cores, N padded to 8
         (100, 72, 3, 0.7, dict(splits=2, cuda_core_max_n=8)),  # CUDA cores, M and K padding, split-K
         (64, 128, 1, 0.0, dict(cuda_core_max_n=8)),        # dense GroupTiles
-        (64, 192, 9, 0.5, dict(splits=1, wg=1)),           # one warp group, 3-step ring wrap-around
+        (64, 320, 9, 0.5, dict(splits=1)),                 # 5 steps: the stage ring wraps around
     ],
 )
 def test_kernel_matches_float64_reference(m, k, n, sparsity, tuning):
