@@ -14,9 +14,12 @@ from numba import cuda
 from . import spmm
 from ._intrinsics import SIM
 
-# Token counts up to this use the CUDA-core variant (fp32 FMAs); above it the tensor-core one.
-# Set from the H100 benchmark (docs/kernels-notes.md).
-CUDA_CORE_MAX_N = 0
+# Token counts up to this use the CUDA-core variant (fp32 FMAs) on weights of at most
+# CUDA_CORE_MAX_WEIGHTS elements; otherwise the tensor-core one. From the H100 benchmark
+# (docs/kernels-notes.md): at N=1 CUDA cores win on the demo model's shapes (576x576: 7.4 vs
+# 8.1 us) and lose on 7B-sized ones (4096x4096: 19.6 vs 17.6 us); from N=2 on tensor cores win.
+CUDA_CORE_MAX_N = 1
+CUDA_CORE_MAX_WEIGHTS = 1 << 21
 MAX_NT = 64                # tokens per launch; more are done in chunks of 64
 TARGET_BLOCKS = 4 * 132    # split-K aims for about this many blocks (4 waves' worth on an H100)
 DYN_SMEM_MAX = 44 * 1024   # dynamic shared memory per block (static use is ~3.7 KB; 48 KB without opt-in)
@@ -83,8 +86,8 @@ def _workspace(device: torch.device, floats: int, rows: int):
 
 
 def choose_splits(gm: int, gk: int) -> int:
-    """GroupTiles along K per block so that the grid has ~TARGET_BLOCKS blocks (at least 2 steps)."""
-    want = max(1, min(gk // 2 if gk >= 4 else 1, math.ceil(TARGET_BLOCKS / gm)))
+    """Split-K count so that the grid has ~TARGET_BLOCKS blocks, each with at least 2 steps."""
+    want = max(1, min(math.ceil(gk / 2), math.ceil(TARGET_BLOCKS / gm)))
     want = max(want, math.ceil(gk / spmm.KPER_MAX))
     kper = math.ceil(gk / want)
     return math.ceil(gk / kper)
@@ -112,7 +115,10 @@ def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
     nsplit = min(max(nsplit, math.ceil(gk / spmm.KPER_MAX)), gk)
     kper = math.ceil(gk / nsplit)
     nsplit = math.ceil(gk / kper)
-    ccmax = CUDA_CORE_MAX_N if cuda_core_max_n is None else cuda_core_max_n
+    if cuda_core_max_n is not None:
+        ccmax = cuda_core_max_n
+    else:
+        ccmax = CUDA_CORE_MAX_N if m * gk * 64 <= CUDA_CORE_MAX_WEIGHTS else 0
     stream = None if SIM else _stream(x.device)
     for n0 in range(0, n_all, MAX_NT):
         n = min(MAX_NT, n_all - n0)
