@@ -199,6 +199,28 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def compact_table(rows) -> str:
+    """One line per (shape, sparsity): TCA-BME us and speedup over cuBLAS for each N, + baselines."""
+    ns = sorted({r["n"] for r in rows})
+    head = "| M x K | sparsity | " + " | ".join(f"N={n}: us (x cuBLAS)" for n in ns) + \
+        " | cuBLAS us (N=1/16) | 2:4 us (N=1/16) | CSR us (N=1/16) | floor us (N=1) |"
+    lines = [head, "|" + "---|" * (len(ns) + 6)]
+    keys = []
+    for r in rows:
+        if (r["m"], r["k"], r["sparsity"]) not in keys:
+            keys.append((r["m"], r["k"], r["sparsity"]))
+    for m, k, sp in keys:
+        by_n = {r["n"]: r for r in rows if (r["m"], r["k"], r["sparsity"]) == (m, k, sp)}
+        cells = [f"{by_n[n]['ours_us']:.1f} ({by_n[n]['speedup']:.2f}x)" if n in by_n else "-" for n in ns]
+
+        def pair(key):
+            return "/".join(f"{by_n[n][key]:.1f}" if n in by_n else "-" for n in (1, 16))
+        floor = f"{by_n[1]['floor_us']:.1f}" if 1 in by_n else "-"
+        lines.append(f"| {m}x{k} | {sp:.0%} | " + " | ".join(cells) +
+                     f" | {pair('cublas_us')} | {pair('semi24_us')} | {pair('csr_us')} | {floor} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="4096x4096 and the demo shapes only")
@@ -207,7 +229,12 @@ def main() -> int:
     ap.add_argument("--ns", default=None, help="e.g. 1,16")
     ap.add_argument("--sparsities", default=None, help="e.g. 0.5,0.7")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--render", default=None, help="print the compact markdown table of a saved JSON and exit")
     args = ap.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            print(compact_table(json.load(f)["rows"]))
+        return 0
     shapes = SHAPES
     if args.shapes:
         shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
