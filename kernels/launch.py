@@ -64,7 +64,12 @@ def _weight_views(w):
            w.strip_offsets.data_ptr(), w.values.numel(), w.bitmaps.numel())
     v = None if SIM else _views.get(key)
     if v is None:
-        v = (_as_numba(w.bitmaps.view(torch.int64)), _as_numba(w.values.view(torch.int64)),
+        # the kernel reads values through the offsets (a multiple of 8 each): a padded tail is
+        # never read, so trim it to whole 8-byte words; bulk copies need a 16-byte aligned base
+        values = w.values[: w.values.numel() // 8 * 8]
+        if values.data_ptr() % 16:
+            values = values.clone()
+        v = (_as_numba(w.bitmaps.view(torch.int64)), _as_numba(values.view(torch.int64)),
              _as_numba(w.gtile_offsets), _as_numba(w.strip_offsets), _vcap(w))
         if not SIM:
             if len(_views) >= _VIEW_CACHE_MAX:

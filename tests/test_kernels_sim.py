@@ -95,3 +95,14 @@ def test_bad_inputs_are_rejected():
 @pytest.mark.skipif(not SIM, reason="simulator only")
 def test_kernels_unavailable_under_simulator():
     assert kernels_available() is False
+
+
+def test_padded_values_tail_is_ignored():
+    # the runtime pads every layer's values buffer to one length (CUDA-graph buffer reuse); the
+    # kernel reads values only through the offsets, so a tail of garbage must not matter
+    w, x = _case(64, 128, 2, 0.5, 6)
+    p = encode(w)
+    p.values = torch.cat([p.values, torch.full((5,), float("nan"), dtype=torch.float16)])
+    y = tcabme_matmul(x.to(DEV), p.to(DEV), cuda_core_max_n=0)
+    ref = x.double() @ w.double().t()
+    assert (y.cpu().double() - ref).norm() / ref.norm() < 1e-3
