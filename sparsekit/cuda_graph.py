@@ -382,6 +382,8 @@ class FusedProjection(nn.Module):
         if index == 0 or last is None or last[0] is not x:
             outs = self.fused(x).split(self.sizes, dim=-1)
             self._last = last = (x, outs)
+        if index == len(self.sizes) - 1:
+            self._last = None  # the last part has been handed out: keep no activations alive
         return last[1][index]
 
 

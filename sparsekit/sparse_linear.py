@@ -9,6 +9,7 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
   ``F.linear`` (cuBLAS). The threshold is measured by ``scripts/gpu_check_runtime.py`` (kernel
   vs decode + cuBLAS per N) and recorded in docs/benchmarks.md ("End to end"); override it with
   the environment variable ``SPARSEKIT_DENSE_ABOVE`` or per module (``layer.dense_above = n``).
+  Inside a compiled or graph-captured step the decode is ``decode_dense`` (no host sync).
 * Anything else (CPU, bf16/fp32 activations, kernels missing) -> the reference path (decode +
   matmul in the activation dtype). On CPU this is announced once per process.
 
@@ -30,7 +31,7 @@ from sparsekit.tcabme import TcaBme, decode, encode
 
 # Kernel up to and including this many tokens, decode + cuBLAS above: measured on an H100 with
 # scripts/gpu_check_runtime.py (7B shapes, 50%; see docs/benchmarks.md, "End to end").
-DEFAULT_DENSE_ABOVE = 96
+DEFAULT_DENSE_ABOVE = 64
 
 NO_GPU_NOTICE = "no CUDA GPU: sparse layers run the reference path (decode + matmul), which is slow"
 CPU_NOTICE = "sparse layers on the CPU run the reference path (decode + matmul), which is slow"
@@ -204,10 +205,14 @@ class SparseLinear(nn.Module):
                     and kernels_ready()):
                 y = tcabme_mm(x2.contiguous(), self.bitmaps, self.values, self.gtile_offsets,
                               self.strip_offsets, self.out_features, True)
-            else:  # prefill: decode the tiles to a dense weight on the GPU, then cuBLAS
+            elif torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+                # inside a compiled / captured step (no kernel, or a batch above dense_above):
+                # the sync-free decode, which reads through the offsets (padding-proof)
                 raw = TcaBme(bitmaps=self.bitmaps, values=self.values, gtile_offsets=self.gtile_offsets,
                              strip_offsets=self.strip_offsets, shape=(self.out_features, self.in_features))
-                y = F.linear(x2, decode_dense(raw).to(x2.dtype))  # reads through the offsets: padding-proof
+                y = F.linear(x2, decode_dense(raw).to(x2.dtype))
+            else:  # prefill: decode the tiles to a dense weight on the GPU (measured faster), then cuBLAS
+                y = F.linear(x2, self.dense_weight(x2.dtype))
         else:  # the reference path, as one op (decode + matmul)
             if not torch.compiler.is_compiling():
                 notice_once(CPU_NOTICE if torch.cuda.is_available() else NO_GPU_NOTICE)

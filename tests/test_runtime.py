@@ -174,6 +174,7 @@ def test_compiled_decode_step_matches_and_compiles_once(monkeypatch, fuse):
         fused = [m for m in model.modules() if isinstance(m, FusedProjection)]
         assert all(isinstance(m.fused, SparseLinear) for m in fused)
         torch.testing.assert_close(logits(model, IDS), ref_logits, rtol=1e-5, atol=1e-5)
+        assert all(m._last is None for m in fused)  # no activations kept after a forward
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     dec = GreedyDecoder(model, batch_size=2, max_len=12, use_graph=False, compile=True)
