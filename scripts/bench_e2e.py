@@ -8,10 +8,11 @@ against the dense pruned model, and the sparse model is timed. Both use the same
 (``sparsekit.speed.measure_model``): eager prefill into a static KV cache, then greedy decode
 steps replayed from a CUDA graph (``--eager`` to compare without graphs), each decoder layer of
 the step run through torch.compile (``--no-compile``) and RMSNorm fused (``--hf-norms``), in
-both models alike. Random weights are fine
-for speed; the tokens are meaningless.
+both models alike. ``--fuse-proj both`` (default) also measures the pair with q/k/v and gate/up
+merged into one matmul each (after the unmerged pair); ``--overhead`` times a step whose linears
+cost nothing. Random weights are fine for speed; the tokens are meaningless.
 
-    python scripts/bench_e2e.py [--layers 32] [--batch-sizes 1,8,16,32] [--json out.json]
+    python scripts/bench_e2e.py [--layers 32] [--batch-sizes 1,8,16,32] [--fuse-proj both] [--json out.json]
 
 Target (issue 4): sparse decode tokens/s >= 1.4x dense at batch 1 and 16.
 """
