@@ -9,10 +9,21 @@ from __future__ import annotations
 import math
 
 import torch
+from numba import config as numba_config
 from numba import cuda
 
 from . import spmm
 from ._intrinsics import SIM
+
+# Split-K grids for small layers are deliberately small; numba's "grid size N will likely result in
+# GPU under-utilization" warning fires on every such launch and floods the user's terminal.
+numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = False
+try:  # numba-cuda (the separate package) reads its own copy of the config
+    from numba.cuda.core import config as _numba_cuda_config
+
+    _numba_cuda_config.CUDA_LOW_OCCUPANCY_WARNINGS = False
+except ImportError:
+    pass
 
 # Token counts up to this use the CUDA-core variant (fp32 FMAs) on weights of at most
 # CUDA_CORE_MAX_WEIGHTS elements; otherwise the tensor-core one. From the H100 benchmark
