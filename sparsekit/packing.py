@@ -281,8 +281,14 @@ def encode(
 
 def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: float, force: bool,
                   manifest: dict) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    w = t.t() if transposed else t
-    raw = w.contiguous().view(torch.int16).numpy()   # bit patterns: -0.0 counts as stored
+    w = (t.t() if transposed else t).contiguous()
+    # A pruner that masks by multiplying (w * mask) leaves -0.0 where w was negative. Those are
+    # pruned weights, not values: store them as zeros (tcabme.encode itself keeps -0.0 bit-exact).
+    negative_zero = w.view(torch.int16) == -32768          # 0x8000 is -0.0 in fp16 and bf16
+    n_negative_zero = int(negative_zero.sum())
+    if n_negative_zero:
+        w = w.masked_fill(negative_zero, 0)
+    raw = w.view(torch.int16).numpy()
     nnz = int(np.count_nonzero(raw))
     numel = w.numel()
     sparsity = 1.0 - nnz / numel if numel else 0.0
@@ -295,6 +301,8 @@ def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: 
         "pattern": _layer_pattern(manifest, module) or detect_pattern(raw),
         "dense_bytes": dense_bytes,
     }
+    if n_negative_zero:
+        info["negative_zeros_cleared"] = n_negative_zero
     if sparsity < min_sparsity and not force:
         info.update(packed=False, stored_bytes=dense_bytes,
                     reason=f"sparsity {sparsity:.1%} < min-sparsity {min_sparsity:.0%}: too dense to gain; "

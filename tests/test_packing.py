@@ -249,3 +249,27 @@ def test_truncated_input_checkpoint(tmp_path):
     with pytest.raises(SparsekitError, match=rf"{shard.name}.*(truncated|corrupt)"):
         encode(src, tmp_path / "out")
     assert _no_leftovers(tmp_path, "out")
+
+
+def test_negative_zeros_from_mask_multiplication_count_as_pruned(tmp_path):
+    """w * mask leaves -0.0 for negative pruned weights: the encoder must see them as zeros."""
+    src, out = tmp_path / "pruned", tmp_path / "packed"
+    state = make_pruned(src, "llama")
+    name = "model.layers.0.mlp.up_proj.weight"
+    w = state[name]
+    mask = w != 0
+    dense = torch.randn(w.shape, generator=torch.Generator().manual_seed(1)).to(w.dtype)
+    masked = dense * mask                       # -0.0 wherever dense < 0 and pruned
+    n_neg = int((bits(masked) == -32768).sum())
+    assert n_neg > 0
+    shard = next(src.glob("*.safetensors"))
+    tensors = load_file(shard)
+    tensors[name] = masked
+    save_file(tensors, shard, metadata={"format": "pt"})
+    report = encode(src, out)
+    info = report["per_layer"]["model.layers.0.mlp.up_proj"]
+    assert info["packed"] and abs(info["sparsity"] - 0.5) < 0.01
+    assert info["negative_zeros_cleared"] == n_neg
+    got = decode(read_packed(out).packed["model.layers.0.mlp.up_proj"])
+    assert torch.equal(got, masked)                      # equal as numbers (-0.0 == 0.0)
+    assert int((bits(got) == -32768).sum()) == 0         # stored as plain zeros
