@@ -1,6 +1,9 @@
 """sparsekit encode / inspect / verify / export-bitmask / import-bitmask: the TCA-BME format commands."""
 from __future__ import annotations
 
+import os
+import re
+
 import contextlib
 from pathlib import Path
 
@@ -103,24 +106,36 @@ def encode_cmd(
         console.print(f"{dense_n} layer{'s' if dense_n != 1 else ''} kept dense (see `sparsekit inspect`)")
 
 
+def _natural_key(name: str):
+    """model.layers.10.x after model.layers.9.x: digits compare as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
 def inspect_table(report: dict):
+    from rich import box
     from rich.table import Table
 
     meta = report["metadata"]
-    t = Table(title=f"{report['path']}  (format {meta.get('format')} v{meta.get('format_version')}, "
-                    f"source {meta.get('source_model')})")
+    rows = sorted(report["layers"], key=lambda r: _natural_key(r["layer"]))
+    # Drop the prefix every layer shares ("model.layers.") so the table fits a terminal.
+    prefix = os.path.commonprefix([r["layer"] for r in rows]) if len(rows) > 1 else ""
+    prefix = prefix[: prefix.rfind(".") + 1]
+    title = (f"{report['path']}  (format {meta.get('format')} v{meta.get('format_version')}, "
+             f"source {meta.get('source_model')})")
+    caption = "sizes in MB; 'stored' total: packed / all layers" + (f"; layers under {prefix}" if prefix else "")
+    t = Table(title=title, caption=caption, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=0)
     for head, justify in (("layer", "left"), ("shape", "right"), ("sparsity", "right"), ("pattern", "left"),
-                          ("stored", "left"), ("dense MB", "right"), ("packed MB", "right"), ("ratio", "right")):
-        t.add_column(head, justify=justify, overflow="fold")
-    for r in report["layers"]:
-        t.add_row(r["layer"], "x".join(str(s) for s in r["shape"] or []),
+                          ("stored", "left"), ("dense", "right"), ("packed", "right"), ("ratio", "right")):
+        t.add_column(head, justify=justify, overflow="fold", no_wrap=head in ("layer", "shape"))
+    for r in rows:
+        t.add_row(r["layer"][len(prefix):], "x".join(str(s) for s in r["shape"] or []),
                   "-" if r["sparsity"] is None else f"{r['sparsity']:.1%}", str(r["pattern"] or "-"),
                   "tcabme" if r["packed"] else "dense", _mb(r["dense_bytes"]), _mb(r["packed_bytes"]),
                   _ratio(r["ratio"]))
     tot = report["totals"]
     t.add_section()
-    t.add_row(f"total ({tot['packed_layers']}/{tot['layers']} packed)", "",
-              "-" if tot["sparsity"] is None else f"{tot['sparsity']:.1%}", "", "",
+    t.add_row("total", "", "-" if tot["sparsity"] is None else f"{tot['sparsity']:.1%}", "",
+              f"{tot['packed_layers']}/{tot['layers']}",
               _mb(tot["dense_bytes"]), _mb(tot["packed_bytes"]), _ratio(tot["ratio"]), style="bold")
     return t
 
