@@ -73,16 +73,17 @@ def run_ppl(model_dir: str, *, dataset: str, seqlen: int, max_windows: Optional[
 
 
 def ppl_table(report: dict):
+    from rich import box
     from rich.table import Table
 
     from pathlib import Path
 
-    t = Table(title=f"Perplexity of {report['model']}")
+    t = Table(title=f"Perplexity of {report['model']}", box=box.SIMPLE_HEAD, show_edge=False, padding=0)
     dataset = str(report["dataset"])
     if Path(dataset).exists():  # a local file: its name is enough in the table (--json has the full path)
         dataset = Path(dataset).name
     for head in ("dataset", "seqlen", "windows", "tokens", "device", "dtype", "nll", "ppl"):
-        t.add_column(head, justify="left" if head == "dataset" else "right", overflow="fold")
+        t.add_column(head, justify="left" if head == "dataset" else "right", overflow="fold", no_wrap=True)
     t.add_row(dataset, str(report["seqlen"]), str(report["windows"]), f"{report['tokens']:,}",
               report["device"], report["dtype"], f"{report['nll']:.4f}", f"{report['ppl']:.3f}")
     return t
