@@ -213,11 +213,19 @@ class SparseLinear(nn.Module):
                 y = F.linear(x2, decode_dense(raw).to(x2.dtype))
             else:  # prefill: decode the tiles to a dense weight on the GPU (measured faster), then cuBLAS
                 y = F.linear(x2, self.dense_weight(x2.dtype))
-        else:  # the reference path, as one op (decode + matmul)
-            if not torch.compiler.is_compiling():
-                notice_once(CPU_NOTICE if torch.cuda.is_available() else NO_GPU_NOTICE)
+        elif torch.compiler.is_compiling():  # the reference path, as one op (decode + matmul)
             y = tcabme_mm(x2, self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets,
                           self.out_features, False)
+        else:  # the reference path, eager: the same op as the dense layer, so results are bit-equal
+            notice_once(CPU_NOTICE if torch.cuda.is_available() else NO_GPU_NOTICE)
+            w = self.dense_weight(x2.dtype)
+            bias = None if self.bias is None else self.bias.to(x2.dtype)
+            if self.transposed:  # GPT-2 Conv1D: addmm(b, x, W[in, out]) with a contiguous [in, out]
+                wt = w.t().contiguous()
+                y = x2 @ wt if bias is None else torch.addmm(bias, x2, wt)
+            else:
+                y = F.linear(x2, w, bias)   # bias fused as in nn.Linear (one rounding, not two)
+            return y.reshape(*lead, self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)

@@ -296,3 +296,24 @@ def test_cuda_graph_tokens_equal_eager():
     eager = GreedyDecoder(model, 2, 20, use_graph=False).generate(ids, 12)
     graph = GreedyDecoder(model, 2, 20, use_graph=True).generate(ids, 12)
     assert torch.equal(eager, graph)
+
+
+def test_cpu_reference_path_is_bit_equal_to_dense_layers_with_bias():
+    """fp16 on the CPU: Linear fuses its bias (one rounding) and Conv1D is addmm on [in, out]; the
+    reference path must compute the very same op, not matmul-then-add (two roundings)."""
+    from transformers.pytorch_utils import Conv1D
+
+    from sparsekit.sparse_linear import SparseLinear
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 40, 64).half()
+    lin = nn.Linear(64, 192).half()
+    conv = Conv1D(192, 64).half()
+    with torch.no_grad():
+        for mod in (lin, conv):
+            mod.weight.normal_(0, 1).mul_(torch.rand_like(mod.weight.float()).ge(0.5).half())
+            mod.bias.normal_(0, 1)
+        for mod in (lin, conv):
+            sparse = SparseLinear.from_linear(mod)
+            assert torch.equal(sparse(x), mod(x)), type(mod).__name__
+
