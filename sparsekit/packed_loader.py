@@ -68,6 +68,27 @@ def _tie_embeddings(model: nn.Module, config) -> None:
         out.weight = inp.weight
 
 
+def _rename_checkpoint_keys(model: nn.Module, state: dict) -> dict:
+    """Map checkpoint names onto the model's where transformers renames them on load (e.g.
+    GPT-NeoX saves ``embed_out.weight`` for its ``lm_head``): only keys the model lacks are touched."""
+    expected = set(model.state_dict())
+    unknown = [k for k in state if k not in expected]
+    if not unknown:
+        return state
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
+    except Exception:  # an older transformers without conversion mappings saves the model's names
+        return state
+    for key in unknown:
+        new, _ = rename_source_key(key, renamings, [])
+        if new != key and new in expected and new not in state:
+            state[new] = state.pop(key)
+    return state
+
+
 def build_skeleton(path: Path, dtype: torch.dtype):
     """The HF model from ``path/config.json``: parameters on meta, buffers real (on the CPU)."""
     from accelerate import init_empty_weights
@@ -124,6 +145,7 @@ def load_packed(path, device="cuda", dtype: torch.dtype = torch.float16) -> nn.M
                                                              transposed=transposed))
 
     state = {k: (v.to(device=dev, dtype=dtype) if v.is_floating_point() else v.to(dev)) for k, v in dense.items()}
+    state = _rename_checkpoint_keys(model, state)
     result = model.load_state_dict(state, strict=False, assign=True)
     del state, dense
     _tie_embeddings(model, config)

@@ -317,3 +317,15 @@ def test_cpu_reference_path_is_bit_equal_to_dense_layers_with_bias():
             sparse = SparseLinear.from_linear(mod)
             assert torch.equal(sparse(x), mod(x)), type(mod).__name__
 
+
+def test_load_packed_gpt_neox_renamed_lm_head(tmp_path):
+    """GPT-NeoX checkpoints store lm_head as embed_out.weight (transformers renames it on load)."""
+    from sparsekit import packing
+    from sparsekit.packed_loader import load_packed
+
+    dense = pruned_tiny("gpt_neox")
+    write_pruned(dense, tmp_path / "pruned")
+    packing.encode(tmp_path / "pruned", tmp_path / "packed")
+    model = load_packed(tmp_path / "packed", device="cpu", dtype=torch.float32)
+    ids = IDS % dense.config.vocab_size
+    torch.testing.assert_close(logits(model, ids), logits(dense, ids), rtol=1e-5, atol=1e-5)
