@@ -199,6 +199,16 @@ def read_header(path: Path, fix: str = "re-run `sparsekit encode`") -> tuple[dic
     except (ValueError, UnicodeDecodeError) as e:
         raise SparsekitError(f"shard {path.name} is corrupt or truncated ({e}): {fix}") from None
     start = 8 + n
+    if not isinstance(header, dict):
+        raise SparsekitError(f"shard {path.name} is corrupt: its header is not a JSON object: {fix}")
+    for name, v in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = v.get("data_offsets") if isinstance(v, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1] or "dtype" not in v or not isinstance(v.get("shape"), list)):
+            raise SparsekitError(f"shard {path.name} is corrupt: the header entry of tensor {name} is damaged "
+                                 f"(no valid dtype, shape and data_offsets): {fix}")
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if start + end != size:
         raise SparsekitError(

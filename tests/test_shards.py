@@ -213,3 +213,16 @@ def test_size_formula_from_files(packed):
         assert 0 <= pad < 8 * ngt
         expect = 4 * (ngt + 1) + 8 * 64 * ngt + 2 * p.nnz + 2 * pad + 16 * ngt + 16
         assert ck.layers[module]["stored_bytes"] == expect == p.nbytes
+
+
+def test_damaged_header_entry_names_shard_and_tensor(copy):
+    """A flipped byte inside a shard's JSON header (here a key name) is one clear error, not a KeyError."""
+    file = _shard_holding(copy, VALUES)
+    data = bytearray(file.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    at = 8 + bytes(data[8:8 + n]).index(b'"data_offsets"') + 1
+    data[at] ^= 0x20   # "data_offsets" -> "Data_offsets"
+    file.write_bytes(bytes(data))
+    for check in (verify_packed, sh.read_packed, inspect_packed):
+        with pytest.raises(SparsekitError, match=rf"{file.name}.*tensor .*damaged"):
+            check(copy)
