@@ -28,24 +28,33 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
 # ----------------------------------------------------------------------------- reading text
+def _read_text(path: Path) -> str:
+    """A local file's text, with one-line errors for unreadable or non-UTF-8 files."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise SparsekitError(f"{path} is not UTF-8 text (byte {e.start}): pass a UTF-8 .txt/.jsonl file") from None
+    except OSError as e:
+        raise SparsekitError(f"cannot read {path} ({e.strerror or type(e).__name__}): check the file and its permissions") from None
+
+
 def _rows_from_file(path: Path) -> list[str]:
     """The text rows of a local file (a .txt file's rows are its lines)."""
     suffix = path.suffix.lower()
     if suffix == ".txt":
-        return path.read_text(encoding="utf-8").splitlines()
+        return _read_text(path).splitlines()
     if suffix == ".jsonl":
         rows = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise SparsekitError(f"{path}:{lineno} is not valid JSON ({e.msg}): each line must be a JSON object") from None
-                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                    raise SparsekitError(f"{path}:{lineno} has no string \"text\" field: write one {{\"text\": ...}} per line")
-                rows.append(row["text"])
+        for lineno, line in enumerate(_read_text(path).split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SparsekitError(f"{path}:{lineno} is not valid JSON ({e.msg}): each line must be a JSON object") from None
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise SparsekitError(f"{path}:{lineno} has no string \"text\" field: write one {{\"text\": ...}} per line")
+            rows.append(row["text"])
         return rows
     if suffix == ".parquet":
         ds = _load_dataset("parquet", data_files=str(path), split="train")
@@ -138,7 +147,7 @@ def eval_text(source: str = "wikitext2") -> str:
     if _is_local(source):
         path = _local_path(source)
         if path.suffix.lower() == ".txt":
-            return path.read_text(encoding="utf-8")
+            return _read_text(path)
         return "\n\n".join(_rows_from_file(path))
     if source == "c4":
         raise SparsekitError("c4 is a calibration source here: evaluate on wikitext2 or a local file")

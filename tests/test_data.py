@@ -79,6 +79,25 @@ def test_bad_sources_are_clear_errors(tmp_path, tok):
         data.calibration_windows("wikitext2", tok, nsamples=0, seqlen=8)
 
 
+def test_unreadable_or_non_utf8_files_are_clear_errors(tmp_path, tok, monkeypatch):
+    for name in ("latin1.txt", "latin1.jsonl"):
+        f = tmp_path / name
+        f.write_bytes(b'{"text": "caf\xe9"}\n')  # Latin-1, not UTF-8
+        with pytest.raises(SparsekitError, match="not UTF-8"):
+            data.calibration_windows(str(f), tok, nsamples=1, seqlen=8)
+        with pytest.raises(SparsekitError, match="not UTF-8"):
+            data.eval_text(str(f))
+    f = tmp_path / "locked.txt"
+    f.write_text("some text\n")
+
+    def denied(self, *a, **k):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(type(f), "read_text", denied)  # chmod 000 does not stop root
+    with pytest.raises(SparsekitError, match="cannot read .*Permission denied"):
+        data.calibration_windows(str(f), tok, nsamples=1, seqlen=8)
+
+
 def test_hub_alias_offline_says_so(tok, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
