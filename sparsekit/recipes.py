@@ -120,8 +120,11 @@ def validate(s: dict[str, Any]) -> dict[str, Any]:
             raise SparsekitError(f"{key} must be an integer, got {s[key]!r}") from None
         if s[key] < lo:
             raise SparsekitError(f"{key} must be at least {lo}, got {s[key]}")
-    s["seed"] = int(s["seed"])
-    s["damp"] = float(s["damp"])
+    for key, kind in (("seed", int), ("damp", float)):
+        try:
+            s[key] = kind(s[key])
+        except (TypeError, ValueError):
+            raise SparsekitError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {s[key]!r}") from None
     if not 0 < s["damp"] < 1:
         raise SparsekitError(f"damp must be in (0, 1) (a fraction of the mean Hessian diagonal), got {s['damp']}")
     s["skip"] = [str(p) for p in s["skip"]]

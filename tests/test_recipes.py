@@ -56,6 +56,9 @@ def test_flags_override_the_recipe_and_recipe_overrides_defaults(tmp_path):
     ("method: [wanda\n", "not valid YAML"),
     ("pattern: unstructured\nsparsity: 1.5\n", "out of range"),
     ("calibration: {nsamples: 0}\n", "nsamples"),
+    ("calibration: {seed: abc}\n", "seed must be an integer"),
+    ("sparsegpt: {damp: lots}\n", "damp must be a number"),
+    ("sparsity: half\n", "sparsity"),
 ])
 def test_bad_recipes_fail_with_a_clear_message(tmp_path, text, match):
     with pytest.raises(SparsekitError, match=match):
