@@ -72,6 +72,8 @@ def prune(
     t0 = time.perf_counter()
     s = resolve_settings(recipe, method=method, pattern=pattern, sparsity=sparsity, dataset=calib,
                          nsamples=nsamples, seqlen=seqlen, seed=seed, skip=skip, blocksize=blocksize, damp=damp)
+    if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1):
+        raise SparsekitError(f"batch size must be a positive number of windows, got {batch_size!r}: drop --batch-size for the default")
     out = Path(output) if output is not None else _default_output(model, s["method"], s["pattern"], s["sparsity"])
     check_output_dir(out, overwrite)  # before anything expensive
     dev = resolve_device(device)

@@ -78,6 +78,13 @@ def test_existing_output_refused_before_loading(workdir):
     assert json.loads((out / "sparsekit.json").read_text())["calibration"]["nsamples"] == 0
 
 
+def test_bad_batch_size_refused_before_loading(workdir):
+    for bad in (0, -3):
+        with pytest.raises(SparsekitError, match="batch size"):
+            prune(str(workdir / "no-such-model"), method="wanda", batch_size=bad, output=workdir / "bs")
+    assert not (workdir / "bs").exists()
+
+
 def test_failure_leaves_no_output_and_no_temp_dir(workdir, monkeypatch):
     from transformers import PreTrainedTokenizerFast
 
