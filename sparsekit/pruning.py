@@ -19,6 +19,17 @@ def _default_output(model: str, method: str, pattern: str, sparsity: float) -> P
     return Path("out") / f"{name}-{method}-{tag}"
 
 
+def _check_output_location(out: Path) -> None:
+    """The output must be (or go into) a directory: catch a file in the way before any work."""
+    if out.exists() and not out.is_dir():
+        raise SparsekitError(f"output {out} is a file, not a directory: choose another path")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise SparsekitError(f"cannot create output {out}: {parent} is a file, not a directory")
+            return
+
+
 def _checkpoint_dtype(location: str):
     """The dtype the source checkpoint stores (config.json's dtype / torch_dtype), if it says."""
     import json
@@ -76,6 +87,7 @@ def prune(
         raise SparsekitError(f"batch size must be a positive number of windows, got {batch_size!r}: drop --batch-size for the default")
     out = Path(output) if output is not None else _default_output(model, s["method"], s["pattern"], s["sparsity"])
     check_output_dir(out, overwrite)  # before anything expensive
+    _check_output_location(out)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
 

@@ -85,6 +85,16 @@ def test_bad_batch_size_refused_before_loading(workdir):
     assert not (workdir / "bs").exists()
 
 
+def test_output_blocked_by_a_file_refused_before_loading(workdir):
+    blocker = workdir / "a-file"
+    blocker.write_text("mine")
+    with pytest.raises(SparsekitError, match="is a file"):  # was a FileExistsError after all the work
+        prune(str(workdir / "no-such-model"), method="magnitude", output=blocker / "sub" / "out")
+    with pytest.raises(SparsekitError, match="is a file"):
+        prune(str(workdir / "no-such-model"), method="magnitude", output=blocker, overwrite=True)
+    assert blocker.read_text() == "mine" and [p.name for p in workdir.glob(".a-file*")] == []
+
+
 def test_failure_leaves_no_output_and_no_temp_dir(workdir, monkeypatch):
     from transformers import PreTrainedTokenizerFast
 
