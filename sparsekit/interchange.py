@@ -25,7 +25,7 @@ from sparsekit import shards as sh
 from sparsekit.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
 from sparsekit.packing import (checkpoint_files, copy_side_files, linear_modules, load_json,
-                               resolve_key)
+                               refuse_bitmask_source, resolve_key)
 
 FORMAT = "sparse-bitmask"
 PARTS = ("shape", "compressed", "bitmask", "row_offsets")
@@ -119,6 +119,7 @@ def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
     config = load_json(src / "config.json")
     if not config:
         raise SparsekitError(f"{src} has no config.json: cannot write a loadable checkpoint")
+    refuse_bitmask_source(src, config)
     it = _dense_tensors(src)
     total = next(it)
     compressed, zeros, numel, done = [], 0, 0, 0

@@ -84,6 +84,14 @@ def load_json(path: Path) -> dict[str, Any]:
         raise SparsekitError(f"{path} is not valid JSON ({e}): fix or remove it") from None
 
 
+def refuse_bitmask_source(src: Path, config: dict) -> None:
+    """A compressed-tensors sparse-bitmask checkpoint has no dense weights to read: say what to run."""
+    qc = config.get("quantization_config") or config.get("compression_config") or {}
+    if isinstance(qc, dict) and (qc.get("sparsity_config") or {}).get("format") == "sparse-bitmask":
+        raise SparsekitError(f"{src} is a compressed-tensors sparse-bitmask checkpoint: run "
+                             f"`sparsekit import-bitmask {src} -o DIR` first and pass DIR")
+
+
 def linear_modules(src: Path, config: dict, manifest: dict) -> dict[str, bool]:
     """module name -> transposed (True for GPT-2 Conv1D, stored [in, out])."""
     layers = manifest.get("layers")
@@ -184,6 +192,7 @@ def encode(
     files = checkpoint_files(src)
     headers = header_info(files)
     config = load_json(src / "config.json")
+    refuse_bitmask_source(src, config)
     manifest = load_json(src / "sparsekit.json")
     modules = linear_modules(src, config, manifest)
 

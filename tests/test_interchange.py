@@ -123,3 +123,13 @@ def test_import_rejects_other_formats(pruned, tmp_path):
     with pytest.raises(SparsekitError, match=r"transformer\.h\.1\.attn\.c_proj lacks .*bitmask"):
         import_bitmask(tmp_path / "ct", tmp_path / "out")
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.tmp*"))
+
+
+def test_encode_and_export_refuse_a_bitmask_checkpoint(pruned, tmp_path):
+    """A sparse-bitmask dir has no dense weights: encode/export say to import it first."""
+    src, _ = pruned
+    export_bitmask(src, tmp_path / "ct")
+    for fn in (encode, export_bitmask):
+        with pytest.raises(SparsekitError, match="sparse-bitmask checkpoint: run `sparsekit import-bitmask"):
+            fn(tmp_path / "ct", tmp_path / "out")
+        assert not (tmp_path / "out").exists()
