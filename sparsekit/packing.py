@@ -230,7 +230,13 @@ def encode(
                 for key in keys:
                     t = f.get_tensor(key)
                     if cast and t.dtype == torch.float32:
-                        t = t.to(cast_to)
+                        c = t.to(cast_to)
+                        if bool((torch.isinf(c) & torch.isfinite(t)).any()):
+                            raise SparsekitError(
+                                f"tensor {key} in {file.name} has values beyond the {DTYPE_NAMES[cast_to]} range: "
+                                "casting the float32 checkpoint would turn them into inf; set \"torch_dtype\": "
+                                "\"bfloat16\" in its config.json to pack it as bfloat16")
+                        t = c
                     if key in weight_keys:
                         module, transposed = weight_keys[key]
                         info, tensors = _encode_layer(module, t, transposed, min_sparsity, force, manifest)

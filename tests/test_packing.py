@@ -273,3 +273,18 @@ def test_negative_zeros_from_mask_multiplication_count_as_pruned(tmp_path):
     got = decode(read_packed(out).packed["model.layers.0.mlp.up_proj"])
     assert torch.equal(got, masked)                      # equal as numbers (-0.0 == 0.0)
     assert int((bits(got) == -32768).sum()) == 0         # stored as plain zeros
+
+
+def test_fp32_beyond_fp16_range_is_refused(tmp_path):
+    """Casting would silently turn a weight above 65504 into inf: one clear error, no output."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "pruned"
+    make_pruned(src, dtype=torch.float32)
+    f = src / "model.safetensors"
+    state = load_file(f)
+    state["model.layers.0.mlp.up_proj.weight"][0, 0] = 1e5
+    save_file(state, str(f), metadata={"format": "pt"})
+    with pytest.raises(SparsekitError, match=r"model\.layers\.0\.mlp\.up_proj\.weight .*beyond the float16 range"):
+        encode(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
