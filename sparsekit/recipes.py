@@ -98,7 +98,9 @@ def resolve_settings(recipe: str | Path | None = None, **overrides: Any) -> dict
         raise TypeError(f"unknown setting(s): {', '.join(unknown)}")
     for key, value in overrides.items():
         if value is not None:
-            settings[key] = list(value) if key == "skip" else value
+            if key == "skip":  # one pattern as a plain string is one pattern, not its characters
+                value = [value] if isinstance(value, str) else list(value)
+            settings[key] = value
     return validate(settings)
 
 

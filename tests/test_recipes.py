@@ -47,6 +47,11 @@ def test_flags_override_the_recipe_and_recipe_overrides_defaults(tmp_path):
     assert resolve_settings(p, seed=None)["seed"] == 3  # None means "not given"
 
 
+def test_skip_given_as_one_string_is_one_pattern():
+    assert resolve_settings(skip="lm_head")["skip"] == ["lm_head"]  # was ['l', 'm', '_', ...]
+    assert resolve_settings(skip=("lm_head", "*.0.*"))["skip"] == ["lm_head", "*.0.*"]
+
+
 @pytest.mark.parametrize("text,match", [
     ("method: wanda\nsparsty: 0.5\n", "sparsty"),
     ("method: wanda\ncalibration: {nsample: 4}\n", "nsample"),
