@@ -101,6 +101,11 @@ def resolve_settings(recipe: str | Path | None = None, **overrides: Any) -> dict
             if key == "skip":  # one pattern as a plain string is one pattern, not its characters
                 value = [value] if isinstance(value, str) else list(value)
             settings[key] = value
+    if overrides.get("pattern") is not None and overrides.get("sparsity") is None and recipe is not None:
+        from sparsekit.patterns import Pattern
+
+        if Pattern.parse(str(overrides["pattern"])).is_nm:
+            settings["sparsity"] = None  # the recipe's sparsity went with its pattern; N:M fixes its own
     return validate(settings)
 
 

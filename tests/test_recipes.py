@@ -47,6 +47,15 @@ def test_flags_override_the_recipe_and_recipe_overrides_defaults(tmp_path):
     assert resolve_settings(p, seed=None)["seed"] == 3  # None means "not given"
 
 
+def test_pattern_flag_nm_over_a_recipe_with_a_sparsity(tmp_path):
+    p = _write(tmp_path, 'method: magnitude\npattern: "hybrid:64"\nsparsity: 0.25\n')
+    s = resolve_settings(p, pattern="2:4")  # was: "2:4 fixes the sparsity at 0.5, got 0.25: drop --sparsity"
+    assert (s["pattern"], s["sparsity"]) == ("2:4", 0.5)
+    assert resolve_settings(p, pattern="unstructured")["sparsity"] == 0.25  # a valid recipe value is kept
+    with pytest.raises(SparsekitError, match="fixes the sparsity"):
+        resolve_settings(p, pattern="2:4", sparsity=0.3)  # an explicit conflicting flag is still an error
+
+
 def test_skip_given_as_one_string_is_one_pattern():
     assert resolve_settings(skip="lm_head")["skip"] == ["lm_head"]  # was ['l', 'm', '_', ...]
     assert resolve_settings(skip=("lm_head", "*.0.*"))["skip"] == ["lm_head", "*.0.*"]
