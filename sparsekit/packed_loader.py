@@ -80,10 +80,10 @@ def _rename_checkpoint_keys(model: nn.Module, state: dict) -> dict:
         from transformers.core_model_loading import WeightRenaming, rename_source_key
 
         renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
-    except Exception:  # an older transformers without conversion mappings saves the model's names
+        renamed = {key: rename_source_key(key, renamings, [])[0] for key in unknown}
+    except Exception:  # a transformers without these conversion mappings saves the model's names
         return state
-    for key in unknown:
-        new, _ = rename_source_key(key, renamings, [])
+    for key, new in renamed.items():
         if new != key and new in expected and new not in state:
             state[new] = state.pop(key)
     return state
