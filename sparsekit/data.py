@@ -71,6 +71,8 @@ def _load_dataset(*args, **kwargs):
     offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
     if args and args[0] not in ("parquet", "json", "text", "csv") and not offline:
         _probe_hub(args[0], what)
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # we report failures in one line ourselves
     try:
         return datasets.load_dataset(*args, **kwargs)
     except Exception as e:
@@ -84,6 +86,8 @@ def _load_dataset(*args, **kwargs):
             f"could not load dataset {what!r} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}): "
             f"{hint}pass a local .txt/.jsonl/.parquet file instead"
         ) from None
+    finally:
+        datasets.logging.set_verbosity(level)
 
 
 def _probe_hub(repo_id: str, what: str) -> None:

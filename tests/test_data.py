@@ -98,6 +98,14 @@ def test_unreadable_or_non_utf8_files_are_clear_errors(tmp_path, tok, monkeypatc
         data.calibration_windows(str(f), tok, nsamples=1, seqlen=8)
 
 
+def test_corrupt_parquet_is_one_line(tmp_path, tok, capfd):
+    f = tmp_path / "bad.parquet"
+    f.write_bytes(b"PAR1 not really parquet")
+    with pytest.raises(SparsekitError, match="could not load dataset 'parquet'"):
+        data.calibration_windows(str(f), tok, nsamples=1, seqlen=8)
+    assert "Failed to read schema" not in capfd.readouterr().err  # datasets' own log line is silenced
+
+
 def test_hub_alias_offline_says_so(tok, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
