@@ -97,6 +97,7 @@ def prune(
 
     location = resolve_model(model)
     net, tokenizer = load_model(location, device="cpu", dtype=torch_dtype)
+    _warn_unmatched_skip(net, s["skip"], warn)
     calib_ids = None
     calibration: dict[str, Any]
     if needs_stats(s["method"]):
@@ -146,6 +147,24 @@ def prune(
         "overall_sparsity": overall_sparsity(report["layers"]),
         "elapsed_s": time.perf_counter() - t0,
     }
+
+
+def _warn_unmatched_skip(model, skip: list[str], warn: Callable[[str], None]) -> None:
+    """A --skip pattern that names no linear layer is most likely a typo: say so before the work."""
+    from sparsekit.layers import find_linears
+
+    names = list(find_linears(model))
+    for pat in skip:
+        if not any(_skip_matches(n, pat) for n in names):
+            warn(f"--skip pattern {pat!r} matches no linear layer of this model (e.g. {names[0] if names else '-'}): "
+                 f"check the spelling")
+
+
+def _skip_matches(name: str, pattern: str) -> bool:
+    """The rule ``find_linears`` applies: fnmatch on the full name or on its last component."""
+    import fnmatch
+
+    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name.rsplit(".", 1)[-1], pattern)
 
 
 def _recount_sparsity(model, layers: dict[str, dict]) -> None:

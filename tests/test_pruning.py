@@ -128,6 +128,15 @@ def test_skip_patterns_leave_modules_dense(workdir):
     assert not (workdir / "none").exists()
 
 
+def test_skip_pattern_matching_nothing_is_warned(workdir):
+    notes = []
+    rep = prune(str(workdir / "llama"), method="magnitude", skip=["lm_head", "*.q_prj"], output=workdir / "typo",
+                device="cpu", warn=notes.append)
+    assert any("'*.q_prj' matches no linear layer" in n for n in notes)
+    assert not any("lm_head" in n for n in notes)  # a pattern that matches is not reported
+    assert any(n.endswith("q_proj") for n in rep["layers"])
+
+
 def test_half_checkpoint_is_saved_in_its_own_dtype(tmp_path, workdir):
     src = save_tiny("llama", tmp_path / "half", dtype=torch.float16)
     out = tmp_path / "out"
