@@ -15,7 +15,13 @@ from sparsekit.errors import SparsekitError
 
 def _default_output(model: str, method: str, pattern: str, sparsity: float) -> Path:
     name = Path(str(model).rstrip("/")).name or "model"
-    tag = pattern.replace(":", "of") if pattern != "unstructured" else f"{round(sparsity * 100)}"
+    pct = f"{sparsity * 100:.4g}".replace(".", "p")  # 0.333 -> 33p3, not 33 (0.334 would collide)
+    if pattern == "unstructured":
+        tag = pct
+    elif pattern.startswith("hybrid"):  # the hybrid ratio varies too
+        tag = f"{pattern.replace(':', '')}-{pct}"
+    else:
+        tag = pattern.replace(":", "of")
     return Path("out") / f"{name}-{method}-{tag}"
 
 
