@@ -132,6 +132,8 @@ def validate(s: dict[str, Any]) -> dict[str, Any]:
             s[key] = kind(s[key])
         except (TypeError, ValueError):
             raise SparsekitError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {s[key]!r}") from None
+    if not -(2**63) <= s["seed"] < 2**64:  # what torch.Generator.manual_seed accepts
+        raise SparsekitError(f"seed {s['seed']} is out of range: use a 64-bit integer, e.g. 0")
     if not 0 < s["damp"] < 1:
         raise SparsekitError(f"damp must be in (0, 1) (a fraction of the mean Hessian diagonal), got {s['damp']}")
     s["skip"] = [str(p) for p in s["skip"]]

@@ -73,6 +73,7 @@ def test_skip_given_as_one_string_is_one_pattern():
     ("calibration: {seed: abc}\n", "seed must be an integer"),
     ("sparsegpt: {damp: lots}\n", "damp must be a number"),
     ("sparsity: half\n", "sparsity"),
+    ("calibration: {seed: 99999999999999999999999}\n", "seed .* out of range"),
 ])
 def test_bad_recipes_fail_with_a_clear_message(tmp_path, text, match):
     with pytest.raises(SparsekitError, match=match):
