@@ -29,6 +29,9 @@ def _check_output_location(out: Path) -> None:
     """The output must be (or go into) a directory: catch a file in the way before any work."""
     if out.exists() and not out.is_dir():
         raise SparsekitError(f"output {out} is a file, not a directory: choose another path")
+    cwd = Path.cwd().resolve()
+    if out.resolve() == cwd or out.resolve() in cwd.parents:
+        raise SparsekitError(f"output {str(out) or '.'} is the current directory or one above it: name a new directory, e.g. -o out/pruned")
     for parent in out.parents:
         if parent.exists():
             if not parent.is_dir():

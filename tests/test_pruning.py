@@ -95,6 +95,13 @@ def test_output_blocked_by_a_file_refused_before_loading(workdir):
     assert blocker.read_text() == "mine" and [p.name for p in workdir.glob(".a-file*")] == []
 
 
+def test_output_that_is_the_working_directory_refused_before_loading(workdir, monkeypatch):
+    monkeypatch.chdir(workdir)
+    for out in (".", "", "..", str(workdir)):  # -o . --overwrite failed with EBUSY after all the work
+        with pytest.raises(SparsekitError, match="current directory"):
+            prune(str(workdir / "no-such-model"), method="magnitude", output=out, overwrite=True)
+
+
 def test_failure_leaves_no_output_and_no_temp_dir(workdir, monkeypatch):
     from transformers import PreTrainedTokenizerFast
 
