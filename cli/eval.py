@@ -156,4 +156,17 @@ def eval_cmd(
             if plot:
                 err_console.print(f"[green]wrote[/] {report['speed']['plot']}")
     if json_out:
-        emit_json(report)
+        emit_json(_finite_or_null(report))
+
+
+def _finite_or_null(obj):
+    """inf/nan (an overflowed perplexity) become null: JSON has no Infinity, and jq and friends reject it."""
+    import math
+
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_null(v) for v in obj]
+    return obj

@@ -41,6 +41,25 @@ def test_json_report_matches_the_library(tiny):
     assert r["ppl"] == pytest.approx(want["ppl"], rel=1e-6)
 
 
+def test_json_stays_strict_json_when_the_perplexity_overflows(tiny, tmp_path):
+    from tiny_models import make_model, make_tokenizer
+
+    model = make_model("llama")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e5)  # fp16 logits overflow -> non-finite loss -> ppl inf
+    model.save_pretrained(tmp_path / "hot")
+    make_tokenizer().save_pretrained(tmp_path / "hot")
+    res = runner.invoke(app, ["eval", str(tmp_path / "hot"), "--dataset", str(tiny[1]), "--seqlen", "32",
+                              "--max-windows", "2", "--device", "cpu", "--dtype", "float16", "--json"])
+    assert res.exit_code == 0, res.output
+
+    def reject(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    r = json.loads(res.stdout, parse_constant=reject)["ppl"]  # was "ppl": Infinity
+    assert r["ppl"] is None and r["nll"] is None and r["nonfinite_windows"] == 2
+
+
 def test_table_output_and_seqlen_capped(tiny):
     model_dir, text_file = tiny
     # the tiny model's context is 256: --seqlen 1024 is capped with a warning
