@@ -137,5 +137,5 @@ def validate(s: dict[str, Any]) -> dict[str, Any]:
     if not 0 < s["damp"] < 1:
         raise SparsekitError(f"damp must be in (0, 1) (a fraction of the mean Hessian diagonal), got {s['damp']}")
     s["skip"] = [str(p) for p in s["skip"]]
-    s["dataset"] = str(s["dataset"])
+    s["dataset"] = DEFAULTS["dataset"] if s["dataset"] is None else str(s["dataset"])  # was 'None', a hub id
     return s

@@ -56,6 +56,10 @@ def test_pattern_flag_nm_over_a_recipe_with_a_sparsity(tmp_path):
         resolve_settings(p, pattern="2:4", sparsity=0.3)  # an explicit conflicting flag is still an error
 
 
+def test_null_dataset_in_a_recipe_means_the_default(tmp_path):
+    assert resolve_settings(_write(tmp_path, "calibration: {dataset: null}\n"))["dataset"] == "wikitext2"
+
+
 def test_skip_given_as_one_string_is_one_pattern():
     assert resolve_settings(skip="lm_head")["skip"] == ["lm_head"]  # was ['l', 'm', '_', ...]
     assert resolve_settings(skip=("lm_head", "*.0.*"))["skip"] == ["lm_head", "*.0.*"]
