@@ -30,7 +30,8 @@ def prune_cmd(
     nsamples: Optional[int] = typer.Option(None, "--nsamples", help="Calibration windows (default: 128)"),
     seqlen: Optional[int] = typer.Option(None, "--seqlen", help="Tokens per window, capped at the model context (default: 2048)"),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for drawing the windows (default: 0)"),
-    skip: Optional[List[str]] = typer.Option(None, "--skip", help="Module-name pattern (fnmatch) to leave dense; repeatable (default: lm_head)"),
+    skip: Optional[List[str]] = typer.Option(None, "--skip", help="Module-name pattern (fnmatch) to leave dense; repeatable; lm_head is always left dense"),
+    prune_lm_head: bool = typer.Option(False, "--prune-lm-head", help="Prune lm_head too (magnitude only; refused when it is tied to the embeddings)."),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="YAML recipe (recipes/*.yaml); flags override it."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Output directory (default: out/<model>-<method>-<pattern>)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
@@ -54,7 +55,7 @@ def prune_cmd(
     with bars:
         report = prune(
             model, method=method, sparsity=sparsity, pattern=pattern, calib=calib, nsamples=nsamples,
-            seqlen=seqlen, seed=seed, skip=skip, device=device, dtype=dtype, output=output,
+            seqlen=seqlen, seed=seed, skip=skip, prune_lm_head=prune_lm_head or None, device=device, dtype=dtype, output=output,
             overwrite=overwrite, blocksize=blocksize, damp=damp, recipe=recipe, batch_size=batch_size,
             progress=bars.update, warn=warn,
         )

@@ -64,6 +64,7 @@ def prune(
     seqlen: int | None = None,
     seed: int | None = None,
     skip: Iterable[str] | None = None,
+    prune_lm_head: bool | None = None,
     device: str | None = None,
     dtype: str | None = None,
     output: str | Path | None = None,
@@ -82,6 +83,7 @@ def prune(
     the source checkpoint's own dtype when that is fp16/bf16 (zeros stay zeros), else in ``dtype``.
     Arguments left as None take the recipe's value, else the default (wanda, 50% unstructured,
     128 wikitext2 windows of 2048 tokens capped to the model context, seed 0, skip lm_head).
+    ``skip`` patterns add to the lm_head exclusion; ``prune_lm_head=True`` lifts it.
     """
     from sparsekit import checkpoint, engine
     from sparsekit.atomic import check_output_dir
@@ -91,7 +93,8 @@ def prune(
 
     t0 = time.perf_counter()
     s = resolve_settings(recipe, method=method, pattern=pattern, sparsity=sparsity, dataset=calib,
-                         nsamples=nsamples, seqlen=seqlen, seed=seed, skip=skip, blocksize=blocksize, damp=damp)
+                         nsamples=nsamples, seqlen=seqlen, seed=seed, skip=skip, prune_lm_head=prune_lm_head,
+                         blocksize=blocksize, damp=damp)
     if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1):
         raise SparsekitError(f"batch size must be a positive number of windows, got {batch_size!r}: drop --batch-size for the default")
     out = Path(output) if output is not None else _default_output(model, s["method"], s["pattern"], s["sparsity"])

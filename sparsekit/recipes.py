@@ -27,6 +27,7 @@ DEFAULTS: dict[str, Any] = {
     "seqlen": 2048,
     "seed": 0,
     "skip": ["lm_head"],
+    "prune_lm_head": False,  # lm_head stays dense whatever --skip says, unless this is set
     "blocksize": 128,
     "damp": 0.01,
 }
@@ -137,5 +138,11 @@ def validate(s: dict[str, Any]) -> dict[str, Any]:
     if not 0 < s["damp"] < 1:
         raise SparsekitError(f"damp must be in (0, 1) (a fraction of the mean Hessian diagonal), got {s['damp']}")
     s["skip"] = [str(p) for p in s["skip"]]
+    # --skip adds to the default: lm_head stays excluded unless pruning it is asked for by name.
+    s["prune_lm_head"] = bool(s.get("prune_lm_head", False))
+    if s["prune_lm_head"]:
+        s["skip"] = [p for p in s["skip"] if p != "lm_head"]
+    elif "lm_head" not in s["skip"]:
+        s["skip"] = ["lm_head", *s["skip"]]
     s["dataset"] = DEFAULTS["dataset"] if s["dataset"] is None else str(s["dataset"])  # was 'None', a hub id
     return s

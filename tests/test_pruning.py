@@ -166,3 +166,11 @@ def test_half_checkpoint_is_saved_in_its_own_dtype(tmp_path, workdir):
         w = tensors[f"{name}.weight"]
         assert w.dtype == torch.float16
         assert info["sparsity"] == (w == 0).float().mean().item() == 0.5
+
+
+def test_lm_head_stays_dense_unless_asked(workdir):
+    rep = prune(str(workdir / "llama"), method="magnitude", skip=["*.mlp.down_proj"], output=workdir / "keep_head",
+                device="cpu")
+    assert "lm_head" not in rep["layers"] and rep["skip"] == ["lm_head", "*.mlp.down_proj"]
+    rep = prune(str(workdir / "llama"), method="magnitude", prune_lm_head=True, output=workdir / "head", device="cpu")
+    assert rep["layers"]["lm_head"]["sparsity"] == 0.5

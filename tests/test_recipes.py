@@ -87,3 +87,11 @@ def test_bad_recipes_fail_with_a_clear_message(tmp_path, text, match):
 def test_missing_recipe_file():
     with pytest.raises(SparsekitError, match="not found"):
         load_recipe("recipes/does-not-exist.yaml")
+
+
+def test_skip_adds_to_the_lm_head_exclusion():
+    """--skip '*.q_proj' must not silently start pruning lm_head (or fail on a tied head)."""
+    assert resolve_settings(skip=["*.q_proj"])["skip"] == ["lm_head", "*.q_proj"]
+    assert resolve_settings(skip=[])["skip"] == ["lm_head"]
+    assert resolve_settings(skip=["*.q_proj"], prune_lm_head=True)["skip"] == ["*.q_proj"]
+    assert resolve_settings(prune_lm_head=True)["skip"] == []
