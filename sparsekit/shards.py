@@ -218,12 +218,18 @@ def read_header(path: Path, fix: str = "re-run `sparsekit encode`") -> tuple[dic
     return header, start
 
 
-def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu") -> PackedCheckpoint:
-    """Load a packed directory: dense tensors, TcaBme weights (on ``device``), layer info, metadata."""
+def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
+                check_checksums: bool = True) -> PackedCheckpoint:
+    """Load a packed directory: dense tensors, TcaBme weights (on ``device``), layer info, metadata.
+
+    Every tensor is checked against the sha256 recorded in the index (``check_checksums``), so a
+    damaged shard is one clear error naming the shard and tensor instead of silently wrong weights.
+    """
     from safetensors import safe_open
 
     path = Path(path)
     index = load_index(path)
+    checksums = index.get("checksums", {}) if check_checksums else {}
     by_shard: dict[str, list[str]] = {}
     for name, shard in index["weight_map"].items():
         by_shard.setdefault(shard, []).append(name)
@@ -239,7 +245,13 @@ def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu") -> 
                         raise SparsekitError(
                             f"shard {shard} lacks tensor {name} listed in {INDEX_NAME}: the checkpoint is corrupt; re-run `sparsekit encode`"
                         )
-                    tensors[name] = f.get_tensor(name).to(device)
+                    t = f.get_tensor(name)
+                    if name in checksums and tensor_sha256(t) != checksums[name]:
+                        raise SparsekitError(
+                            f"corrupt shard {shard}, tensor {name}: sha256 mismatch (its bytes were changed); "
+                            "re-run `sparsekit encode`"
+                        )
+                    tensors[name] = t.to(device)
         except SparsekitError:
             raise
         except Exception as e:  # safetensors raises its own error types for damaged files

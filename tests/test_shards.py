@@ -136,6 +136,15 @@ def test_flipped_byte_names_shard_and_tensor(copy):
         verify_packed(copy)
 
 
+def test_loading_a_flipped_byte_is_a_clear_error(copy):
+    """read_packed (and so load_packed / eval) must not hand back silently wrong weights."""
+    file = _shard_holding(copy, VALUES)
+    _flip_tensor_byte(file, VALUES, at=3)
+    with pytest.raises(SparsekitError, match=rf"corrupt shard {file.name}, tensor {VALUES}: sha256"):
+        sh.read_packed(copy)
+    assert VALUES.rsplit(".tcabme", 1)[0] in sh.read_packed(copy, check_checksums=False).packed
+
+
 def test_truncated_shard(copy):
     file = _shard_holding(copy, VALUES)
     data = file.read_bytes()
