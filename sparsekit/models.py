@@ -46,6 +46,8 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
         raise SparsekitError(f"unknown device {device!r}: use auto, cpu or cuda") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise SparsekitError("no CUDA GPU found: use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SparsekitError(f"no GPU {dev.index}: this machine has {torch.cuda.device_count()}")
     if dev.type not in ("cpu", "cuda"):
         raise SparsekitError(f"unsupported device {device!r}: use auto, cpu or cuda")
     return dev

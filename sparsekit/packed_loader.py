@@ -20,23 +20,6 @@ from sparsekit.sparse_linear import SparseLinear
 INDEX_FILE = "tcabme.index.json"
 
 
-def resolve_device(device) -> torch.device:
-    """``device`` as a torch.device; a clear error when CUDA is asked for and absent."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise SparsekitError(f"unknown device {device!r}: pass 'cuda', 'cuda:N' or 'cpu'")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SparsekitError(
-                f"device {str(device)!r} asked for but no CUDA GPU is available: "
-                "pass device='cpu' (sparse layers then run the slow reference path)"
-            )
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise SparsekitError(f"no GPU {dev.index}: this machine has {torch.cuda.device_count()}")
-    return dev
-
-
 def _check_dir(path: Path) -> None:
     if not path.exists():
         raise SparsekitError(f"no packed model at {path}: pass a directory written by `sparsekit encode`")
@@ -112,6 +95,7 @@ def load_packed(path, device="cuda", dtype: torch.dtype = torch.float16) -> nn.M
     ``dtype`` applies to the dense tensors (embeddings, norms, biases); the packed values keep
     their stored dtype. The bundled kernels need fp16 activations, so keep the default on a GPU.
     """
+    from sparsekit.models import resolve_device
     from sparsekit.shards import read_packed
 
     path = Path(path)

@@ -150,7 +150,7 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     ``fuse_proj`` merges q/k/v and gate/up into one matmul each (``cuda_graph.fuse_projections``),
     in both models too.
     """
-    from sparsekit.packed_loader import resolve_device
+    from sparsekit.models import resolve_device
     from sparsekit.sparse_linear import SparseLinear, densify
 
     if not torch.cuda.is_available():
