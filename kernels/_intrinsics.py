@@ -22,7 +22,7 @@ from numba import config
 SIM = bool(config.ENABLE_CUDASIM)
 
 # Per-block scratch words each emulated warp exchange needs (0 on the GPU: the array is unused).
-SCRATCH_WORDS = 512 * 6 if SIM else 1
+SCRATCH_WORDS = 1024 * 6 if SIM else 1
 
 if SIM:
     from numba.cuda.simulator.kernel import _get_kernel_context
@@ -114,7 +114,28 @@ if SIM:
     def cp_wait0():
         pass
 
-    cp_wait1 = cp_wait2 = cp_wait0
+    cp_wait1 = cp_wait2 = cp_wait3 = cp_wait0
+
+    def ptr_of(arr):
+        """Raw device address of ``arr``'s data (simulator: 0; offsets index the array)."""
+        return 0
+
+    def cp16(d64, dst_base, dst_off, src, src_ptr, src_off, pred):
+        """If ``pred``: 16 bytes from byte ``src_off`` of ``src`` (an int64 view) to the shared
+        address ``dst_base`` + ``dst_off`` bytes (one predicated ``cp.async.cg`` on the GPU)."""
+        if pred:
+            di = (int(dst_base) * 4 + int(dst_off)) // 8
+            si = int(src_off) // 8
+            d64[di] = np.int64(src[si]).view(np.uint64)
+            d64[di + 1] = np.int64(src[si + 1]).view(np.uint64)
+
+    def shfl_idx(scr, tid, val, src_lane):
+        """Warp broadcast of lane ``src_lane``'s uint32 (GPU: shfl.sync.idx)."""
+        scr[tid] = val
+        cuda.syncthreads()
+        out = scr[(tid & ~31) + int(src_lane)]
+        cuda.syncthreads()
+        return type(val)(out)
 
     def shfl_up(scr, tid, val, delta):
         """Warp shuffle-up of a uint32 (GPU: shfl.sync.up)."""
@@ -394,6 +415,45 @@ else:  # pragma: no cover - GPU only
     cp_wait0 = _asm_stmt("cp.async.wait_group 0;")
     cp_wait1 = _asm_stmt("cp.async.wait_group 1;")
     cp_wait2 = _asm_stmt("cp.async.wait_group 2;")
+    cp_wait3 = _asm_stmt("cp.async.wait_group 3;")
+
+    @intrinsic
+    def _ptr_of(typingctx, arr):
+        sig = types.uint64(arr)
+
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            return builder.ptrtoint(ary.data, ir.IntType(64))
+
+        return sig, codegen
+
+    @intrinsic
+    def _cp16(typingctx, dst, src, off, pred):
+        u = types.uint32
+        sig = types.void(u, types.uint64, u, u)
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, ir.IntType(64), _i32, _i32]),
+                               "{ .reg .pred p; .reg .u64 a; setp.ne.u32 p, $3, 0; cvt.u64.u32 a, $2; "
+                               "add.u64 a, $1, a; @p cp.async.cg.shared.global [$0], [a], 16; }",
+                               "r,l,r,r,~{memory}", side_effect=True)
+            builder.call(asm, args)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def ptr_of(arr):
+        return _ptr_of(arr)
+
+    @cuda.jit(device=True, inline=True)
+    def cp16(d64, dst_base, dst_off, src, src_ptr, src_off, pred):
+        _cp16(np.uint32(dst_base + dst_off), np.uint64(src_ptr), np.uint32(src_off), np.uint32(pred))
+
+    @cuda.jit(device=True, inline=True)
+    def shfl_idx(scr, tid, val, src_lane):
+        return np.uint32(cuda.shfl_sync(0xFFFFFFFF, np.int32(val), np.int32(src_lane)))
+
 
     @cuda.jit(device=True, inline=True)
     def cp_async16(dst, di, src, si, nbytes=16):

@@ -12,7 +12,7 @@ import torch
 from numba import config as numba_config
 from numba import cuda
 
-from . import spmm
+from . import spmm, spmm_warp
 from ._intrinsics import SIM
 
 # Split-K grids for small layers are deliberately small; numba's "grid size N will likely result in
@@ -35,6 +35,13 @@ MAX_NT = 64                # tokens per launch; more are done in chunks of 64
 TARGET_BLOCKS = 4 * 132    # split-K aims for about this many blocks (4 waves' worth on an H100)
 DYN_SMEM_MAX = 44 * 1024   # dynamic shared memory per block (static use is ~3.7 KB; 48 KB without opt-in)
 VCAP_DENSE = 1024 + 2      # values capacity (uint64) that fits any GroupTile
+
+# spmm_warp (decode shapes): tokens up to this, and the
+# dynamic shared memory a block may take once opted in past 48 KB (H100: 227 KB per block).
+WARP_MAX_N = 16
+WARP_SMEM_MAX = 96 * 1024
+_SMEM_OPTIN_OK: bool | None = None
+_optin_done: set = set()
 
 _streams: dict = {}
 _work: dict = {}
@@ -69,6 +76,17 @@ def _vcap(w) -> int:
     return min(VCAP_DENSE, longest // 4 + 2)
 
 
+def _strip_chunks(w) -> int:
+    """16-byte value chunks the widest strip spans (spmm_warp copies whole chunks)."""
+    if not SIM and torch.cuda.is_current_stream_capturing():
+        return spmm_warp.DENSE_CHUNKS
+    so = w.strip_offsets.view(-1, 4).long()
+    if so.numel() == 0:
+        return 1
+    ends = torch.cat([so[:, 1:], w.gtile_offsets[1:].long().view(-1, 1)], 1)
+    return max(1, min(spmm_warp.DENSE_CHUNKS, int(((ends + 7) // 8 - so // 8).max())))
+
+
 def _weight_views(w):
     """Numba views of the packed weight's tensors + its stage capacity, cached by address."""
     key = (w.bitmaps.data_ptr(), w.values.data_ptr(), w.gtile_offsets.data_ptr(),
@@ -81,7 +99,7 @@ def _weight_views(w):
         if values.data_ptr() % 16:
             values = values.clone()
         v = (_as_numba(w.bitmaps.view(torch.int64)), _as_numba(values.view(torch.int64)),
-             _as_numba(w.gtile_offsets), _as_numba(w.strip_offsets), _vcap(w))
+             _as_numba(w.gtile_offsets), _as_numba(w.strip_offsets), _vcap(w), _strip_chunks(w))
         if not SIM:
             if len(_views) >= _VIEW_CACHE_MAX:
                 _views.clear()
@@ -99,6 +117,72 @@ def _workspace(device: torch.device, floats: int, rows: int):
         cnt = torch.zeros(max(rows, 1024), dtype=torch.int32, device=device)
     _work[key] = (ws, cnt)
     return ws, cnt
+
+
+def warp_plan(m: int, gk: int, n: int, vch: int, warps: int | None = None,
+              stages: int | None = None) -> tuple[int, int, int]:
+    """(warps per block, stages, dynamic shared bytes) for spmm_warp.
+
+    Warps split K inside a block (one strip row per block), at most 32 steps each (their offsets
+    live in one register per lane). From the H100 sweeps (docs/kernels-notes.md, v6): 8 warps, or
+    16 when K has >= 128 GroupTiles, or one step per warp when K is short; 2 stages (more did not
+    help and cost occupancy).
+    """
+    need = -(-gk // spmm_warp.MAX_STEPS)
+    if warps is None:
+        warps = gk if gk <= 16 else (16 if gk >= 128 else 8)
+    warps = max(need, min(warps, gk, spmm_warp.MAX_WARPS))
+    stages = 2 if stages is None else stages
+    limit = _smem_limit()
+    while spmm_warp.smem_bytes(warps, vch, n, stages) > limit and stages > 2:
+        stages -= 1
+    while spmm_warp.smem_bytes(warps, vch, n, stages) > limit and warps > need:
+        warps -= 1
+    return warps, stages, spmm_warp.smem_bytes(warps, vch, n, stages)
+
+
+def _smem_limit() -> int:
+    return WARP_SMEM_MAX if _SMEM_OPTIN_OK is not False else DYN_SMEM_MAX
+
+
+def _allow_smem(kern, args, dyn: int) -> bool:
+    """Let the kernel take up to WARP_SMEM_MAX of dynamic shared memory (past the default 48 KB)."""
+    global _SMEM_OPTIN_OK
+    if dyn <= 48 * 1024 or id(kern) in _optin_done:
+        return True
+    try:
+        from numba.cuda.cudadrv.driver import binding, driver
+
+        k = kern._compile_for_args(*args)
+        cufunc = k._codelibrary.get_cufunc()
+        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attr, WARP_SMEM_MAX, cufunc.handle, cufunc.device.id)
+        _optin_done.add(id(kern))
+        _SMEM_OPTIN_OK = True
+        return True
+    except Exception:  # noqa: BLE001 - an older numba: stay under 48 KB
+        _SMEM_OPTIN_OK = False
+        return False
+
+
+def _launch_warp(x, w, y, bm, vals, goff, soff, vch, warps, stages) -> None:
+    n = x.shape[0]
+    m, _ = w.shape
+    gm, gk = w.grid
+    nw, st, dyn = warp_plan(m, gk, n, vch, warps, stages)
+    cmax = -(-vch // 32)
+    kern = spmm_warp.get_kernel(n, st, cmax)
+    xv = _as_numba(x.reshape(-1).view(torch.int64))
+    yv = _as_numba(y.reshape(-1).view(torch.int16))
+    args = (bm, vals, goff, soff, xv, yv, m, gk, gk * 128, vch, spmm_warp.slot_words(vch, n))
+    rows = -(-m // 16)
+    if SIM:
+        kern[rows, 32 * nw, 0, dyn](*args)
+        return
+    if not _allow_smem(kern, args, dyn):
+        nw, st, dyn = warp_plan(m, gk, n, vch, warps, stages)   # now under 48 KB
+        kern = spmm_warp.get_kernel(n, st, cmax)
+    kern[rows, 32 * nw, _stream(x.device), dyn](*args)
 
 
 def choose_splits(gm: int, gk: int) -> int:
@@ -120,13 +204,17 @@ def variant(n: int) -> tuple[int, bool]:
 
 
 def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
-           cuda_core_max_n: int | None = None) -> None:
+           cuda_core_max_n: int | None = None, warp_kernel: bool | None = None,
+           warps: int | None = None, stages: int | None = None) -> None:
     """y[N, M] = x[N, Kp] @ W^T; x already padded to Kp columns, contiguous, 16-byte aligned."""
     n_all = x.shape[0]
     m, _ = w.shape
     gm, gk = w.grid
     kp = gk * 64
-    bm, vals, goff, soff, vcap = _weight_views(w)
+    bm, vals, goff, soff, vcap, vch = _weight_views(w)
+    if n_all <= WARP_MAX_N and gk <= spmm_warp.MAX_STEPS * spmm_warp.MAX_WARPS and warp_kernel is not False:
+        _launch_warp(x, w, y, bm, vals, goff, soff, vch, warps, stages)
+        return
     nsplit = splits if splits is not None else choose_splits(gm, gk)
     nsplit = min(max(nsplit, math.ceil(gk / spmm.KPER_MAX)), gk)
     kper = math.ceil(gk / nsplit)

@@ -155,12 +155,23 @@ def bench(shapes, ns, sparsities, tune: bool):
                 ys = [torch.empty(n, m, device="cuda", dtype=torch.float16) for _ in range(npk)]
                 ours, _ = time_calls([lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i]) for i in range(npk)])
                 extra = {}
-                if tune and n in (1, 16):
+                if tune and n <= 16:
+                    extra["v4"] = time_calls(
+                        [lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i], warp_kernel=False) for i in range(npk)])[0]
+                    for wb in (6, 8, 12, 16, 24):
+                        for st in (2, 3):
+                            try:
+                                extra[f"w{wb}s{st}"] = time_calls(
+                                    [lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i], warps=wb, stages=st)
+                                     for i in range(npk)])[0]
+                            except Exception as e:  # noqa: BLE001
+                                print(f"w{wb}s{st}: {type(e).__name__}: {str(e)[:80]}")
+                if tune and n in (1, 16) and False:
                     gm, gk = p.grid
                     for s in sorted({2, 4, 8, 16} & set(range(1, gk + 1))):
                         extra[f"splits{s}"] = time_calls(
                             [lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i], splits=s) for i in range(npk)])[0]
-                if tune and n <= 8:
+                if tune and n <= 8 and False:
                     extra["cudacore"] = time_calls(
                         [lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i], cuda_core_max_n=8) for i in range(npk)])[0]
                     extra["mma"] = time_calls(

@@ -60,28 +60,31 @@ def probe():
     return info
 
 
-def check(quick: bool) -> int:
+def check(quick: bool, shapes=None, ns=None) -> int:
     from sparsekit.kernels import kernels_available, tcabme_matmul
     from sparsekit.tcabme import encode
 
     assert kernels_available(), "kernels_available() is False on a GPU machine"
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(1234)
-    shapes = SHAPES[4:] if quick else SHAPES
+    shapes = shapes or (SHAPES[4:] if quick else SHAPES)
     failures, worst, cases = [], 0.0, 0
     t0 = time.time()
     for (m, k) in shapes:
         for sp in SPARSITIES:
             w = random_pruned(m, k, sp, dev, gen)
             p = encode(w)
-            for n in NS:
+            for n in (ns or NS):
                 x = torch.randn(n, k, device=dev, generator=gen).half()
                 ref = x.double() @ w.double().t()
                 variants = [{}]
+                if n <= 16:   # spmm_warp by default; spmm.py (v4) too, and forced warp/stage counts
+                    variants += [{"warp_kernel": False, "cuda_core_max_n": 0}, {"warps": 1, "stages": 2},
+                                 {"warps": 3, "stages": 4}, {"warps": 32, "stages": 3}]
                 if n <= 8:
-                    variants = [{"cuda_core_max_n": 0}, {"cuda_core_max_n": 8}]
+                    variants += [{"warp_kernel": False, "cuda_core_max_n": 8}]
                 if (m, k) in ((576, 576), (4096, 4096), (100, 72)) and n in (1, 17):
-                    variants += [{"splits": s} for s in (1, 3, 64)]
+                    variants += [{"splits": s, "warp_kernel": False} for s in (1, 3, 64)]
                 for kw in variants:
                     out = torch.full((n, m), float("nan"), device=dev, dtype=torch.float16)
                     tcabme_matmul(x, p, out=out, **kw)
@@ -114,8 +117,8 @@ def check(quick: bool) -> int:
             if not (e < 1e-2):
                 failures.append(("graph", n, e))
                 print(f"FAIL graph n={n}: rel err {e}", flush=True)
-    from sparsekit.kernels import spmm
-    for key, kern in sorted(spmm._KERNELS.items()):
+    from sparsekit.kernels import spmm, spmm_warp
+    for key, kern in sorted(spmm._KERNELS.items()) + sorted(spmm_warp._KERNELS.items()):
         try:
             print(f"kernel nt={key[0]} mma={key[1]}: regs {kern.get_regs_per_thread()}, "
                   f"smem {kern.get_shared_mem_per_block()} B, local {kern.get_local_mem_per_thread()} B")
@@ -145,13 +148,17 @@ def main() -> int:
     ap.add_argument("--profile", default=None, help="M,K,N,sparsity: just run that case (for ncu)")
     ap.add_argument("--quick", action="store_true", help="small shapes only")
     ap.add_argument("--probe", action="store_true", help="print environment facts first")
+    ap.add_argument("--shapes", default=None, help="e.g. 4096x4096,576x576 (default: all, or the small ones)")
+    ap.add_argument("--ns", default=None, help="token counts, e.g. 1,16")
     args = ap.parse_args()
     if args.profile:
         m, k, n, sp = args.profile.split(",")
         return profile_case(int(m), int(k), int(n), float(sp))
     if args.probe:
         probe()
-    return check(args.quick)
+    shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")] if args.shapes else None
+    ns = [int(v) for v in args.ns.split(",")] if args.ns else None
+    return check(args.quick, shapes, ns)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """TCA-BME kernels against a float64 reference, under Numba's CUDA simulator when there is no GPU.
 
-What the simulator covers: the whole kernel source as written (stage ring and its slot/phase
+What the simulator covers: the whole source of both kernels as written (stage rings and their slot/phase
 bookkeeping, SMBD decode and its popcount indexing, the m16n8k16 fragment layout through an exact emulation of the mma contract,
 the CUDA-core variant, split-K partials with the last-block reduction and counter reset, M/K
 padding, token chunking). What it cannot cover: the inline PTX itself (mma.sync, cvt, 16-byte
@@ -44,11 +44,18 @@ def _check(m, k, n, sparsity, seed=0, **tuning):
 @pytest.mark.parametrize(
     "m,k,n,sparsity,tuning",
     [
-        (128, 128, 16, 0.5, dict(splits=2)),               # tensor cores, 2 x 2 GroupTiles, split-K
-        (64, 64, 3, 0.5, dict(cuda_core_max_n=0)),         # tensor cores, N padded to 8
-        (100, 72, 3, 0.7, dict(splits=2, cuda_core_max_n=8)),  # CUDA cores, M and K padding, split-K
-        (64, 128, 1, 0.0, dict(cuda_core_max_n=8)),        # dense GroupTiles
-        (64, 320, 9, 0.5, dict(splits=1)),                 # 5 steps: the stage ring wraps around
+        # spmm.py (GroupTile-row blocks, split-K across blocks): N > 16, or forced
+        (128, 128, 16, 0.5, dict(splits=2, warp_kernel=False)),  # tensor cores, 2 x 2 GroupTiles, split-K
+        (64, 64, 3, 0.5, dict(cuda_core_max_n=0, warp_kernel=False)),  # tensor cores, N padded to 8
+        (100, 72, 3, 0.7, dict(splits=2, cuda_core_max_n=8, warp_kernel=False)),  # CUDA cores, padding, split-K
+        (64, 128, 1, 0.0, dict(cuda_core_max_n=8, warp_kernel=False)),  # dense GroupTiles
+        (64, 320, 9, 0.5, dict(splits=1, warp_kernel=False)),  # 5 steps: the stage ring wraps around
+        (64, 64, 20, 0.5, {}),                              # N > 16: spmm.py by default
+        # spmm_warp.py (one strip row per block, split-K across its warps): N <= 16 by default
+        (16, 64, 1, 0.5, {}),                               # one strip, one step
+        (100, 200, 3, 0.7, dict(warps=3, stages=2)),        # M and K padding, warps with 2 and 1 steps
+        (48, 320, 9, 0.5, dict(warps=2, stages=3)),         # 3 steps on warp 0: the ring wraps; 2 mma blocks
+        (32, 192, 16, 0.0, dict(warps=1, stages=2)),        # dense strips (the widest value copies)
     ],
 )
 def test_kernel_matches_float64_reference(m, k, n, sparsity, tuning):
@@ -58,8 +65,8 @@ def test_kernel_matches_float64_reference(m, k, n, sparsity, tuning):
 def test_split_k_counter_resets_between_calls():
     # the arrival counters must be back at zero after a split-K call, or the next call's
     # last-block election (and so its output) is wrong
-    _check(64, 128, 2, 0.6, seed=1, splits=2, cuda_core_max_n=0)
-    _check(64, 128, 2, 0.6, seed=2, splits=2, cuda_core_max_n=0)
+    _check(64, 128, 2, 0.6, seed=1, splits=2, cuda_core_max_n=0, warp_kernel=False)
+    _check(64, 128, 2, 0.6, seed=2, splits=2, cuda_core_max_n=0, warp_kernel=False)
 
 
 def test_more_than_64_tokens_are_chunked():
@@ -103,6 +110,7 @@ def test_padded_values_tail_is_ignored():
     w, x = _case(64, 128, 2, 0.5, 6)
     p = encode(w)
     p.values = torch.cat([p.values, torch.full((5,), float("nan"), dtype=torch.float16)])
-    y = tcabme_matmul(x.to(DEV), p.to(DEV), cuda_core_max_n=0)
     ref = x.double() @ w.double().t()
-    assert (y.cpu().double() - ref).norm() / ref.norm() < 1e-3
+    for tuning in (dict(cuda_core_max_n=0, warp_kernel=False), {}):   # both kernels
+        y = tcabme_matmul(x.to(DEV), p.to(DEV), **tuning)
+        assert (y.cpu().double() - ref).norm() / ref.norm() < 1e-3

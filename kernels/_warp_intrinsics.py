@@ -1,0 +1,349 @@
+"""The inline-PTX pieces of spmm_warp (and their simulator forms).
+
+Each is one PTX block so that the step's hot path is what we wrote, not what numba makes of
+uint32 arithmetic (it widens it to 64 bits):
+
+- ``issue_copies``: every predicated 16-byte ``cp.async`` of one pipeline step (the strip's value
+  chunks, one bitmap chunk, the X chunks), then ``cp.async.commit_group``. Lane offsets are
+  immediates; a chunk is copied when its remaining count is positive.
+- ``scan_excl``: popcount of this lane's bitmap word and the exclusive warp prefix sum of them
+  (five ``shfl.sync.up`` with the predicate output doing the "lane >= d" test).
+- ``decode_at``: SMBD decode of one A-fragment register from a table entry holding the half-bitmap
+  word and the shared-memory byte address of its first value:
+  ``and; popc; mad`` (address), two ``ld.shared.u16``, ``shr; and; mad; prmt`` (the 2-bit code
+  picks a byte permutation), ``prmt``.
+
+Simulator addresses: ``byte_addr(d64, i)`` is 8*i, i.e. a byte offset into the dynamic shared
+array, and global "pointers" (``ptr_of``) are 0, so sources are byte offsets into the arrays.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._intrinsics import SIM
+
+XROW_BYTES = 144
+
+if SIM:
+    from numba.cuda.simulator.kernel import _get_kernel_context
+
+    def _sync():
+        _get_kernel_context().syncthreads()
+
+    def byte_addr(d64, i):
+        return 8 * int(i)
+
+    def _copy16(d64, dst, src, soff):
+        di = int(dst) // 8
+        si = int(soff) // 8
+        d64[di] = np.int64(src[si]).view(np.uint64)
+        d64[di + 1] = np.int64(src[si + 1]).view(np.uint64)
+
+    def lds32b(d32, addr):
+        """uint32 at shared byte address ``addr``."""
+        return np.uint32(d32[int(addr) >> 2])
+
+    def lds64b(d64, addr):
+        return np.uint64(d64[int(addr) >> 3])
+
+    def sts64b(d64, addr, val):
+        d64[int(addr) >> 3] = np.uint64(val)
+
+    def lds128b(d64, addr):
+        i = int(addr) >> 3
+        return np.uint64(d64[i]), np.uint64(d64[i + 1])
+
+    def make_step_issue(cmax: int, xit: int):
+        issue = make_issue(cmax, xit)
+
+        def step_issue(scr, tid, d64, lstart, lend, j, nsw, lane, vdst, vals, vp, bm, bdst, bsrc, x, xdst, xsrc,
+                       xrem, xstride):
+            scr[tid] = lstart
+            _sync()
+            st = int(scr[(tid & ~31) + (int(j) & 31)])
+            _sync()
+            scr[tid] = lend
+            _sync()
+            en = int(scr[(tid & ~31) + (int(j) & 31)])
+            _sync()
+            ok = int(j) < int(nsw)
+            a0 = st >> 3
+            rem = ((en + 7) >> 3) - a0 - int(lane)
+            issue(d64, vdst, vals, int(vp) + (a0 + int(lane)) * 16, rem if ok else 0, bm, bdst, bsrc,
+                  ok and int(lane) < 8, x, xdst, xsrc, int(xrem) if ok else 0, xstride)
+        return step_issue
+
+    def make_issue(cmax: int, xit: int):
+        def issue_copies(d64, dst, vals, vsrc, vrem, bm, bdst, bsrc, bpred, x, xdst, xsrc, xrem, xstride):
+            for c in range(cmax):
+                if int(vrem) > 32 * c:
+                    _copy16(d64, int(dst) + 512 * c, vals, int(vsrc) + 512 * c)
+            if bpred:
+                _copy16(d64, bdst, bm, bsrc)
+            for c in range(xit):
+                if int(xrem) > 32 * c:
+                    _copy16(d64, int(xdst) + 4 * XROW_BYTES * c, x, int(xsrc) + int(xstride) * c)
+        return issue_copies
+
+    def scan_excl(scr, tid, w):
+        """(popc(w), exclusive prefix sum of popc over the warp's lanes)."""
+        c = bin(int(w)).count("1")
+        scr[tid] = c
+        _sync()
+        base = tid & ~31
+        excl = sum(int(scr[base + q]) for q in range(tid - base))
+        _sync()
+        return np.uint32(excl)
+
+    def decode_at(d32, e, lmask, pos):
+        e = int(e)
+        w = e & 0xFFFFFFFF
+        b = (e >> 32) + 2 * bin(w & int(lmask)).count("1")
+
+        def u16(byte):
+            return (int(d32[byte >> 2]) >> (16 * ((byte >> 1) & 1))) & 0xFFFF
+
+        first, second = u16(b), u16(b + 2)
+        b0, b1 = (w >> int(pos)) & 1, (w >> (int(pos) + 1)) & 1
+        if b0 and b1:
+            return np.uint32(first | (second << 16))
+        if b0:
+            return np.uint32(first)
+        if b1:
+            return np.uint32(first << 16)
+        return np.uint32(0)
+
+else:  # pragma: no cover - GPU only
+    from llvmlite import ir
+    from numba import cuda
+    from numba.cuda.extending import intrinsic
+
+    from ._intrinsics import smem_base
+
+    try:
+        from numba.cuda import types
+    except ImportError:
+        from numba.core import types
+
+    _i32, _i64 = ir.IntType(32), ir.IntType(64)
+
+    @cuda.jit(device=True, inline=True)
+    def byte_addr(d64, i):
+        return smem_base(d64, i)
+
+    @intrinsic
+    def _lds32b(typingctx, addr):
+        sig = types.uint32(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(_i32, [_i32]), "ld.shared.u32 $0, [$1];", "=r,r",
+                               side_effect=True)
+            return builder.call(asm, args)
+
+        return sig, codegen
+
+    @intrinsic
+    def _lds64b(typingctx, addr):
+        sig = types.uint64(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(_i64, [_i32]), "ld.shared.u64 $0, [$1];", "=l,r",
+                               side_effect=True)
+            return builder.call(asm, args)
+
+        return sig, codegen
+
+    @intrinsic
+    def _sts64b(typingctx, addr, val):
+        sig = types.void(types.uint32, types.uint64)
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i64]), "st.shared.u64 [$0], $1;",
+                               "r,l,~{memory}", side_effect=True)
+            builder.call(asm, args)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def lds32b(d32, addr):
+        return _lds32b(np.uint32(addr))
+
+    @cuda.jit(device=True, inline=True)
+    def lds64b(d64, addr):
+        return _lds64b(np.uint32(addr))
+
+    @cuda.jit(device=True, inline=True)
+    def sts64b(d64, addr, val):
+        _sts64b(np.uint32(addr), np.uint64(val))
+
+    @intrinsic
+    def _lds128b(typingctx, addr):
+        sig = types.UniTuple(types.uint64, 2)(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.LiteralStructType([_i64, _i64]), [_i32])
+            asm = ir.InlineAsm(fnty, "ld.shared.v2.u64 {$0, $1}, [$2];", "=l,=l,r", side_effect=True)
+            res = builder.call(asm, args)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(2)])
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def lds128b(d64, addr):
+        return _lds128b(np.uint32(addr))
+
+    def make_step_issue(cmax: int, xit: int):
+        """The whole issue of one step in PTX: fetch the step's strip start/end from lane j,
+        compute the value chunk range and source address, predicate on j < nsw, copy, commit."""
+        L = ["{", ".reg .pred p, q;", ".reg .u32 st, en, a0, rem, xr;", ".reg .u64 vs, xs, t64;",
+             "shfl.sync.idx.b32 st, $0, $2, 31, -1;",
+             "shfl.sync.idx.b32 en, $1, $2, 31, -1;",
+             "setp.lt.u32 q, $2, $3;",
+             "shr.b32 a0, st, 3;",
+             "add.u32 en, en, 7;",
+             "shr.b32 en, en, 3;",
+             "sub.s32 rem, en, a0;",
+             "sub.s32 rem, rem, $4;",
+             "selp.b32 rem, rem, 0, q;",
+             "add.u32 a0, a0, $4;",
+             "mul.wide.u32 t64, a0, 16;",
+             "add.u64 vs, $6, t64;"]
+        for c in range(cmax):
+            L.append(f"setp.gt.s32 p, rem, {32 * c};")
+            L.append(f"@p cp.async.cg.shared.global [$5+{512 * c}], [vs+{512 * c}], 16;")
+        L.append("setp.lt.u32 p, $4, 8;")
+        L.append("and.pred p, p, q;")
+        L.append("@p cp.async.cg.shared.global [$7], [$8], 16;")
+        L.append("selp.b32 xr, $11, 0, q;")
+        L.append("mov.u64 xs, $10;")
+        for c in range(xit):
+            if c:
+                L.append("add.u64 xs, xs, $12;")
+            L.append(f"setp.gt.s32 p, xr, {32 * c};")
+            L.append(f"@p cp.async.cg.shared.global [$9+{4 * XROW_BYTES * c}], [xs], 16;")
+        L.append("cp.async.commit_group;")
+        L.append("}")
+        text = "\n".join(L)
+
+        @intrinsic
+        def _step(typingctx, lstart, lend, j, nsw, lane, vdst, vp, bdst, bsrc, xdst, xsrc, xrem, xstride):
+            u, u64, s = types.uint32, types.uint64, types.int32
+            sig = types.void(u, u, u, u, u, u, u64, u, u64, u, u64, s, u64)
+
+            def codegen(context, builder, sig, args):
+                fnty = ir.FunctionType(ir.VoidType(), [_i32] * 6 + [_i64, _i32, _i64, _i32, _i64, _i32, _i64])
+                asm = ir.InlineAsm(fnty, text, "r,r,r,r,r,r,l,r,l,r,l,r,l,~{memory}", side_effect=True)
+                builder.call(asm, args)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        @cuda.jit(device=True, inline=True)
+        def step_issue(scr, tid, d64, lstart, lend, j, nsw, lane, vdst, vals, vp, bm, bdst, bsrc, x, xdst, xsrc,
+                       xrem, xstride):
+            _step(np.uint32(lstart), np.uint32(lend), np.uint32(j), np.uint32(nsw), np.uint32(lane),
+                  np.uint32(vdst), np.uint64(vp), np.uint32(bdst), np.uint64(bsrc), np.uint32(xdst),
+                  np.uint64(xsrc), np.int32(xrem), np.uint64(xstride))
+
+        return step_issue
+
+    def make_issue(cmax: int, xit: int):
+        lines = ["{", ".reg .pred p;", ".reg .u64 xs;"]
+        for c in range(cmax):
+            lines.append(f"setp.gt.s32 p, $2, {32 * c};")
+            lines.append(f"@p cp.async.cg.shared.global [$0+{512 * c}], [$1+{512 * c}], 16;")
+        lines.append("setp.ne.u32 p, $5, 0;")
+        lines.append("@p cp.async.cg.shared.global [$3], [$4], 16;")
+        if xit:
+            lines.append("mov.u64 xs, $7;")
+            for c in range(xit):
+                if c:
+                    lines.append("add.u64 xs, xs, $9;")
+                lines.append(f"setp.gt.s32 p, $8, {32 * c};")
+                lines.append(f"@p cp.async.cg.shared.global [$6+{4 * XROW_BYTES * c}], [xs], 16;")
+        lines.append("cp.async.commit_group;")
+        lines.append("}")
+        text = "\n".join(lines)
+
+        @intrinsic
+        def _issue(typingctx, dst, vsrc, vrem, bdst, bsrc, bpred, xdst, xsrc, xrem, xstride):
+            u, u64, s = types.uint32, types.uint64, types.int32
+            sig = types.void(u, u64, s, u, u64, u, u, u64, s, u64)
+
+            def codegen(context, builder, sig, args):
+                fnty = ir.FunctionType(ir.VoidType(), [_i32, _i64, _i32, _i32, _i64, _i32, _i32, _i64, _i32, _i64])
+                asm = ir.InlineAsm(fnty, text, "r,l,r,r,l,r,r,l,r,l,~{memory}", side_effect=True)
+                builder.call(asm, args)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        @cuda.jit(device=True, inline=True)
+        def issue_copies(d64, dst, vals, vsrc, vrem, bm, bdst, bsrc, bpred, x, xdst, xsrc, xrem, xstride):
+            _issue(np.uint32(dst), np.uint64(vsrc), np.int32(vrem), np.uint32(bdst), np.uint64(bsrc),
+                   np.uint32(bpred), np.uint32(xdst), np.uint64(xsrc), np.int32(xrem), np.uint64(xstride))
+
+        return issue_copies
+
+    _SCAN_PTX = """{
+    .reg .pred p;
+    .reg .u32 c, s, t;
+    popc.b32 c, $1;
+    mov.u32 s, c;
+    shfl.sync.up.b32 t|p, s, 1, 0, -1;
+    @p add.u32 s, s, t;
+    shfl.sync.up.b32 t|p, s, 2, 0, -1;
+    @p add.u32 s, s, t;
+    shfl.sync.up.b32 t|p, s, 4, 0, -1;
+    @p add.u32 s, s, t;
+    shfl.sync.up.b32 t|p, s, 8, 0, -1;
+    @p add.u32 s, s, t;
+    shfl.sync.up.b32 t|p, s, 16, 0, -1;
+    @p add.u32 s, s, t;
+    sub.u32 $0, s, c;
+}"""
+
+    @intrinsic
+    def _scan(typingctx, w):
+        sig = types.uint32(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(_i32, [_i32]), _SCAN_PTX, "=r,r", side_effect=True)
+            return builder.call(asm, args)
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def scan_excl(scr, tid, w):
+        return _scan(np.uint32(w))
+
+    _DECODE_PTX = """{
+    .reg .u32 w, a, t, f, s, k, sel;
+    mov.b64 {w, a}, $1;
+    and.b32 t, w, $2;
+    popc.b32 t, t;
+    mad.lo.u32 a, t, 2, a;
+    ld.shared.u16 f, [a];
+    ld.shared.u16 s, [a+2];
+    shr.b32 k, w, $3;
+    and.b32 k, k, 3;
+    mad.lo.u32 k, k, 34, 16;
+    prmt.b32 sel, 0x22102222, 0x54101022, k;
+    prmt.b32 $0, f, s, sel;
+}"""
+
+    @intrinsic
+    def _decode(typingctx, e, lmask, pos):
+        u = types.uint32
+        sig = u(types.uint64, u, u)
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(_i32, [_i64, _i32, _i32]), _DECODE_PTX, "=r,l,r,r")
+            return builder.call(asm, args)
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def decode_at(d32, e, lmask, pos):
+        return _decode(np.uint64(e), np.uint32(lmask), np.uint32(pos))

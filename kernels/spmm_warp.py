@@ -1,0 +1,218 @@
+"""The decode-shape TCA-BME kernel (N <= 16 tokens): every warp streams its own strips.
+
+spmm.py's kernel moves a whole GroupTile row in lock step (one block barrier, one bulk-copy issue
+and one mbarrier wait per step), and its split-K partials make a second trip through global
+memory. At decode shapes that serial chain, not bandwidth, set its speed (docs/kernels-notes.md).
+Here the warps are independent:
+
+- **Block** = one strip row (16 outputs) x ``nw`` warps. Warp ``w`` takes GroupTile columns
+  ``k = w, w + nw, ...`` of that row (at most 32): split-K happens inside the block, and at the end
+  the warps' fp32 sums meet in shared memory. No partial leaves the SM, no counter, no second pass.
+- **Offsets once**: lane ``j`` loads the start and end of the warp's step ``j`` (strip offsets), so
+  issuing a step never waits on a global load (one ``shfl`` fetches them).
+- **Per-warp ring**: ``STAGES`` shared-memory slots per warp. For a step, 16-byte ``cp.async``
+  copies (predicated, no loops) bring the strip's values (from the 16-byte floor of its start),
+  its 16 bitmaps (128 B, contiguous in the format) and the N rows of X's 64-column slice. Waiting
+  is ``cp.async.wait_group`` + ``__syncwarp``: a scoreboard wait, no spinning, no block barrier.
+- **Decode + multiply**: the SMBD decode and ``mma.sync.m16n8k16`` of spmm.py (one popcount and a
+  5-step scan per strip, one popc + two 16-bit loads + PRMT selects per A register). Token rows
+  past N read as zero B fragments.
+
+Under the simulator every warp runs the same number of iterations (its emulated warp exchanges are
+block barriers); a warp past its last step decodes an empty strip.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait1, cp_wait2, cp_wait3, f2h, mma, ptr_of, shfl_idx, syncwarp
+from ._warp_intrinsics import byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_excl, sts64b
+
+XROW = 18        # uint64 per staged X row (144 B: conflict-free B-fragment loads)
+BMW = 16         # uint64 bitmaps per strip
+WBW = 32         # uint64 per warp: (half-bitmap word, value offset) table of the step being decoded
+MAX_STEPS = 32   # steps per warp (one per lane holds its offsets)
+MAX_WARPS = 32
+MAX_N = 16
+DENSE_CHUNKS = 129   # 16-byte value chunks a strip can need: 1024 values + a misaligned start
+
+_KERNELS: dict = {}
+_SIM_U64 = np.dtype(np.uint64) if SIM else np.uint64
+_SIM_U32 = np.dtype(np.uint32) if SIM else np.uint32
+_SIM_F32 = np.dtype(np.float32) if SIM else np.float32
+
+
+def slot_words(vch: int, n: int) -> int:
+    """uint64 words of one stage: values (``vch`` 16-byte chunks) + bitmaps + X rows."""
+    return 2 * vch + BMW + n * XROW
+
+
+def smem_bytes(nw: int, vch: int, n: int, stages: int) -> int:
+    return nw * (stages * slot_words(vch, n) + WBW) * 8
+
+
+def get_kernel(n: int, stages: int, cmax: int, maxreg: int = 64):
+    """Kernel for exactly ``n`` tokens, ``stages`` slots per warp, ``cmax`` value chunks per lane."""
+    key = (n, stages, cmax, maxreg)
+    if key not in _KERNELS:
+        _KERNELS[key] = _build(n, stages, cmax, maxreg)
+    return _KERNELS[key]
+
+
+def _build(N: int, STAGES: int, CMAX: int, MAXREG: int):
+    assert 1 <= N <= MAX_N and 2 <= STAGES <= 4 and 1 <= CMAX <= 5
+    NB = (N + 7) // 8          # 8-token mma blocks
+    NACC = 4 * NB
+    XCH = 8 * N                # 16-byte chunks of one step's X slice
+    XIT = (XCH + 31) // 32
+    wait = (None, None, cp_wait1, cp_wait2, cp_wait3)[STAGES]
+    u32 = np.uint32
+    u64 = np.uint64
+
+    step_issue = make_step_issue(CMAX, XIT)
+
+    @cuda.jit(**({} if SIM else {"max_registers": MAXREG}))
+    def kernel(bm, vals, goff, soff, x, y, M, GK, ldxb, vch, sw):
+        if SIM:
+            d64 = cuda.shared.array(0, _SIM_U64)
+            d32 = cuda.shared.array(0, _SIM_U32)
+            df = cuda.shared.array(0, _SIM_F32)
+        else:
+            d64 = cuda.shared.array(0, np.uint64, alignment=16)
+            d32 = cuda.shared.array(0, np.uint32, alignment=16)
+            df = cuda.shared.array(0, np.float32, alignment=16)
+        scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
+
+        tid = cuda.threadIdx.x
+        warp = tid >> 5
+        lane = tid & 31
+        gid = lane >> 2
+        tig = lane & 3
+        hsel = lane >> 4
+        p = u32(2 * (lane & 15))
+        lmask = (u32(1) << p) - u32(1)
+        nw = cuda.blockDim.x >> 5
+
+        sr = cuda.blockIdx.x          # strip row: GroupTile row gm, strip s
+        gm = sr >> 2
+        s = sr & 3
+        nsw = (GK - warp + nw - 1) // nw if warp < GK else 0
+        nloop = (GK + nw - 1) // nw if SIM else nsw
+
+        # lane j: where the values of this warp's step j start and end
+        lstart = u32(0)
+        lend = u32(0)
+        if lane < nsw:
+            g = gm * GK + warp + nw * lane
+            lstart = u32(soff[4 * g + s])
+            if s < 3:
+                lend = u32(soff[4 * g + s + 1])
+            else:
+                lend = u32(goff[g + 1])
+
+        # shared byte addresses (u32) of this warp's ring, its table, and this lane's fixed offsets
+        wring = byte_addr(d64, warp * (STAGES * sw + WBW))
+        slot_b = u32(sw * 8)
+        ring_b = u32(STAGES) * slot_b
+        tab = wring + ring_b
+        # half-bitmap h (= lane) goes to entry (h & 1) * 16 + (h >> 3) * 4 + ((h >> 1) & 3), so the
+        # four a lane decodes for TCTile t (h = hsel + 8 t + 2 b, b = 0..3) are 32 contiguous bytes
+        tab_w = tab + u32(((lane & 1) * 16 + (lane >> 3) * 4 + ((lane >> 1) & 3)) * 8)
+        tab_r = tab + u32(hsel * 128)
+        bmo = u32(vch * 16 + lane * 4)               # its bitmap word within a slot
+        xlo = u32(vch * 16 + BMW * 8 + gid * (XROW * 8) + tig * 4)   # its B fragments within a slot
+        vlane = u32(lane * 16)
+        boff = u32(vch * 16 + lane * 16)
+        xoff = u32(vch * 16 + BMW * 8 + (lane >> 3) * (XROW * 8) + (lane & 7) * 16)
+        # copy sources (raw device addresses; simulator: byte offsets) and their per-step strides
+        vp = ptr_of(vals)
+        bsrc = ptr_of(bm) + u64((64 * (gm * GK + warp) + 16 * s) * 8 + lane * 16)
+        bstep = u64(512 * nw)
+        xsrc = ptr_of(x) + u64((lane >> 3) * ldxb + (lane & 7) * 16 + warp * 128)
+        xstep = u64(128 * nw)
+        xstride = u64(4 * ldxb)
+        nsw_u = u32(nsw)
+        xrem = np.int32(XCH - lane)
+
+        acc = cuda.local.array(NACC, np.float32)
+        for e in range(NACC):
+            acc[e] = np.float32(0.0)
+
+        islot = u32(0)                 # slot to fill next (byte offset in the ring)
+        dslot = u32(0)                 # slot to decode next
+        total = u32(STAGES - 1 + nloop)
+        j = u32(0)
+        while j < total:
+            decoding = j >= u32(STAGES - 1)
+            i = j - u32(STAGES - 1)
+            if decoding:
+                syncwarp()             # every lane is done with the slot about to be refilled
+            # ---- issue step j
+            step_issue(scr, tid, d64, lstart, lend, j, nsw_u, lane, wring + islot + vlane, vals, vp,
+                       bm, wring + islot + boff, bsrc, x, wring + islot + xoff, xsrc, xrem, xstride)
+            bsrc += bstep
+            xsrc += xstep
+            islot += slot_b
+            if islot == ring_b:
+                islot = u32(0)
+            j += u32(1)
+            if not decoding:
+                continue
+            wait()                     # this lane's copies of step i have landed
+            syncwarp()                 # and everyone's
+
+            # ---- decode + multiply step i
+            sb = wring + dslot
+            dslot += slot_b
+            if dslot == ring_b:
+                dslot = u32(0)
+            valid = i < nsw_u
+            start = shfl_idx(scr, tid, lstart, i & u32(31))
+            bmw = lds32b(d32, sb + bmo)
+            if not valid:
+                bmw = u32(0)
+            excl = scan_excl(scr, tid, bmw)
+            sts64b(d64, tab_w, u64(bmw) | (u64(sb + u32(2) * (excl + (start & u32(7)))) << u64(32)))
+            syncwarp()
+
+            xb = sb + xlo
+            for t in range(4):
+                e01 = lds128b(d64, tab_r + u32(32 * t))
+                e23 = lds128b(d64, tab_r + u32(32 * t + 16))
+                a0 = decode_at(d32, e01[0], lmask, p)   # top-left
+                a1 = decode_at(d32, e01[1], lmask, p)   # bottom-left
+                a2 = decode_at(d32, e23[0], lmask, p)   # top-right
+                a3 = decode_at(d32, e23[1], lmask, p)   # bottom-right
+                for jb in range(NB):
+                    b0 = u32(0)
+                    b1 = u32(0)
+                    if 8 * jb + gid < N and valid:
+                        b0 = lds32b(d32, xb + u32(jb * 8 * XROW * 8 + 32 * t))
+                        b1 = lds32b(d32, xb + u32(jb * 8 * XROW * 8 + 32 * t + 16))
+                    c0, c1, c2, c3 = mma(scr, tid, a0, a1, a2, a3, b0, b1,
+                                         acc[4 * jb], acc[4 * jb + 1], acc[4 * jb + 2], acc[4 * jb + 3])
+                    acc[4 * jb] = c0
+                    acc[4 * jb + 1] = c1
+                    acc[4 * jb + 2] = c2
+                    acc[4 * jb + 3] = c3
+
+        # ---- the warps' partial sums meet in shared memory (the ring is free now)
+        cuda.syncthreads()
+        for jb in range(NB):
+            for oi in range(4):
+                n = 8 * jb + 2 * tig + (oi & 1)
+                if n < N:
+                    df[(warp * N + n) * 16 + gid + 8 * (oi >> 1)] = acc[4 * jb + oi]
+        cuda.syncthreads()
+        for e in range(tid, 16 * N, cuda.blockDim.x):
+            n = e >> 4
+            r = e & 15
+            tot = np.float32(0.0)
+            for w in range(nw):
+                tot += df[(w * N + n) * 16 + r]
+            m = sr * 16 + r
+            if m < M:
+                y[n * M + m] = np.int16(f2h(tot))
+
+    return kernel
