@@ -36,10 +36,9 @@ TARGET_BLOCKS = 4 * 132    # split-K aims for about this many blocks (4 waves' w
 DYN_SMEM_MAX = 44 * 1024   # dynamic shared memory per block (static use is ~3.7 KB; 48 KB without opt-in)
 VCAP_DENSE = 1024 + 2      # values capacity (uint64) that fits any GroupTile
 
-# spmm_warp (decode shapes): tokens up to this, and the
-# dynamic shared memory a block may take once opted in past 48 KB (H100: 227 KB per block).
-WARP_MAX_N = 16
-WARP_SMEM_MAX = 96 * 1024
+# spmm_warp (every product, unless K exceeds 32 warps x 32 steps of 64 columns, or a caller asks
+# for spmm.py): the dynamic shared memory a block may take once opted in past 48 KB (H100: 227 KB).
+WARP_SMEM_MAX = 160 * 1024
 _SMEM_OPTIN_OK: bool | None = None
 _optin_done: set = set()
 
@@ -212,8 +211,10 @@ def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
     gm, gk = w.grid
     kp = gk * 64
     bm, vals, goff, soff, vcap, vch = _weight_views(w)
-    if n_all <= WARP_MAX_N and gk <= spmm_warp.MAX_STEPS * spmm_warp.MAX_WARPS and warp_kernel is not False:
-        _launch_warp(x, w, y, bm, vals, goff, soff, vch, warps, stages)
+    if warp_kernel is not False and gk <= spmm_warp.MAX_STEPS * spmm_warp.MAX_WARPS:
+        for n0 in range(0, n_all, spmm_warp.MAX_N):   # chunks of up to 64 tokens
+            n = min(spmm_warp.MAX_N, n_all - n0)
+            _launch_warp(x[n0:n0 + n], w, y[n0:n0 + n], bm, vals, goff, soff, vch, warps, stages)
         return
     nsplit = splits if splits is not None else choose_splits(gm, gk)
     nsplit = min(max(nsplit, math.ceil(gk / spmm.KPER_MAX)), gk)

@@ -1,4 +1,4 @@
-"""The decode-shape TCA-BME kernel (N <= 16 tokens): every warp streams its own strips.
+"""The default TCA-BME kernel (up to 64 tokens per launch): every warp streams its own strips.
 
 spmm.py's kernel moves a whole GroupTile row in lock step (one block barrier, one bulk-copy issue
 and one mbarrier wait per step), and its split-K partials make a second trip through global
@@ -34,7 +34,7 @@ BMW = 16         # uint64 bitmaps per strip
 WBW = 32         # uint64 per warp: (half-bitmap word, value offset) table of the step being decoded
 MAX_STEPS = 32   # steps per warp (one per lane holds its offsets)
 MAX_WARPS = 32
-MAX_N = 16
+MAX_N = 64
 DENSE_CHUNKS = 129   # 16-byte value chunks a strip can need: 1024 values + a misaligned start
 
 _KERNELS: dict = {}
@@ -52,8 +52,9 @@ def smem_bytes(nw: int, vch: int, n: int, stages: int) -> int:
     return nw * (stages * slot_words(vch, n) + WBW) * 8
 
 
-def get_kernel(n: int, stages: int, cmax: int, maxreg: int = 64):
+def get_kernel(n: int, stages: int, cmax: int, maxreg: int | None = None):
     """Kernel for exactly ``n`` tokens, ``stages`` slots per warp, ``cmax`` value chunks per lane."""
+    maxreg = maxreg or (64 if n <= 16 else 128)
     key = (n, stages, cmax, maxreg)
     if key not in _KERNELS:
         _KERNELS[key] = _build(n, stages, cmax, maxreg)

@@ -155,9 +155,12 @@ def bench(shapes, ns, sparsities, tune: bool):
                 ys = [torch.empty(n, m, device="cuda", dtype=torch.float16) for _ in range(npk)]
                 ours, _ = time_calls([lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i]) for i in range(npk)])
                 extra = {}
-                if tune and n <= 16:
+                if tune:
                     extra["v4"] = time_calls(
                         [lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i], warp_kernel=False) for i in range(npk)])[0]
+                    extra["warp"] = time_calls(
+                        [lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i], warp_kernel=True) for i in range(npk)])[0]
+                if tune and n <= 16:
                     for wb in (6, 8, 12, 16, 24):
                         for st in (2, 3):
                             try:

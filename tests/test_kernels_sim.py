@@ -50,12 +50,12 @@ def _check(m, k, n, sparsity, seed=0, **tuning):
         (100, 72, 3, 0.7, dict(splits=2, cuda_core_max_n=8, warp_kernel=False)),  # CUDA cores, padding, split-K
         (64, 128, 1, 0.0, dict(cuda_core_max_n=8, warp_kernel=False)),  # dense GroupTiles
         (64, 320, 9, 0.5, dict(splits=1, warp_kernel=False)),  # 5 steps: the stage ring wraps around
-        (64, 64, 20, 0.5, {}),                              # N > 16: spmm.py by default
-        # spmm_warp.py (one strip row per block, split-K across its warps): N <= 16 by default
+        # spmm_warp.py (one strip row per block, split-K across its warps): the default
         (16, 64, 1, 0.5, {}),                               # one strip, one step
         (100, 200, 3, 0.7, dict(warps=3, stages=2)),        # M and K padding, warps with 2 and 1 steps
         (48, 320, 9, 0.5, dict(warps=2, stages=3)),         # 3 steps on warp 0: the ring wraps; 2 mma blocks
         (32, 192, 16, 0.0, dict(warps=1, stages=2)),        # dense strips (the widest value copies)
+        (32, 128, 24, 0.5, dict(warps=2)),                  # 3 mma blocks
     ],
 )
 def test_kernel_matches_float64_reference(m, k, n, sparsity, tuning):
@@ -69,8 +69,9 @@ def test_split_k_counter_resets_between_calls():
     _check(64, 128, 2, 0.6, seed=2, splits=2, cuda_core_max_n=0, warp_kernel=False)
 
 
-def test_more_than_64_tokens_are_chunked():
-    _check(64, 64, 66, 0.5, seed=3)
+@pytest.mark.parametrize("kernel", [True, False])
+def test_more_than_64_tokens_are_chunked(kernel):
+    _check(16 if kernel else 64, 64, 66, 0.5, seed=3, warp_kernel=kernel)
 
 
 def test_empty_weight_gives_zeros():
