@@ -75,6 +75,11 @@ def _vcap(w) -> int:
     return min(VCAP_DENSE, longest // 4 + 2)
 
 
+def clear_caches() -> None:
+    """Forget the cached device views of packed weights (they keep the weights' memory alive)."""
+    _views.clear()
+
+
 def _strip_chunks(w) -> int:
     """16-byte value chunks the widest strip spans (spmm_warp copies whole chunks)."""
     if not SIM and torch.cuda.is_current_stream_capturing():

@@ -289,12 +289,10 @@ def release_kernel_caches() -> None:
     Those views keep their tensors alive; call this after packed weights are replaced or freed
     (``densify``, ``cuda_graph.equalize_packed_sizes``) so the memory really goes back."""
     try:
-        from sparsekit.kernels import launch
-    except Exception:
+        from sparsekit.kernels.launch import clear_caches
+    except Exception:  # noqa: BLE001 - numba missing or broken: nothing is cached
         return
-    cache = getattr(launch, "_views", None)
-    if isinstance(cache, dict):
-        cache.clear()
+    clear_caches()
 
 
 def densify(model: nn.Module, dtype: torch.dtype | None = None) -> list[str]:
