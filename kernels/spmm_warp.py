@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait1, cp_wait2, cp_wait3, f2h, mma, ptr_of, shfl_idx, syncwarp
+from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, f2h, mma, ptr_of, shfl_idx, syncwarp
 from ._warp_intrinsics import byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_excl, sts64b
 
 XROW = 18        # uint64 per staged X row (144 B: conflict-free B-fragment loads)
@@ -67,7 +67,7 @@ def _build(N: int, STAGES: int, CMAX: int, MAXREG: int):
     NACC = 4 * NB
     XCH = 8 * N                # 16-byte chunks of one step's X slice
     XIT = (XCH + 31) // 32
-    wait = (None, None, cp_wait1, cp_wait2, cp_wait3)[STAGES]
+    wait = (None, None, cp_wait0, cp_wait1, cp_wait2)[STAGES]   # step i landed: STAGES-2 may pend
     u32 = np.uint32
     u64 = np.uint64
 
@@ -140,35 +140,35 @@ def _build(N: int, STAGES: int, CMAX: int, MAXREG: int):
         for e in range(NACC):
             acc[e] = np.float32(0.0)
 
+        # prologue: steps 0 .. STAGES-2 in flight
         islot = u32(0)                 # slot to fill next (byte offset in the ring)
-        dslot = u32(0)                 # slot to decode next
-        total = u32(STAGES - 1 + nloop)
-        j = u32(0)
-        while j < total:
-            decoding = j >= u32(STAGES - 1)
-            i = j - u32(STAGES - 1)
-            if decoding:
-                syncwarp()             # every lane is done with the slot about to be refilled
-            # ---- issue step j
+        for j in range(STAGES - 1):
             step_issue(scr, tid, d64, lstart, lend, j, nsw_u, lane, wring + islot + vlane, vals, vp,
                        bm, wring + islot + boff, bsrc, x, wring + islot + xoff, xsrc, xrem, xstride)
             bsrc += bstep
             xsrc += xstep
             islot += slot_b
+        dslot = u32(0)                 # slot of the step decoded next
+        i = u32(0)
+        nl = u32(nloop)
+        while i < nl:
+            wait()                     # this lane's copies of step i have landed ...
+            syncwarp()                 # ... and everyone's; everyone is done with step i-1's slot
+            # ---- issue step i + STAGES - 1 into the slot of step i - 1
+            step_issue(scr, tid, d64, lstart, lend, i + u32(STAGES - 1), nsw_u, lane, wring + islot + vlane,
+                       vals, vp, bm, wring + islot + boff, bsrc, x, wring + islot + xoff, xsrc, xrem, xstride)
+            bsrc += bstep
+            xsrc += xstep
+            islot += slot_b
             if islot == ring_b:
                 islot = u32(0)
-            j += u32(1)
-            if not decoding:
-                continue
-            wait()                     # this lane's copies of step i have landed
-            syncwarp()                 # and everyone's
 
             # ---- decode + multiply step i
             sb = wring + dslot
             dslot += slot_b
             if dslot == ring_b:
                 dslot = u32(0)
-            valid = i < nsw_u
+            valid = (i < nsw_u) if SIM else True      # the simulator runs every warp to nloop
             start = shfl_idx(scr, tid, lstart, i & u32(31))
             bmw = lds32b(d32, sb + bmo)
             if not valid:
@@ -197,6 +197,7 @@ def _build(N: int, STAGES: int, CMAX: int, MAXREG: int):
                     acc[4 * jb + 1] = c1
                     acc[4 * jb + 2] = c2
                     acc[4 * jb + 3] = c3
+            i += u32(1)
 
         # ---- the warps' partial sums meet in shared memory (the ring is free now)
         cuda.syncthreads()
