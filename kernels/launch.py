@@ -128,15 +128,21 @@ def warp_plan(m: int, gk: int, n: int, vch: int, warps: int | None = None,
     """(warps per block, stages, dynamic shared bytes) for spmm_warp.
 
     Warps split K inside a block (one strip row per block), at most 32 steps each (their offsets
-    live in one register per lane). From the H100 sweeps (docs/kernels-notes.md, v6): 8 warps, or
-    16 when K has >= 128 GroupTiles, or one step per warp when K is short; 2 stages (more did not
-    help and cost occupancy).
+    live in one register per lane). From the H100 sweeps (docs/kernels-notes.md, v6): one step
+    per warp when K is short (<= 16 GroupTiles); else, below 8 tokens, 8 warps (16 when K has
+    >= 128 GroupTiles) and 2 stages; from 8 tokens on, 6 warps (12) and 3 stages.
     """
     need = -(-gk // spmm_warp.MAX_STEPS)
     if warps is None:
-        warps = gk if gk <= 16 else (16 if gk >= 128 else 8)
+        if gk <= 16:
+            warps = gk
+        elif n < 8:
+            warps = 16 if gk >= 128 else 8
+        else:
+            warps = 12 if gk >= 128 else 6
     warps = max(need, min(warps, gk, spmm_warp.MAX_WARPS))
-    stages = 2 if stages is None else stages
+    if stages is None:
+        stages = 2 if n < 8 else 3
     limit = _smem_limit()
     while spmm_warp.smem_bytes(warps, vch, n, stages) > limit and stages > 2:
         stages -= 1
