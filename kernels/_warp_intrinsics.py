@@ -53,7 +53,7 @@ if SIM:
         i = int(addr) >> 3
         return np.uint64(d64[i]), np.uint64(d64[i + 1])
 
-    def make_step_issue(cmax: int, xit: int):
+    def make_step_issue(cmax: int, xit: int, nbm: int = 8):
         issue = make_issue(cmax, xit)
 
         def step_issue(scr, tid, d64, lstart, lend, j, nsw, lane, vdst, vals, vp, bm, bdst, bsrc, x, xdst, xsrc,
@@ -70,7 +70,7 @@ if SIM:
             a0 = st >> 3
             rem = ((en + 7) >> 3) - a0 - int(lane)
             issue(d64, vdst, vals, int(vp) + (a0 + int(lane)) * 16, rem if ok else 0, bm, bdst, bsrc,
-                  ok and int(lane) < 8, x, xdst, xsrc, int(xrem) if ok else 0, xstride)
+                  ok and int(lane) < nbm, x, xdst, xsrc, int(xrem) if ok else 0, xstride)
         return step_issue
 
     def make_issue(cmax: int, xit: int):
@@ -89,6 +89,15 @@ if SIM:
         """(popc(w), exclusive prefix sum of popc over the warp's lanes)."""
         c = bin(int(w)).count("1")
         scr[tid] = c
+        _sync()
+        base = tid & ~31
+        excl = sum(int(scr[base + q]) for q in range(tid - base))
+        _sync()
+        return np.uint32(excl)
+
+    def scan_counts(scr, tid, c):
+        """Exclusive prefix sum over the warp's lanes of ``c`` (GPU: five shfl.sync.up)."""
+        scr[tid] = int(c)
         _sync()
         base = tid & ~31
         excl = sum(int(scr[base + q]) for q in range(tid - base))
@@ -193,7 +202,7 @@ else:  # pragma: no cover - GPU only
     def lds128b(d64, addr):
         return _lds128b(np.uint32(addr))
 
-    def make_step_issue(cmax: int, xit: int):
+    def make_step_issue(cmax: int, xit: int, nbm: int = 8):
         """The whole issue of one step in PTX: fetch the step's strip start/end from lane j,
         compute the value chunk range and source address, predicate on j < nsw, copy, commit."""
         L = ["{", ".reg .pred p, q;", ".reg .u32 st, en, a0, rem, xr;", ".reg .u64 vs, xs, t64;",
@@ -212,7 +221,7 @@ else:  # pragma: no cover - GPU only
         for c in range(cmax):
             L.append(f"setp.gt.s32 p, rem, {32 * c};")
             L.append(f"@p cp.async.cg.shared.global [$5+{512 * c}], [vs+{512 * c}], 16;")
-        L.append("setp.lt.u32 p, $4, 8;")
+        L.append(f"setp.lt.u32 p, $4, {nbm};")
         L.append("and.pred p, p, q;")
         L.append("@p cp.async.cg.shared.global [$7], [$8], 16;")
         L.append("selp.b32 xr, $11, 0, q;")
@@ -317,6 +326,22 @@ else:  # pragma: no cover - GPU only
     @cuda.jit(device=True, inline=True)
     def scan_excl(scr, tid, w):
         return _scan(np.uint32(w))
+
+    _SCANC_PTX = _SCAN_PTX.replace("popc.b32 c, $1;", "mov.u32 c, $1;")
+
+    @intrinsic
+    def _scanc(typingctx, c):
+        sig = types.uint32(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(_i32, [_i32]), _SCANC_PTX, "=r,r", side_effect=True)
+            return builder.call(asm, args)
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline=True)
+    def scan_counts(scr, tid, c):
+        return _scanc(np.uint32(c))
 
     _DECODE_PTX = """{
     .reg .u32 w, a, t, f, s, k, sel;

@@ -80,15 +80,16 @@ def clear_caches() -> None:
     _views.clear()
 
 
-def _strip_chunks(w) -> int:
-    """16-byte value chunks the widest strip spans (spmm_warp copies whole chunks)."""
+def _strip_chunks(w, r: int = 1) -> int:
+    """16-byte value chunks the widest run of ``r`` strips (s = 0, r, ..) spans (whole chunks are copied)."""
     if not SIM and torch.cuda.is_current_stream_capturing():
-        return spmm_warp.DENSE_CHUNKS
+        return r * spmm_warp.DENSE_CHUNKS
     so = w.strip_offsets.view(-1, 4).long()
     if so.numel() == 0:
         return 1
     ends = torch.cat([so[:, 1:], w.gtile_offsets[1:].long().view(-1, 1)], 1)
-    return max(1, min(spmm_warp.DENSE_CHUNKS, int(((ends + 7) // 8 - so // 8).max())))
+    starts, ends = so[:, 0::r], ends[:, r - 1::r]
+    return max(1, min(r * spmm_warp.DENSE_CHUNKS, int(((ends + 7) // 8 - starts // 8).max())))
 
 
 def _weight_views(w):
@@ -103,7 +104,7 @@ def _weight_views(w):
         if values.data_ptr() % 16:
             values = values.clone()
         v = (_as_numba(w.bitmaps.view(torch.int64)), _as_numba(values.view(torch.int64)),
-             _as_numba(w.gtile_offsets), _as_numba(w.strip_offsets), _vcap(w), _strip_chunks(w))
+             _as_numba(w.gtile_offsets), _as_numba(w.strip_offsets), _vcap(w), (_strip_chunks(w, 1), _strip_chunks(w, 2)))
         if not SIM:
             if len(_views) >= _VIEW_CACHE_MAX:
                 _views.clear()
@@ -123,32 +124,43 @@ def _workspace(device: torch.device, floats: int, rows: int):
     return ws, cnt
 
 
+def warp_strips(m: int, gk: int, n: int) -> int:
+    """Strips per warp-step for spmm_warp: 2 (two strip rows share each X slice, the scan and the
+    loop) on tall weights, except where the H100 sweep found one better (M > 4096 with K < 8192 at
+    fewer than 8 tokens; small M, where halving the blocks costs more than it saves)."""
+    if -(-m // 16) < 128:
+        return 1
+    return 2 if (n >= 8 or m <= 4096 or gk >= 128) else 1
+
+
 def warp_plan(m: int, gk: int, n: int, vch: int, warps: int | None = None,
-              stages: int | None = None) -> tuple[int, int, int]:
+              stages: int | None = None, r: int = 1) -> tuple[int, int, int]:
     """(warps per block, stages, dynamic shared bytes) for spmm_warp.
 
-    Warps split K inside a block (one strip row per block), at most 32 steps each (their offsets
-    live in one register per lane). From the H100 sweeps (docs/kernels-notes.md, v6): one step
-    per warp when K is short (<= 16 GroupTiles); else, below 8 tokens, 8 warps (16 when K has
-    >= 128 GroupTiles) and 2 stages; from 8 tokens on, 6 warps (12) and 3 stages.
+    Warps split K inside a block (one block per ``r`` strip rows), at most 32 steps each (their
+    offsets live in one register per lane). From the H100 sweeps (docs/kernels-notes.md, v6/v7):
+    one step per warp when K is short (<= 16 GroupTiles); with r = 2, 8 warps (16 when K has
+    >= 128 GroupTiles) and 2 stages (3 from 8 tokens on when K is long); with r = 1, below 8
+    tokens 8 warps (16) and 2 stages, from 8 tokens on 6 warps (12) and 3 stages.
     """
     need = -(-gk // spmm_warp.MAX_STEPS)
+    long_k = gk >= 128
     if warps is None:
         if gk <= 16:
             warps = gk
-        elif n < 8:
-            warps = 16 if gk >= 128 else 8
+        elif r == 2 or n < 8:
+            warps = 16 if long_k else 8
         else:
-            warps = 12 if gk >= 128 else 6
+            warps = 12 if long_k else 6
     warps = max(need, min(warps, gk, spmm_warp.MAX_WARPS))
     if stages is None:
-        stages = 2 if n < 8 else 3
+        stages = 2 if (n < 8 or (r == 2 and not long_k)) else 3
     limit = _smem_limit()
-    while spmm_warp.smem_bytes(warps, vch, n, stages) > limit and stages > 2:
+    while spmm_warp.smem_bytes(warps, vch, n, stages, r) > limit and stages > 2:
         stages -= 1
-    while spmm_warp.smem_bytes(warps, vch, n, stages) > limit and warps > need:
+    while spmm_warp.smem_bytes(warps, vch, n, stages, r) > limit and warps > need:
         warps -= 1
-    return warps, stages, spmm_warp.smem_bytes(warps, vch, n, stages)
+    return warps, stages, spmm_warp.smem_bytes(warps, vch, n, stages, r)
 
 
 def _smem_limit() -> int:
@@ -175,24 +187,26 @@ def _allow_smem(kern, args, dyn: int) -> bool:
         return False
 
 
-def _launch_warp(x, w, y, bm, vals, goff, soff, vch, warps, stages) -> None:
+def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips) -> None:
     n = x.shape[0]
     m, _ = w.shape
     gm, gk = w.grid
-    nw, st, dyn = warp_plan(m, gk, n, vch, warps, stages)
+    r = strips or warp_strips(m, gk, n)
+    vch = vchs[r - 1]
+    nw, st, dyn = warp_plan(m, gk, n, vch, warps, stages, r)
     cmax = -(-vch // 32)
-    kern = spmm_warp.get_kernel(n, st, cmax)
+    kern = spmm_warp.get_kernel(n, st, cmax, r)
     xv = _as_numba(x.reshape(-1).view(torch.int64))
     yv = _as_numba(y.reshape(-1).view(torch.int16))
-    args = (bm, vals, goff, soff, xv, yv, m, gk, gk * 128, vch, spmm_warp.slot_words(vch, n))
-    rows = -(-m // 16)
+    args = (bm, vals, goff, soff, xv, yv, m, gk, gk * 128, vch, spmm_warp.slot_words(vch, n, r))
+    blocks = -(-(-(-m // 16)) // r)
     if SIM:
-        kern[rows, 32 * nw, 0, dyn](*args)
+        kern[blocks, 32 * nw, 0, dyn](*args)
         return
     if not _allow_smem(kern, args, dyn):
-        nw, st, dyn = warp_plan(m, gk, n, vch, warps, stages)   # now under 48 KB
-        kern = spmm_warp.get_kernel(n, st, cmax)
-    kern[rows, 32 * nw, _stream(x.device), dyn](*args)
+        nw, st, dyn = warp_plan(m, gk, n, vch, warps, stages, r)   # now under 48 KB
+        kern = spmm_warp.get_kernel(n, st, cmax, r)
+    kern[blocks, 32 * nw, _stream(x.device), dyn](*args)
 
 
 def choose_splits(gm: int, gk: int) -> int:
@@ -215,7 +229,7 @@ def variant(n: int) -> tuple[int, bool]:
 
 def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
            cuda_core_max_n: int | None = None, warp_kernel: bool | None = None,
-           warps: int | None = None, stages: int | None = None) -> None:
+           warps: int | None = None, stages: int | None = None, strips: int | None = None) -> None:
     """y[N, M] = x[N, Kp] @ W^T; x already padded to Kp columns, contiguous, 16-byte aligned."""
     n_all = x.shape[0]
     m, _ = w.shape
@@ -225,7 +239,7 @@ def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
     if warp_kernel is not False and gk <= spmm_warp.MAX_STEPS * spmm_warp.MAX_WARPS:
         for n0 in range(0, n_all, spmm_warp.MAX_N):   # chunks of up to 64 tokens
             n = min(spmm_warp.MAX_N, n_all - n0)
-            _launch_warp(x[n0:n0 + n], w, y[n0:n0 + n], bm, vals, goff, soff, vch, warps, stages)
+            _launch_warp(x[n0:n0 + n], w, y[n0:n0 + n], bm, vals, goff, soff, vch, warps, stages, strips)
         return
     nsplit = splits if splits is not None else choose_splits(gm, gk)
     nsplit = min(max(nsplit, math.ceil(gk / spmm.KPER_MAX)), gk)

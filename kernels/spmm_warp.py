@@ -27,7 +27,8 @@ import numpy as np
 from numba import cuda
 
 from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, f2h, mma, ptr_of, shfl_idx, syncwarp
-from ._warp_intrinsics import byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_excl, sts64b
+from ._warp_intrinsics import (byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_counts, scan_excl,
+                               sts64b)
 
 XROW = 18        # uint64 per staged X row (144 B: conflict-free B-fragment loads)
 BMW = 16         # uint64 bitmaps per strip
@@ -43,26 +44,27 @@ _SIM_U32 = np.dtype(np.uint32) if SIM else np.uint32
 _SIM_F32 = np.dtype(np.float32) if SIM else np.float32
 
 
-def slot_words(vch: int, n: int) -> int:
-    """uint64 words of one stage: values (``vch`` 16-byte chunks) + bitmaps + X rows."""
-    return 2 * vch + BMW + n * XROW
+def slot_words(vch: int, n: int, r: int = 1) -> int:
+    """uint64 words of one stage: values (``vch`` 16-byte chunks) + ``r`` strips' bitmaps + X rows."""
+    return 2 * vch + r * BMW + n * XROW
 
 
-def smem_bytes(nw: int, vch: int, n: int, stages: int) -> int:
-    return nw * (stages * slot_words(vch, n) + WBW) * 8
+def smem_bytes(nw: int, vch: int, n: int, stages: int, r: int = 1) -> int:
+    return nw * (stages * slot_words(vch, n, r) + r * WBW) * 8
 
 
-def get_kernel(n: int, stages: int, cmax: int, maxreg: int | None = None):
-    """Kernel for exactly ``n`` tokens, ``stages`` slots per warp, ``cmax`` value chunks per lane."""
-    maxreg = maxreg or (64 if n <= 16 else 128)
-    key = (n, stages, cmax, maxreg)
+def get_kernel(n: int, stages: int, cmax: int, r: int = 1, maxreg: int | None = None):
+    """Kernel for exactly ``n`` tokens, ``stages`` slots per warp, ``cmax`` value chunks per lane,
+    ``r`` (1 or 2) strips per warp-step."""
+    maxreg = maxreg or (64 if n <= 16 and r == 1 else (96 if n <= 16 else 128))
+    key = (n, stages, cmax, r, maxreg)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(n, stages, cmax, maxreg)
+        _KERNELS[key] = _build(n, stages, cmax, r, maxreg)
     return _KERNELS[key]
 
 
-def _build(N: int, STAGES: int, CMAX: int, MAXREG: int):
-    assert 1 <= N <= MAX_N and 2 <= STAGES <= 4 and 1 <= CMAX <= 5
+def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int):
+    assert 1 <= N <= MAX_N and 2 <= STAGES <= 4 and 1 <= CMAX <= 9 and R in (1, 2)
     NB = (N + 7) // 8          # 8-token mma blocks
     NACC = 4 * NB
     XCH = 8 * N                # 16-byte chunks of one step's X slice
@@ -71,7 +73,9 @@ def _build(N: int, STAGES: int, CMAX: int, MAXREG: int):
     u32 = np.uint32
     u64 = np.uint64
 
-    step_issue = make_step_issue(CMAX, XIT)
+    step_issue = make_step_issue(CMAX, XIT, 8 * R)
+    RACC = R * NACC
+    TABB = 256                 # bytes of one strip's table
 
     @cuda.jit(**({} if SIM else {"max_registers": MAXREG}))
     def kernel(bm, vals, goff, soff, x, y, M, GK, ldxb, vch, sw):
@@ -95,25 +99,29 @@ def _build(N: int, STAGES: int, CMAX: int, MAXREG: int):
         lmask = (u32(1) << p) - u32(1)
         nw = cuda.blockDim.x >> 5
 
-        sr = cuda.blockIdx.x          # strip row: GroupTile row gm, strip s
+        sr = cuda.blockIdx.x * R      # first strip row: GroupTile row gm, strip s (R strips: s .. s+R-1)
         gm = sr >> 2
         s = sr & 3
         nsw = (GK - warp + nw - 1) // nw if warp < GK else 0
         nloop = (GK + nw - 1) // nw if SIM else nsw
 
-        # lane j: where the values of this warp's step j start and end
+        # lane j: where the values of this warp's step j start (and, R = 2, where its second strip
+        # starts) and end; the R strips of a step are contiguous in the format
         lstart = u32(0)
+        lmid = u32(0)
         lend = u32(0)
         if lane < nsw:
             g = gm * GK + warp + nw * lane
             lstart = u32(soff[4 * g + s])
-            if s < 3:
-                lend = u32(soff[4 * g + s + 1])
+            if R == 2:
+                lmid = u32(soff[4 * g + s + 1])
+            if s + R < 4:
+                lend = u32(soff[4 * g + s + R])
             else:
                 lend = u32(goff[g + 1])
 
         # shared byte addresses (u32) of this warp's ring, its table, and this lane's fixed offsets
-        wring = byte_addr(d64, warp * (STAGES * sw + WBW))
+        wring = byte_addr(d64, warp * (STAGES * sw + R * WBW))
         slot_b = u32(sw * 8)
         ring_b = u32(STAGES) * slot_b
         tab = wring + ring_b
@@ -122,10 +130,10 @@ def _build(N: int, STAGES: int, CMAX: int, MAXREG: int):
         tab_w = tab + u32(((lane & 1) * 16 + (lane >> 3) * 4 + ((lane >> 1) & 3)) * 8)
         tab_r = tab + u32(hsel * 128)
         bmo = u32(vch * 16 + lane * 4)               # its bitmap word within a slot
-        xlo = u32(vch * 16 + BMW * 8 + gid * (XROW * 8) + tig * 4)   # its B fragments within a slot
+        xlo = u32(vch * 16 + R * BMW * 8 + gid * (XROW * 8) + tig * 4)   # its B fragments in a slot
         vlane = u32(lane * 16)
         boff = u32(vch * 16 + lane * 16)
-        xoff = u32(vch * 16 + BMW * 8 + (lane >> 3) * (XROW * 8) + (lane & 7) * 16)
+        xoff = u32(vch * 16 + R * BMW * 8 + (lane >> 3) * (XROW * 8) + (lane & 7) * 16)
         # copy sources (raw device addresses; simulator: byte offsets) and their per-step strides
         vp = ptr_of(vals)
         bsrc = ptr_of(bm) + u64((64 * (gm * GK + warp) + 16 * s) * 8 + lane * 16)
@@ -136,8 +144,8 @@ def _build(N: int, STAGES: int, CMAX: int, MAXREG: int):
         nsw_u = u32(nsw)
         xrem = np.int32(XCH - lane)
 
-        acc = cuda.local.array(NACC, np.float32)
-        for e in range(NACC):
+        acc = cuda.local.array(RACC, np.float32)
+        for e in range(RACC):
             acc[e] = np.float32(0.0)
 
         # prologue: steps 0 .. STAGES-2 in flight
@@ -173,47 +181,65 @@ def _build(N: int, STAGES: int, CMAX: int, MAXREG: int):
             bmw = lds32b(d32, sb + bmo)
             if not valid:
                 bmw = u32(0)
-            excl = scan_excl(scr, tid, bmw)
+            if R == 1:
+                excl = scan_excl(scr, tid, bmw)
+            else:
+                mid = shfl_idx(scr, tid, lmid, i & u32(31))
+                bmw2 = lds32b(d32, sb + bmo + u32(BMW * 8))
+                if not valid:
+                    bmw2 = u32(0)
+                both = scan_counts(scr, tid, u32(cuda.popc(bmw)) | (u32(cuda.popc(bmw2)) << u32(16)))
+                excl = both & u32(0xFFFF)
+                excl2 = both >> u32(16)
+                sts64b(d64, tab_w + u32(TABB), u64(bmw2) | (u64(sb + u32(2) * (excl2 + mid - (start & ~u32(7))))
+                                                          << u64(32)))
             sts64b(d64, tab_w, u64(bmw) | (u64(sb + u32(2) * (excl + (start & u32(7)))) << u64(32)))
             syncwarp()
 
             xb = sb + xlo
             for t in range(4):
-                e01 = lds128b(d64, tab_r + u32(32 * t))
-                e23 = lds128b(d64, tab_r + u32(32 * t + 16))
-                a0 = decode_at(d32, e01[0], lmask, p)   # top-left
-                a1 = decode_at(d32, e01[1], lmask, p)   # bottom-left
-                a2 = decode_at(d32, e23[0], lmask, p)   # top-right
-                a3 = decode_at(d32, e23[1], lmask, p)   # bottom-right
+                bb0 = cuda.local.array(NB, np.uint32)
+                bb1 = cuda.local.array(NB, np.uint32)
                 for jb in range(NB):
-                    b0 = u32(0)
-                    b1 = u32(0)
+                    bb0[jb] = u32(0)
+                    bb1[jb] = u32(0)
                     if 8 * jb + gid < N and valid:
-                        b0 = lds32b(d32, xb + u32(jb * 8 * XROW * 8 + 32 * t))
-                        b1 = lds32b(d32, xb + u32(jb * 8 * XROW * 8 + 32 * t + 16))
-                    c0, c1, c2, c3 = mma(scr, tid, a0, a1, a2, a3, b0, b1,
-                                         acc[4 * jb], acc[4 * jb + 1], acc[4 * jb + 2], acc[4 * jb + 3])
-                    acc[4 * jb] = c0
-                    acc[4 * jb + 1] = c1
-                    acc[4 * jb + 2] = c2
-                    acc[4 * jb + 3] = c3
+                        bb0[jb] = lds32b(d32, xb + u32(jb * 8 * XROW * 8 + 32 * t))
+                        bb1[jb] = lds32b(d32, xb + u32(jb * 8 * XROW * 8 + 32 * t + 16))
+                for r in range(R):
+                    e01 = lds128b(d64, tab_r + u32(r * TABB + 32 * t))
+                    e23 = lds128b(d64, tab_r + u32(r * TABB + 32 * t + 16))
+                    a0 = decode_at(d32, e01[0], lmask, p)   # top-left
+                    a1 = decode_at(d32, e01[1], lmask, p)   # bottom-left
+                    a2 = decode_at(d32, e23[0], lmask, p)   # top-right
+                    a3 = decode_at(d32, e23[1], lmask, p)   # bottom-right
+                    for jb in range(NB):
+                        q = r * NACC + 4 * jb
+                        c0, c1, c2, c3 = mma(scr, tid, a0, a1, a2, a3, bb0[jb], bb1[jb],
+                                             acc[q], acc[q + 1], acc[q + 2], acc[q + 3])
+                        acc[q] = c0
+                        acc[q + 1] = c1
+                        acc[q + 2] = c2
+                        acc[q + 3] = c3
             i += u32(1)
 
         # ---- the warps' partial sums meet in shared memory (the ring is free now)
         cuda.syncthreads()
-        for jb in range(NB):
-            for oi in range(4):
-                n = 8 * jb + 2 * tig + (oi & 1)
-                if n < N:
-                    df[(warp * N + n) * 16 + gid + 8 * (oi >> 1)] = acc[4 * jb + oi]
+        for r in range(R):
+            for jb in range(NB):
+                for oi in range(4):
+                    n = 8 * jb + 2 * tig + (oi & 1)
+                    if n < N:
+                        df[((warp * R + r) * N + n) * 16 + gid + 8 * (oi >> 1)] = acc[r * NACC + 4 * jb + oi]
         cuda.syncthreads()
-        for e in range(tid, 16 * N, cuda.blockDim.x):
-            n = e >> 4
-            r = e & 15
+        for e in range(tid, R * 16 * N, cuda.blockDim.x):
+            r = e // (16 * N)
+            n = (e >> 4) - r * N
+            row = e & 15
             tot = np.float32(0.0)
             for w in range(nw):
-                tot += df[(w * N + n) * 16 + r]
-            m = sr * 16 + r
+                tot += df[((w * R + r) * N + n) * 16 + row]
+            m = (sr + r) * 16 + row
             if m < M:
                 y[n * M + m] = np.int16(f2h(tot))
 

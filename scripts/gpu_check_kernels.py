@@ -78,11 +78,12 @@ def check(quick: bool, shapes=None, ns=None) -> int:
                 x = torch.randn(n, k, device=dev, generator=gen).half()
                 ref = x.double() @ w.double().t()
                 variants = [{}]
-                if n <= 16:   # spmm_warp by default; spmm.py (v4) too, and forced warp/stage counts
+                if n <= 16:   # spmm_warp by default; spmm.py (v4) too, and forced warp/stage/strip counts
                     variants += [{"warp_kernel": False, "cuda_core_max_n": 0}, {"warps": 1, "stages": 2},
-                                 {"warps": 3, "stages": 4}, {"warps": 32, "stages": 3}]
-                elif n <= 64:  # spmm_warp forced past its default token range
-                    variants += [{"warp_kernel": True}, {"warp_kernel": True, "warps": 3}]
+                                 {"warps": 3, "stages": 4}, {"warps": 32, "stages": 3},
+                                 {"strips": 1}, {"strips": 2}, {"strips": 2, "warps": 3, "stages": 3}]
+                elif n <= 64:
+                    variants += [{"warps": 3}, {"strips": 1}, {"strips": 2}]
                 if n <= 8:
                     variants += [{"warp_kernel": False, "cuda_core_max_n": 8}]
                 if (m, k) in ((576, 576), (4096, 4096), (100, 72)) and n in (1, 17):

@@ -56,6 +56,10 @@ def _check(m, k, n, sparsity, seed=0, **tuning):
         (48, 320, 9, 0.5, dict(warps=2, stages=3)),         # 3 steps on warp 0: the ring wraps; 2 mma blocks
         (32, 192, 16, 0.0, dict(warps=1, stages=2)),        # dense strips (the widest value copies)
         (32, 128, 24, 0.5, dict(warps=2)),                  # 3 mma blocks
+        # two strips per warp-step (the default on tall weights)
+        (100, 200, 3, 0.7, dict(strips=2, warps=3)),        # 7 strip rows: the last block's 2nd strip is padding
+        (48, 320, 9, 0.5, dict(strips=2, warps=2, stages=3)),  # ring wraps; strips 2+3 end at the GroupTile end
+        (64, 128, 16, 0.0, dict(strips=2, warps=1)),        # dense: the widest value copies (2 strips)
     ],
 )
 def test_kernel_matches_float64_reference(m, k, n, sparsity, tuning):
