@@ -152,7 +152,8 @@ def warp_plan(m: int, gk: int, n: int, vch: int, warps: int | None = None,
             warps = 16 if long_k else 8
         else:
             warps = 12 if long_k else 6
-    warps = max(need, min(warps, gk, spmm_warp.MAX_WARPS))
+    regs_cap = 65536 // (32 * spmm_warp.max_registers(n, r))     # warps the register file holds
+    warps = max(need, min(warps, gk, spmm_warp.MAX_WARPS, regs_cap))
     if stages is None:
         stages = 2 if (n < 8 or (r == 2 and not long_k)) else 3
     limit = _smem_limit()
@@ -236,7 +237,9 @@ def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
     gm, gk = w.grid
     kp = gk * 64
     bm, vals, goff, soff, vcap, vch = _weight_views(w)
-    if warp_kernel is not False and gk <= spmm_warp.MAX_STEPS * spmm_warp.MAX_WARPS:
+    # spmm_warp unless K needs more warps than a block's register file holds (K > 32768 columns)
+    fits = gk <= spmm_warp.MAX_STEPS * (65536 // (32 * spmm_warp.max_registers(min(n_all, 64), 2)))
+    if warp_kernel is not False and fits:
         for n0 in range(0, n_all, spmm_warp.MAX_N):   # chunks of up to 64 tokens
             n = min(spmm_warp.MAX_N, n_all - n0)
             _launch_warp(x[n0:n0 + n], w, y[n0:n0 + n], bm, vals, goff, soff, vch, warps, stages, strips)

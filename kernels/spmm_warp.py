@@ -53,10 +53,15 @@ def smem_bytes(nw: int, vch: int, n: int, stages: int, r: int = 1) -> int:
     return nw * (stages * slot_words(vch, n, r) + r * WBW) * 8
 
 
+def max_registers(n: int, r: int = 1) -> int:
+    """Register cap per thread (64 keeps 2+ blocks of 8-16 warps on an SM at decode sizes)."""
+    return 64 if n <= 16 and r == 1 else (96 if n <= 16 else 128)
+
+
 def get_kernel(n: int, stages: int, cmax: int, r: int = 1, maxreg: int | None = None):
     """Kernel for exactly ``n`` tokens, ``stages`` slots per warp, ``cmax`` value chunks per lane,
     ``r`` (1 or 2) strips per warp-step."""
-    maxreg = maxreg or (64 if n <= 16 and r == 1 else (96 if n <= 16 else 128))
+    maxreg = maxreg or max_registers(n, r)
     key = (n, stages, cmax, r, maxreg)
     if key not in _KERNELS:
         _KERNELS[key] = _build(n, stages, cmax, r, maxreg)
