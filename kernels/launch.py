@@ -152,7 +152,9 @@ def warp_plan(m: int, gk: int, n: int, vch: int, warps: int | None = None,
             warps = 16 if long_k else 8
         else:
             warps = 12 if long_k else 6
-    regs_cap = 65536 // (32 * spmm_warp.max_registers(n, r))     # warps the register file holds
+    # warps per block the register file takes: 32 at 64 registers; above 64, 16 (a 21-warp block
+    # at 96 registers failed to launch on an H100 although 21 x 32 x 96 < 65536)
+    regs_cap = 32 if spmm_warp.max_registers(n, r) <= 64 else 16
     warps = max(need, min(warps, gk, spmm_warp.MAX_WARPS, regs_cap))
     if stages is None:
         stages = 2 if (n < 8 or (r == 2 and not long_k)) else 3
@@ -238,7 +240,7 @@ def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
     kp = gk * 64
     bm, vals, goff, soff, vcap, vch = _weight_views(w)
     # spmm_warp unless K needs more warps than a block's register file holds (K > 32768 columns)
-    fits = gk <= spmm_warp.MAX_STEPS * (65536 // (32 * spmm_warp.max_registers(min(n_all, 64), 2)))
+    fits = gk <= spmm_warp.MAX_STEPS * 16
     if warp_kernel is not False and fits:
         for n0 in range(0, n_all, spmm_warp.MAX_N):   # chunks of up to 64 tokens
             n = min(spmm_warp.MAX_N, n_all - n0)
