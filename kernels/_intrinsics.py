@@ -101,8 +101,12 @@ if SIM:
         idx = (e >> 32) + bin(w & int(lmask)).count("1")
         a = vbase + (idx >> 1)
         pair = (int(d32[a]) | (int(d32[a + 1]) << 32)) >> (16 * (idx & 1))
-        first, second = pair & 0xFFFF, (pair >> 16) & 0xFFFF
-        b0, b1 = (w >> int(pos)) & 1, (w >> (int(pos) + 1)) & 1
+        return select_pair(w, pos, pair & 0xFFFF, (pair >> 16) & 0xFFFF)
+
+    def select_pair(w, pos, first, second):
+        """The A register of the lane's elements at bits ``pos``, ``pos + 1`` of ``w``: the set ones
+        take the next values in order (``first``, then ``second``), the unset ones are zero."""
+        b0, b1 = (int(w) >> int(pos)) & 1, (int(w) >> (int(pos) + 1)) & 1
         if b0 and b1:
             return np.uint32(first | (second << 16))
         if b0:

@@ -6,8 +6,8 @@ uint32 arithmetic (it widens it to 64 bits):
 - ``issue_copies``: every predicated 16-byte ``cp.async`` of one pipeline step (the strip's value
   chunks, one bitmap chunk, the X chunks), then ``cp.async.commit_group``. Lane offsets are
   immediates; a chunk is copied when its remaining count is positive.
-- ``scan_excl``: popcount of this lane's bitmap word and the exclusive warp prefix sum of them
-  (five ``shfl.sync.up`` with the predicate output doing the "lane >= d" test).
+- ``scan_counts``: the exclusive warp prefix sum of a per-lane count (five ``shfl.sync.up`` with
+  the predicate output doing the "lane >= d" test).
 - ``decode_at``: SMBD decode of one A-fragment register from a table entry holding the half-bitmap
   word and the shared-memory byte address of its first value:
   ``and; popc; mad`` (address), two ``ld.shared.u16``, ``shr; and; mad; prmt`` (the 2-bit code
@@ -26,6 +26,8 @@ XROW_BYTES = 144
 
 if SIM:
     from numba.cuda.simulator.kernel import _get_kernel_context
+
+    from ._intrinsics import select_pair, shfl_idx
 
     def _sync():
         _get_kernel_context().syncthreads()
@@ -58,14 +60,8 @@ if SIM:
 
         def step_issue(scr, tid, d64, lstart, lend, j, nsw, lane, vdst, vals, vp, bm, bdst, bsrc, x, xdst, xsrc,
                        xrem, xstride):
-            scr[tid] = lstart
-            _sync()
-            st = int(scr[(tid & ~31) + (int(j) & 31)])
-            _sync()
-            scr[tid] = lend
-            _sync()
-            en = int(scr[(tid & ~31) + (int(j) & 31)])
-            _sync()
+            st = int(shfl_idx(scr, tid, lstart, int(j) & 31))
+            en = int(shfl_idx(scr, tid, lend, int(j) & 31))
             ok = int(j) < int(nsw)
             a0 = st >> 3
             rem = ((en + 7) >> 3) - a0 - int(lane)
@@ -85,16 +81,6 @@ if SIM:
                     _copy16(d64, int(xdst) + 4 * XROW_BYTES * c, x, int(xsrc) + int(xstride) * c)
         return issue_copies
 
-    def scan_excl(scr, tid, w):
-        """(popc(w), exclusive prefix sum of popc over the warp's lanes)."""
-        c = bin(int(w)).count("1")
-        scr[tid] = c
-        _sync()
-        base = tid & ~31
-        excl = sum(int(scr[base + q]) for q in range(tid - base))
-        _sync()
-        return np.uint32(excl)
-
     def scan_counts(scr, tid, c):
         """Exclusive prefix sum over the warp's lanes of ``c`` (GPU: five shfl.sync.up)."""
         scr[tid] = int(c)
@@ -112,15 +98,7 @@ if SIM:
         def u16(byte):
             return (int(d32[byte >> 2]) >> (16 * ((byte >> 1) & 1))) & 0xFFFF
 
-        first, second = u16(b), u16(b + 2)
-        b0, b1 = (w >> int(pos)) & 1, (w >> (int(pos) + 1)) & 1
-        if b0 and b1:
-            return np.uint32(first | (second << 16))
-        if b0:
-            return np.uint32(first)
-        if b1:
-            return np.uint32(first << 16)
-        return np.uint32(0)
+        return select_pair(w, pos, u16(b), u16(b + 2))
 
 else:  # pragma: no cover - GPU only
     from llvmlite import ir
@@ -297,9 +275,8 @@ else:  # pragma: no cover - GPU only
 
     _SCAN_PTX = """{
     .reg .pred p;
-    .reg .u32 c, s, t;
-    popc.b32 c, $1;
-    mov.u32 s, c;
+    .reg .u32 s, t;
+    mov.u32 s, $1;
     shfl.sync.up.b32 t|p, s, 1, 0, -1;
     @p add.u32 s, s, t;
     shfl.sync.up.b32 t|p, s, 2, 0, -1;
@@ -310,11 +287,11 @@ else:  # pragma: no cover - GPU only
     @p add.u32 s, s, t;
     shfl.sync.up.b32 t|p, s, 16, 0, -1;
     @p add.u32 s, s, t;
-    sub.u32 $0, s, c;
+    sub.u32 $0, s, $1;
 }"""
 
     @intrinsic
-    def _scan(typingctx, w):
+    def _scan(typingctx, c):
         sig = types.uint32(types.uint32)
 
         def codegen(context, builder, sig, args):
@@ -324,24 +301,8 @@ else:  # pragma: no cover - GPU only
         return sig, codegen
 
     @cuda.jit(device=True, inline=True)
-    def scan_excl(scr, tid, w):
-        return _scan(np.uint32(w))
-
-    _SCANC_PTX = _SCAN_PTX.replace("popc.b32 c, $1;", "mov.u32 c, $1;")
-
-    @intrinsic
-    def _scanc(typingctx, c):
-        sig = types.uint32(types.uint32)
-
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(ir.FunctionType(_i32, [_i32]), _SCANC_PTX, "=r,r", side_effect=True)
-            return builder.call(asm, args)
-
-        return sig, codegen
-
-    @cuda.jit(device=True, inline=True)
     def scan_counts(scr, tid, c):
-        return _scanc(np.uint32(c))
+        return _scan(np.uint32(c))
 
     _DECODE_PTX = """{
     .reg .u32 w, a, t, f, s, k, sel;

@@ -27,8 +27,7 @@ import numpy as np
 from numba import cuda
 
 from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, f2h, mma, ptr_of, shfl_idx, syncwarp
-from ._warp_intrinsics import (byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_counts, scan_excl,
-                               sts64b)
+from ._warp_intrinsics import byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_counts, sts64b
 
 XROW = 18        # uint64 per staged X row (144 B: conflict-free B-fragment loads)
 BMW = 16         # uint64 bitmaps per strip
@@ -187,7 +186,7 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int):
             if not valid:
                 bmw = u32(0)
             if R == 1:
-                excl = scan_excl(scr, tid, bmw)
+                excl = scan_counts(scr, tid, u32(cuda.popc(bmw)))
             else:
                 mid = shfl_idx(scr, tid, lmid, i & u32(31))
                 bmw2 = lds32b(d32, sb + bmo + u32(BMW * 8))
