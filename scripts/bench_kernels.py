@@ -169,16 +169,6 @@ def bench(shapes, ns, sparsities, tune: bool):
                                      for i in range(npk)])[0]
                             except Exception as e:  # noqa: BLE001
                                 print(f"w{wb}s{st}: {type(e).__name__}: {str(e)[:80]}")
-                if tune and n in (1, 16) and False:
-                    gm, gk = p.grid
-                    for s in sorted({2, 4, 8, 16} & set(range(1, gk + 1))):
-                        extra[f"splits{s}"] = time_calls(
-                            [lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i], splits=s) for i in range(npk)])[0]
-                if tune and n <= 8 and False:
-                    extra["cudacore"] = time_calls(
-                        [lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i], cuda_core_max_n=8) for i in range(npk)])[0]
-                    extra["mma"] = time_calls(
-                        [lambda i=i: tcabme_matmul(x, pcopies[i], out=ys[i], cuda_core_max_n=0) for i in range(npk)])[0]
                 csr_t, csr_mode = float("nan"), "-"
                 if csr is not None:
                     try:
@@ -238,7 +228,7 @@ def compact_table(rows) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="4096x4096 and the demo shapes only")
-    ap.add_argument("--tune", action="store_true", help="also time split-K counts and both variants")
+    ap.add_argument("--tune", action="store_true", help="also time spmm.py (v4), spmm_warp forced, and warp x stage counts")
     ap.add_argument("--shapes", default=None, help="e.g. 4096x4096,576x576")
     ap.add_argument("--ns", default=None, help="e.g. 1,16")
     ap.add_argument("--sparsities", default=None, help="e.g. 0.5,0.7")
