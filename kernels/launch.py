@@ -45,6 +45,7 @@ _optin_done: set = set()
 _streams: dict = {}
 _work: dict = {}
 _views: dict = {}
+_sms: dict = {}
 _VIEW_CACHE_MAX = 4096
 
 
@@ -126,44 +127,61 @@ def _workspace(device: torch.device, floats: int, rows: int):
 
 def warp_strips(m: int, gk: int, n: int) -> int:
     """Strips per warp-step for spmm_warp: 2 (two strip rows share each X slice, the scan and the
-    loop) on tall weights, except where the H100 sweep found one better (M > 4096 with K < 8192 at
-    fewer than 8 tokens; small M, where halving the blocks costs more than it saves)."""
-    if -(-m // 16) < 128:
-        return 1
-    return 2 if (n >= 8 or m <= 4096 or gk >= 128) else 1
+    loop) from 128 strip rows on; small M keeps 1, where halving the blocks costs more than it saves."""
+    return 1 if -(-m // 16) < 128 else 2
 
 
 def warp_plan(m: int, gk: int, n: int, vch: int, warps: int | None = None,
-              stages: int | None = None, r: int = 1) -> tuple[int, int, int]:
+              stages: int | None = None, r: int = 1, sms: int = 132) -> tuple[int, int, int]:
     """(warps per block, stages, dynamic shared bytes) for spmm_warp.
 
     Warps split K inside a block (one block per ``r`` strip rows), at most 32 steps each (their
-    offsets live in one register per lane). From the H100 sweeps (docs/kernels-notes.md, v6/v7):
-    one step per warp when K is short (<= 16 GroupTiles); with r = 2, 8 warps (16 when K has
-    >= 128 GroupTiles) and 2 stages (3 from 8 tokens on when K is long); with r = 1, below 8
-    tokens 8 warps (16) and 2 stages, from 8 tokens on 6 warps (12) and 3 stages.
+    offsets live in one register per lane). From the H100 sweeps (scripts/tune_kernels.py,
+    docs/kernels-notes.md v6-v8): one step per warp when K is short (<= 16 GroupTiles). With
+    r = 2: on tall weights (at least 2 blocks per SM, K < 128 GroupTiles) 4 warps of 16 steps and
+    2 stages (6 warps and 3 stages below 8 tokens once the blocks exceed 4 per SM); otherwise 8
+    warps (16 when K has >= 128 GroupTiles) and 2 stages (3 from 8 tokens on when K is long).
+    With r = 1: below 8 tokens 8 warps (16) and 2 stages, from 8 tokens on 6 warps (12) and 3.
     """
-    need = -(-gk // spmm_warp.MAX_STEPS)
+    blocks = -(-(-(-m // 16)) // r)
     long_k = gk >= 128
+    tall = r == 2 and not long_k and gk > 16 and blocks >= 2 * sms
+    crowded = tall and n < 8 and blocks > 4 * sms
     if warps is None:
         if gk <= 16:
             warps = gk
+        elif tall:
+            warps = 6 if crowded else 4
         elif r == 2 or n < 8:
             warps = 16 if long_k else 8
         else:
             warps = 12 if long_k else 6
+    if stages is None:
+        if tall:
+            stages = 3 if crowded else 2
+        else:
+            stages = 2 if (n < 8 or (r == 2 and not long_k)) else 3
+    need = -(-gk // spmm_warp.MAX_STEPS)
     # warps per block the register file takes: 32 at 64 registers; above 64, 16 (a 21-warp block
     # at 96 registers failed to launch on an H100 although 21 x 32 x 96 < 65536)
     regs_cap = 32 if spmm_warp.max_registers(n, r) <= 64 else 16
     warps = max(need, min(warps, gk, spmm_warp.MAX_WARPS, regs_cap))
-    if stages is None:
-        stages = 2 if (n < 8 or (r == 2 and not long_k)) else 3
     limit = _smem_limit()
     while spmm_warp.smem_bytes(warps, vch, n, stages, r) > limit and stages > 2:
         stages -= 1
     while spmm_warp.smem_bytes(warps, vch, n, stages, r) > limit and warps > need:
         warps -= 1
     return warps, stages, spmm_warp.smem_bytes(warps, vch, n, stages, r)
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (cached; 132, an H100's, under the simulator)."""
+    if SIM:
+        return 132
+    key = str(device)
+    if key not in _sms:
+        _sms[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _sms[key]
 
 
 def _smem_limit() -> int:
@@ -190,13 +208,31 @@ def _allow_smem(kern, args, dyn: int) -> bool:
         return False
 
 
-def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips) -> None:
+def warp_chunk(m: int, gk: int, n: int, vchs, warps: int | None = None, stages: int | None = None,
+               strips: int | None = None, sms: int = 132) -> int:
+    """The most tokens (``n``, or ``n`` halved until it fits) that one spmm_warp launch takes on
+    this weight: the plan's shared memory must fit, which long K (many warps), many tokens and
+    wide strips (a weight first seen inside graph capture gets the dense capacity) can break.
+    0: not even one token fits, and spmm.py runs the product."""
+    limit = _smem_limit()
+    while n >= 1:
+        r = strips or warp_strips(m, gk, n)
+        if warp_plan(m, gk, n, vchs[r - 1], warps, stages, r, sms)[2] <= limit:
+            return n
+        n //= 2
+    return 0
+
+
+def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips) -> bool:
+    """One spmm_warp launch for all of x's rows; False (nothing launched) if its plan cannot get
+    the shared memory it needs."""
     n = x.shape[0]
     m, _ = w.shape
     gm, gk = w.grid
     r = strips or warp_strips(m, gk, n)
     vch = vchs[r - 1]
-    nw, st, dyn = warp_plan(m, gk, n, vch, warps, stages, r)
+    sms = _sm_count(x.device)
+    nw, st, dyn = warp_plan(m, gk, n, vch, warps, stages, r, sms)
     cmax = -(-vch // 32)
     kern = spmm_warp.get_kernel(n, st, cmax, r)
     xv = _as_numba(x.reshape(-1).view(torch.int64))
@@ -205,11 +241,14 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips) -> 
     blocks = -(-(-(-m // 16)) // r)
     if SIM:
         kern[blocks, 32 * nw, 0, dyn](*args)
-        return
+        return True
     if not _allow_smem(kern, args, dyn):
-        nw, st, dyn = warp_plan(m, gk, n, vch, warps, stages, r)   # now under 48 KB
+        nw, st, dyn = warp_plan(m, gk, n, vch, warps, stages, r, sms)   # now under 48 KB
+        if dyn > _smem_limit():
+            return False
         kern = spmm_warp.get_kernel(n, st, cmax, r)
     kern[blocks, 32 * nw, _stream(x.device), dyn](*args)
+    return True
 
 
 def choose_splits(gm: int, gk: int) -> int:
@@ -242,10 +281,17 @@ def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
     # spmm_warp unless K needs more warps than a block's register file holds (K > 32768 columns)
     fits = gk <= spmm_warp.MAX_STEPS * 16
     if warp_kernel is not False and fits:
-        for n0 in range(0, n_all, spmm_warp.MAX_N):   # chunks of up to 64 tokens
-            n = min(spmm_warp.MAX_N, n_all - n0)
-            _launch_warp(x[n0:n0 + n], w, y[n0:n0 + n], bm, vals, goff, soff, vch, warps, stages, strips)
-        return
+        sms = _sm_count(x.device)
+        n0 = 0
+        while n0 < n_all:   # chunks of up to 64 tokens (fewer where shared memory is short)
+            n = warp_chunk(m, gk, min(spmm_warp.MAX_N, n_all - n0), vch, warps, stages, strips, sms)
+            if n == 0 or not _launch_warp(x[n0:n0 + n], w, y[n0:n0 + n], bm, vals, goff, soff, vch, warps,
+                                          stages, strips):
+                break
+            n0 += n
+        if n0 == n_all:
+            return
+        x, y, n_all = x[n0:], y[n0:], n_all - n0   # what spmm_warp could not take: spmm.py
     nsplit = splits if splits is not None else choose_splits(gm, gk)
     nsplit = min(max(nsplit, math.ceil(gk / spmm.KPER_MAX)), gk)
     kper = math.ceil(gk / nsplit)

@@ -49,6 +49,7 @@ def slot_words(vch: int, n: int, r: int = 1) -> int:
 
 
 def smem_bytes(nw: int, vch: int, n: int, stages: int, r: int = 1) -> int:
+    """Dynamic shared bytes of a block: each warp's ring of ``stages`` slots and its table."""
     return nw * (stages * slot_words(vch, n, r) + r * WBW) * 8
 
 
@@ -73,13 +74,62 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int):
     NACC = 4 * NB
     XCH = 8 * N                # 16-byte chunks of one step's X slice
     XIT = (XCH + 31) // 32
-    wait = (None, None, cp_wait0, cp_wait1, cp_wait2)[STAGES]   # step i landed: STAGES-2 may pend
+    wait = (cp_wait0, cp_wait1, cp_wait2)[STAGES - 2]   # step i landed: STAGES-2 groups may pend
     u32 = np.uint32
     u64 = np.uint64
 
     step_issue = make_step_issue(CMAX, XIT, 8 * R)
     RACC = R * NACC
     TABB = 256                 # bytes of one strip's table
+
+    @cuda.jit(device=True, inline="always")
+    def scan_step(scr, tid, d32, sb, bmo, lstart, lmid, j, valid):
+        """The table words (half-bitmap, address of its first value) of this lane's entry, for
+        the R strips of step ``j`` staged at ``sb``: popcounts, one warp scan, the offsets."""
+        start = shfl_idx(scr, tid, lstart, j & u32(31))
+        bmw = lds32b(d32, sb + bmo)
+        if not valid:
+            bmw = u32(0)
+        t2 = u64(0)
+        if R == 1:
+            excl = scan_counts(scr, tid, u32(cuda.popc(bmw)))
+        else:
+            mid = shfl_idx(scr, tid, lmid, j & u32(31))
+            bmw2 = lds32b(d32, sb + bmo + u32(BMW * 8))
+            if not valid:
+                bmw2 = u32(0)
+            both = scan_counts(scr, tid, u32(cuda.popc(bmw)) | (u32(cuda.popc(bmw2)) << u32(16)))
+            excl = both & u32(0xFFFF)
+            t2 = u64(bmw2) | (u64(sb + u32(2) * ((both >> u32(16)) + mid - (start & ~u32(7)))) << u64(32))
+        t1 = u64(bmw) | (u64(sb + u32(2) * (excl + (start & u32(7)))) << u64(32))
+        return t1, t2
+
+    @cuda.jit(device=True, inline="always")
+    def tctile(t, scr, tid, d32, d64, xb, tab_r, lmask, p, gid, valid, acc):
+        """Decode TCTile ``t`` of the R strips and multiply it with the step's X slice."""
+        bb0 = cuda.local.array(NB, np.uint32)
+        bb1 = cuda.local.array(NB, np.uint32)
+        for jb in range(NB):
+            bb0[jb] = u32(0)
+            bb1[jb] = u32(0)
+            if 8 * jb + gid < N and valid:
+                bb0[jb] = lds32b(d32, xb + u32(jb * 8 * XROW * 8 + 32 * t))
+                bb1[jb] = lds32b(d32, xb + u32(jb * 8 * XROW * 8 + 32 * t + 16))
+        for r in range(R):
+            e01 = lds128b(d64, tab_r + u32(r * TABB + 32 * t))
+            e23 = lds128b(d64, tab_r + u32(r * TABB + 32 * t + 16))
+            a0 = decode_at(d32, e01[0], lmask, p)   # top-left
+            a1 = decode_at(d32, e01[1], lmask, p)   # bottom-left
+            a2 = decode_at(d32, e23[0], lmask, p)   # top-right
+            a3 = decode_at(d32, e23[1], lmask, p)   # bottom-right
+            for jb in range(NB):
+                q = r * NACC + 4 * jb
+                c0, c1, c2, c3 = mma(scr, tid, a0, a1, a2, a3, bb0[jb], bb1[jb],
+                                     acc[q], acc[q + 1], acc[q + 2], acc[q + 3])
+                acc[q] = c0
+                acc[q + 1] = c1
+                acc[q + 2] = c2
+                acc[q + 3] = c3
 
     @cuda.jit(**({} if SIM else {"max_registers": MAXREG}))
     def kernel(bm, vals, goff, soff, x, y, M, GK, ldxb, vch, sw):
@@ -181,50 +231,19 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int):
             if dslot == ring_b:
                 dslot = u32(0)
             valid = (i < nsw_u) if SIM else True      # the simulator runs every warp to nloop
-            start = shfl_idx(scr, tid, lstart, i & u32(31))
-            bmw = lds32b(d32, sb + bmo)
-            if not valid:
-                bmw = u32(0)
-            if R == 1:
-                excl = scan_counts(scr, tid, u32(cuda.popc(bmw)))
-            else:
-                mid = shfl_idx(scr, tid, lmid, i & u32(31))
-                bmw2 = lds32b(d32, sb + bmo + u32(BMW * 8))
-                if not valid:
-                    bmw2 = u32(0)
-                both = scan_counts(scr, tid, u32(cuda.popc(bmw)) | (u32(cuda.popc(bmw2)) << u32(16)))
-                excl = both & u32(0xFFFF)
-                excl2 = both >> u32(16)
-                sts64b(d64, tab_w + u32(TABB), u64(bmw2) | (u64(sb + u32(2) * (excl2 + mid - (start & ~u32(7))))
-                                                          << u64(32)))
-            sts64b(d64, tab_w, u64(bmw) | (u64(sb + u32(2) * (excl + (start & u32(7)))) << u64(32)))
+            t1, t2 = scan_step(scr, tid, d32, sb, bmo, lstart, lmid, i, valid)
+            sts64b(d64, tab_w, t1)
+            if R == 2:
+                sts64b(d64, tab_w + u32(TABB), t2)
             syncwarp()
 
             xb = sb + xlo
-            for t in range(4):
-                bb0 = cuda.local.array(NB, np.uint32)
-                bb1 = cuda.local.array(NB, np.uint32)
-                for jb in range(NB):
-                    bb0[jb] = u32(0)
-                    bb1[jb] = u32(0)
-                    if 8 * jb + gid < N and valid:
-                        bb0[jb] = lds32b(d32, xb + u32(jb * 8 * XROW * 8 + 32 * t))
-                        bb1[jb] = lds32b(d32, xb + u32(jb * 8 * XROW * 8 + 32 * t + 16))
-                for r in range(R):
-                    e01 = lds128b(d64, tab_r + u32(r * TABB + 32 * t))
-                    e23 = lds128b(d64, tab_r + u32(r * TABB + 32 * t + 16))
-                    a0 = decode_at(d32, e01[0], lmask, p)   # top-left
-                    a1 = decode_at(d32, e01[1], lmask, p)   # bottom-left
-                    a2 = decode_at(d32, e23[0], lmask, p)   # top-right
-                    a3 = decode_at(d32, e23[1], lmask, p)   # bottom-right
-                    for jb in range(NB):
-                        q = r * NACC + 4 * jb
-                        c0, c1, c2, c3 = mma(scr, tid, a0, a1, a2, a3, bb0[jb], bb1[jb],
-                                             acc[q], acc[q + 1], acc[q + 2], acc[q + 3])
-                        acc[q] = c0
-                        acc[q + 1] = c1
-                        acc[q + 2] = c2
-                        acc[q + 3] = c3
+            # the four TCTiles as four inlined copies (not a loop): their table loads, decodes
+            # and mma chains interleave
+            tctile(0, scr, tid, d32, d64, xb, tab_r, lmask, p, gid, valid, acc)
+            tctile(1, scr, tid, d32, d64, xb, tab_r, lmask, p, gid, valid, acc)
+            tctile(2, scr, tid, d32, d64, xb, tab_r, lmask, p, gid, valid, acc)
+            tctile(3, scr, tid, d32, d64, xb, tab_r, lmask, p, gid, valid, acc)
             i += u32(1)
 
         # ---- the warps' partial sums meet in shared memory (the ring is free now)
