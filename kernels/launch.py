@@ -223,7 +223,7 @@ def warp_chunk(m: int, gk: int, n: int, vchs, warps: int | None = None, stages: 
     return 0
 
 
-def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips) -> bool:
+def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, regs=None) -> bool:
     """One spmm_warp launch for all of x's rows; False (nothing launched) if its plan cannot get
     the shared memory it needs."""
     n = x.shape[0]
@@ -234,7 +234,7 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips) -> 
     sms = _sm_count(x.device)
     nw, st, dyn = warp_plan(m, gk, n, vch, warps, stages, r, sms)
     cmax = -(-vch // 32)
-    kern = spmm_warp.get_kernel(n, st, cmax, r)
+    kern = spmm_warp.get_kernel(n, st, cmax, r, regs)
     xv = _as_numba(x.reshape(-1).view(torch.int64))
     yv = _as_numba(y.reshape(-1).view(torch.int16))
     args = (bm, vals, goff, soff, xv, yv, m, gk, gk * 128, vch, spmm_warp.slot_words(vch, n, r))
@@ -246,7 +246,7 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips) -> 
         nw, st, dyn = warp_plan(m, gk, n, vch, warps, stages, r, sms)   # now under 48 KB
         if dyn > _smem_limit():
             return False
-        kern = spmm_warp.get_kernel(n, st, cmax, r)
+        kern = spmm_warp.get_kernel(n, st, cmax, r, regs)
     kern[blocks, 32 * nw, _stream(x.device), dyn](*args)
     return True
 
@@ -271,7 +271,8 @@ def variant(n: int) -> tuple[int, bool]:
 
 def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
            cuda_core_max_n: int | None = None, warp_kernel: bool | None = None,
-           warps: int | None = None, stages: int | None = None, strips: int | None = None) -> None:
+           warps: int | None = None, stages: int | None = None, strips: int | None = None,
+           regs: int | None = None) -> None:
     """y[N, M] = x[N, Kp] @ W^T; x already padded to Kp columns, contiguous, 16-byte aligned."""
     n_all = x.shape[0]
     m, _ = w.shape
@@ -286,7 +287,7 @@ def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
         while n0 < n_all:   # chunks of up to 64 tokens (fewer where shared memory is short)
             n = warp_chunk(m, gk, min(spmm_warp.MAX_N, n_all - n0), vch, warps, stages, strips, sms)
             if n == 0 or not _launch_warp(x[n0:n0 + n], w, y[n0:n0 + n], bm, vals, goff, soff, vch, warps,
-                                          stages, strips):
+                                          stages, strips, regs):
                 break
             n0 += n
         if n0 == n_all:

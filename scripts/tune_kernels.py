@@ -6,7 +6,7 @@ rotated weight copies, median microseconds per call), and the best one. Correctn
 gpu_check_kernels.py's job; run it on any plan this sweep leads to.
 
     python3 scripts/tune_kernels.py --shapes 11008x4096 --ns 1,16 [--strips 1,2] [--warps 2,4,8]
-        [--stages 2,3] [--sparsity 0.5] [--out DIR]
+        [--stages 2,3] [--regs 0,64,80] [--sparsity 0.5] [--out DIR]
 """
 from __future__ import annotations
 
@@ -33,10 +33,11 @@ def plan_of(m: int, k: int, n: int, p, strips=None, warps=None, stages=None) -> 
 
 
 def name(plan) -> str:
-    return "r{}w{}s{}".format(*plan)
+    """r<strips>w<warps>s<stages>, then g<register cap> when one was forced."""
+    return "r{}w{}s{}".format(*plan[:3]) + (f"g{plan[3]}" if len(plan) > 3 and plan[3] else "")
 
 
-def sweep(shapes, ns, sparsity, strips, warps, stages):
+def sweep(shapes, ns, sparsity, strips, warps, stages, regs):
     from sparsekit.kernels import tcabme_matmul
     from sparsekit.tcabme import encode
 
@@ -57,14 +58,16 @@ def sweep(shapes, ns, sparsity, strips, warps, stages):
             for r in strips:
                 for w in warps:
                     for s in stages:
-                        eff = plan_of(m, k, n, p, r, w, s)
-                        if eff in times:
-                            continue
-                        try:
-                            times[eff] = time_calls([lambda i=i: tcabme_matmul(
-                                x, pcopies[i], out=ys[i], strips=r, warps=w, stages=s) for i in range(npk)])[0]
-                        except Exception as e:  # noqa: BLE001 - a plan that cannot launch is reported, not fatal
-                            print(f"  {m}x{k} N={n} {name(eff)}: {type(e).__name__}: {str(e)[:80]}")
+                        for rg in regs:
+                            eff = plan_of(m, k, n, p, r, w, s) + (rg,)
+                            if eff in times:
+                                continue
+                            try:
+                                times[eff] = time_calls([lambda i=i: tcabme_matmul(
+                                    x, pcopies[i], out=ys[i], strips=r, warps=w, stages=s, regs=rg or None)
+                                    for i in range(npk)])[0]
+                            except Exception as e:  # noqa: BLE001 - a plan that cannot launch is reported
+                                print(f"  {m}x{k} N={n} {name(eff)}: {type(e).__name__}: {str(e)[:80]}")
             best = min(times, key=times.get) if times else default
             tb = times.get(best, t_def)
             rows.append(dict(m=m, k=k, n=n, sparsity=sparsity, default=list(default), default_us=t_def,
@@ -84,6 +87,7 @@ def main() -> int:
     ap.add_argument("--strips", default="1,2")
     ap.add_argument("--warps", default="2,3,4,6,8,12,16")
     ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--regs", default="0", help="register caps per thread to force (0: the kernel's own)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     if not torch.cuda.is_available():
@@ -91,7 +95,7 @@ def main() -> int:
         return 2
     ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    rows = sweep(shapes, ints(a.ns), a.sparsity, ints(a.strips), ints(a.warps), ints(a.stages))
+    rows = sweep(shapes, ints(a.ns), a.sparsity, ints(a.strips), ints(a.warps), ints(a.stages), ints(a.regs))
     path = os.path.join(a.out, f"tune_{int(a.sparsity * 100)}.json")
     with open(path, "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)
