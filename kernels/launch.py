@@ -6,6 +6,7 @@ variant at its first launch, so warm up (one eager call per token count) before 
 """
 from __future__ import annotations
 
+import ctypes
 import math
 
 import torch
@@ -46,6 +47,8 @@ _streams: dict = {}
 _work: dict = {}
 _views: dict = {}
 _sms: dict = {}
+_fast: dict = {}      # (id(kernel), device index) -> cuda.core kernel, or None where the fast launch is off
+_cfgs: dict = {}
 _VIEW_CACHE_MAX = 4096
 
 
@@ -104,8 +107,10 @@ def _weight_views(w):
         values = w.values[: w.values.numel() // 8 * 8]
         if values.data_ptr() % 16:
             values = values.clone()
-        v = (_as_numba(w.bitmaps.view(torch.int64)), _as_numba(values.view(torch.int64)),
-             _as_numba(w.gtile_offsets), _as_numba(w.strip_offsets), _vcap(w), (_strip_chunks(w, 1), _strip_chunks(w, 2)))
+        arrays = (_as_numba(w.bitmaps.view(torch.int64)), _as_numba(values.view(torch.int64)),
+                  _as_numba(w.gtile_offsets), _as_numba(w.strip_offsets))
+        flat = [] if SIM else [f for a in arrays for f in _flat(a.device_ctypes_pointer.value or 0, a.size, a.dtype.itemsize)]
+        v = arrays + (_vcap(w), (_strip_chunks(w, 1), _strip_chunks(w, 2)), flat)
         if not SIM:
             if len(_views) >= _VIEW_CACHE_MAX:
                 _views.clear()
@@ -223,7 +228,47 @@ def warp_chunk(m: int, gk: int, n: int, vchs, warps: int | None = None, stages: 
     return 0
 
 
-def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, regs=None) -> bool:
+def _flat(ptr: int, size: int, itemsize: int) -> list:
+    """A 1-D contiguous device array as numba passes it to a kernel: meminfo, parent, item count,
+    item size, data pointer, shape, strides."""
+    return [0, 0, size, itemsize, ptr, size, itemsize]
+
+
+def _fast_entry(kern, args):
+    """The cuda.core kernel behind ``kern`` if launching it directly passes exactly the arguments
+    numba's own launch would (checked once per kernel against numba's argument packing); else None.
+
+    numba's launch (type checks, a device-array wrapper per tensor) costs ~0.3 ms per call from
+    Python, 25x this kernel at decode shapes; it matters wherever the product is not replayed
+    from a CUDA graph (prefill, eager decode).
+    """
+    try:
+        ck = kern._compile_for_args(*args)
+        ref: list = []
+        for t, v in zip(ck.argument_types, args):
+            ck._prepare_args(t, v, 0, [], ref)
+        mine = [f for a in args[:6] for f in _flat(a.device_ctypes_pointer.value or 0, a.size, a.dtype.itemsize)]
+        mine += [ctypes.c_int64(s) for s in args[6:]]
+        same = [getattr(a, "value", a) for a in ref] == [getattr(a, "value", a) for a in mine]
+        return ck._codelibrary.get_cufunc().kernel if same else None
+    except Exception:  # noqa: BLE001 - another numba: keep its own launch
+        return None
+
+
+def _launch_fast(kernel, wflat, x, y, scalars, blocks: int, threads: int, dyn: int, stream) -> None:
+    from cuda.core import LaunchConfig
+    from cuda.core import launch as cc_launch
+
+    key = (blocks, threads, dyn)
+    cfg = _cfgs.get(key)
+    if cfg is None:
+        cfg = _cfgs[key] = LaunchConfig(grid=blocks, block=threads, shmem_size=dyn)
+    xs, ys = x.numel() // 4, y.numel()     # x as int64 words, y as int16
+    cc_launch(stream, cfg, kernel, *wflat, *_flat(x.data_ptr(), xs, 8), *_flat(y.data_ptr(), ys, 2),
+              *[ctypes.c_int64(s) for s in scalars])
+
+
+def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, regs=None, wflat=None) -> bool:
     """One spmm_warp launch for all of x's rows; False (nothing launched) if its plan cannot get
     the shared memory it needs."""
     n = x.shape[0]
@@ -235,10 +280,15 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, reg
     nw, st, dyn = warp_plan(m, gk, n, vch, warps, stages, r, sms)
     cmax = -(-vch // 32)
     kern = spmm_warp.get_kernel(n, st, cmax, r, regs)
+    scalars = (m, gk, gk * 128, vch, spmm_warp.slot_words(vch, n, r))
+    blocks = -(-(-(-m // 16)) // r)
+    fkey = (id(kern), x.device.index)
+    if not SIM and wflat and _fast.get(fkey) is not None:
+        _launch_fast(_fast[fkey], wflat, x, y, scalars, blocks, 32 * nw, dyn, _stream(x.device))
+        return True
     xv = _as_numba(x.reshape(-1).view(torch.int64))
     yv = _as_numba(y.reshape(-1).view(torch.int16))
-    args = (bm, vals, goff, soff, xv, yv, m, gk, gk * 128, vch, spmm_warp.slot_words(vch, n, r))
-    blocks = -(-(-(-m // 16)) // r)
+    args = (bm, vals, goff, soff, xv, yv) + scalars
     if SIM:
         kern[blocks, 32 * nw, 0, dyn](*args)
         return True
@@ -248,6 +298,9 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, reg
             return False
         kern = spmm_warp.get_kernel(n, st, cmax, r, regs)
     kern[blocks, 32 * nw, _stream(x.device), dyn](*args)
+    fkey = (id(kern), x.device.index)
+    if fkey not in _fast:
+        _fast[fkey] = _fast_entry(kern, args)
     return True
 
 
@@ -278,7 +331,7 @@ def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
     m, _ = w.shape
     gm, gk = w.grid
     kp = gk * 64
-    bm, vals, goff, soff, vcap, vch = _weight_views(w)
+    bm, vals, goff, soff, vcap, vch, wflat = _weight_views(w)
     # spmm_warp unless K needs more warps than a block's register file holds (K > 32768 columns)
     fits = gk <= spmm_warp.MAX_STEPS * 16
     if warp_kernel is not False and fits:
@@ -287,7 +340,7 @@ def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
         while n0 < n_all:   # chunks of up to 64 tokens (fewer where shared memory is short)
             n = warp_chunk(m, gk, min(spmm_warp.MAX_N, n_all - n0), vch, warps, stages, strips, sms)
             if n == 0 or not _launch_warp(x[n0:n0 + n], w, y[n0:n0 + n], bm, vals, goff, soff, vch, warps,
-                                          stages, strips, regs):
+                                          stages, strips, regs, wflat):
                 break
             n0 += n
         if n0 == n_all:
