@@ -283,7 +283,8 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, reg
     scalars = (m, gk, gk * 128, vch, spmm_warp.slot_words(vch, n, r))
     blocks = -(-(-(-m // 16)) // r)
     fkey = (id(kern), x.device.index)
-    if not SIM and wflat and _fast.get(fkey) is not None:
+    # (a block past 48 KB of shared memory needs the kernel's opt-in first: numba's launch path does it)
+    if not SIM and wflat and _fast.get(fkey) is not None and (dyn <= 48 * 1024 or id(kern) in _optin_done):
         _launch_fast(_fast[fkey], wflat, x, y, scalars, blocks, 32 * nw, dyn, _stream(x.device))
         return True
     xv = _as_numba(x.reshape(-1).view(torch.int64))

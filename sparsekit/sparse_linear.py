@@ -30,8 +30,9 @@ from sparsekit.errors import SparsekitError
 from sparsekit.tcabme import TcaBme, decode, encode
 
 # Kernel up to and including this many tokens, decode + cuBLAS above: measured on an H100 with
-# scripts/gpu_check_runtime.py (7B shapes, 50%; see docs/benchmarks.md, "End to end").
-DEFAULT_DENSE_ABOVE = 64
+# scripts/gpu_check_runtime.py (7B shapes, 50%, eager calls; see docs/benchmarks.md, "End to end"):
+# 64 while numba's own launch cost ~0.35 ms per call, 512 since launch.py launches directly (~45 us).
+DEFAULT_DENSE_ABOVE = 512
 
 NO_GPU_NOTICE = "no CUDA GPU: sparse layers run the reference path (decode + matmul), which is slow"
 CPU_NOTICE = "sparse layers on the CPU run the reference path (decode + matmul), which is slow"
