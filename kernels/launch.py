@@ -237,6 +237,7 @@ def _flat(ptr: int, size: int, itemsize: int) -> list:
 def _fast_entry(kern, args):
     """The cuda.core kernel behind ``kern`` if launching it directly passes exactly the arguments
     numba's own launch would (checked once per kernel against numba's argument packing); else None.
+    ``args``: numba device arrays (1-D, contiguous) first, then int64 scalars.
 
     numba's launch (type checks, a device-array wrapper per tensor) costs ~0.3 ms per call from
     Python, 25x this kernel at decode shapes; it matters wherever the product is not replayed
@@ -247,8 +248,12 @@ def _fast_entry(kern, args):
         ref: list = []
         for t, v in zip(ck.argument_types, args):
             ck._prepare_args(t, v, 0, [], ref)
-        mine = [f for a in args[:6] for f in _flat(a.device_ctypes_pointer.value or 0, a.size, a.dtype.itemsize)]
-        mine += [ctypes.c_int64(s) for s in args[6:]]
+        mine: list = []
+        for a in args:
+            if hasattr(a, "device_ctypes_pointer"):
+                mine += _flat(a.device_ctypes_pointer.value or 0, a.size, a.dtype.itemsize)
+            else:
+                mine.append(ctypes.c_int64(a))
         same = [getattr(a, "value", a) for a in ref] == [getattr(a, "value", a) for a in mine]
         return ck._codelibrary.get_cufunc().kernel if same else None
     except Exception:  # noqa: BLE001 - another numba: keep its own launch
@@ -266,6 +271,33 @@ def _launch_fast(kernel, wflat, x, y, scalars, blocks: int, threads: int, dyn: i
     xs, ys = x.numel() // 4, y.numel()     # x as int64 words, y as int16
     cc_launch(stream, cfg, kernel, *wflat, *_flat(x.data_ptr(), xs, 8), *_flat(y.data_ptr(), ys, 2),
               *[ctypes.c_int64(s) for s in scalars])
+
+
+def launch_tensors(kern, blocks: int, threads: int, tensors, scalars) -> None:
+    """Launch ``kern[blocks, threads]`` on torch's current stream with 1-D contiguous tensors (as
+    numba arrays) then int64 scalars, directly once numba's packing of them is checked (no dynamic
+    shared memory)."""
+    device = tensors[0].device
+    if SIM:
+        kern[blocks, threads](*[_as_numba(t) for t in tensors], *scalars)
+        return
+    fkey = (id(kern), device.index)
+    ck = _fast.get(fkey)
+    if ck is not None:
+        from cuda.core import LaunchConfig
+        from cuda.core import launch as cc_launch
+
+        key = (blocks, threads, 0)
+        cfg = _cfgs.get(key)
+        if cfg is None:
+            cfg = _cfgs[key] = LaunchConfig(grid=blocks, block=threads, shmem_size=0)
+        flat = [f for t in tensors for f in _flat(t.data_ptr(), t.numel(), t.element_size())]
+        cc_launch(_stream(device), cfg, ck, *flat, *[ctypes.c_int64(s) for s in scalars])
+        return
+    args = tuple(_as_numba(t) for t in tensors) + tuple(scalars)
+    kern[blocks, threads, _stream(device)](*args)
+    if fkey not in _fast:
+        _fast[fkey] = _fast_entry(kern, args)
 
 
 def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, regs=None, wflat=None) -> bool:

@@ -3,12 +3,13 @@
 1. Correctness: a random Llama (fp16, 50% magnitude-pruned per row) written as an HF dir, packed
    with ``sparsekit.packing.encode`` and loaded with ``load_packed(device="cuda")`` (falls back to
    swapping in ``SparseLinear`` in memory while packing is unavailable). Logits vs the dense
-   pruned model, relative error < 1e-2, both at decode size (N <= 64 tokens: the bundled kernel)
-   and at prefill size (N > 64: decode + cuBLAS). Outputs of the kernel path are poisoned first.
+   pruned model, relative error < 1e-2, both at decode size (N <= dense_above tokens: the bundled
+   kernel) and at prefill size (above: the decode kernel + cuBLAS). The decode kernel is checked
+   bit-exact against ``tcabme.decode`` on 7B shapes. Outputs of the kernel path are poisoned first.
 2. CUDA graphs vs eager: the same greedy tokens, packed model and dense model.
 3. The prefill threshold: per N, time the kernel and decode + cuBLAS on 7B shapes at 50%
-   (4 rotated weight copies, CUDA events, medians) and print the crossover, which becomes
-   ``SparseLinear.dense_above``.
+   (4 rotated weight copies, CUDA events, medians; decode = what SparseLinear runs, the decode
+   kernel) and print the crossover, which becomes ``SparseLinear.dense_above``.
 
     python scripts/gpu_check_runtime.py [--skip-threshold] [--json out.json]
 """
@@ -95,7 +96,7 @@ def check_correctness(results: dict) -> None:
     print(f"packed model via {how}: {n_sparse} SparseLinear layers", flush=True)
     check(n_sparse == 7 * 4, f"all 28 decoder linears are SparseLinear (got {n_sparse})")
     gen = torch.Generator().manual_seed(1)
-    for b, n in ((1, 1), (4, 1), (2, 16), (1, 64), (2, 200)):
+    for b, n in ((1, 1), (4, 1), (2, 16), (1, 64), (2, 200), (2, 300)):
         ids = torch.randint(0, 8000, (b, n), generator=gen).cuda()
         with torch.no_grad():
             ref = dense(ids).logits.float()
@@ -186,6 +187,8 @@ def measure_threshold(results: dict) -> None:
     if kernel is None:
         print("note: no bundled kernel: threshold not measured", flush=True)
         return
+    from sparsekit.kernels.decode import tcabme_decode as dense_of   # what SparseLinear's prefill runs
+
     rows = []
     for (m, k) in ((4096, 4096), (11008, 4096), (4096, 11008)):
         copies = []
@@ -193,23 +196,31 @@ def measure_threshold(results: dict) -> None:
             w = torch.randn(m, k, device="cuda", dtype=torch.float16)
             prune_rows_(w, 0.5)
             copies.append(encode(w))
+        it = {"i": 0}
+
+        def nxt():
+            it["i"] = (it["i"] + 1) % 4
+            return copies[it["i"]]
+
+        exact = all(torch.equal(dense_of(c).view(torch.int16), decode(c).view(torch.int16)) for c in copies[:2])
+        check(exact, f"decode kernel == tcabme.decode, bit for bit, on {m}x{k}")
+        t_dk = time_ms(lambda: dense_of(nxt()))
+        t_dt = time_ms(lambda: decode(nxt()))
+        t_dd = time_ms(lambda: decode_dense(nxt()))
+        rows.append({"m": m, "k": k, "decode_kernel_ms": t_dk, "tcabme_decode_ms": t_dt, "decode_dense_ms": t_dd})
+        print(f"{m}x{k}: decode kernel {t_dk:.3f} ms, tcabme.decode {t_dt:.3f} ms, decode_dense {t_dd:.3f} ms",
+              flush=True)
         for n in (16, 32, 64, 96, 128, 256, 512, 1024, 2048):
             x = torch.randn(n, k, device="cuda", dtype=torch.float16)
-            it = {"i": 0}
-
-            def nxt():
-                it["i"] = (it["i"] + 1) % 4
-                return copies[it["i"]]
-
             t_kernel = time_ms(lambda: kernel(x, nxt()))
-            t_decode = time_ms(lambda: F.linear(x, decode_dense(nxt())))
+            t_decode = time_ms(lambda: F.linear(x, dense_of(nxt())))
             rows.append({"m": m, "k": k, "n": n, "kernel_ms": t_kernel, "decode_cublas_ms": t_decode})
             print(f"{m}x{k} N={n:5d}: kernel {t_kernel:8.3f} ms   decode+cuBLAS {t_decode:8.3f} ms", flush=True)
     results["threshold_rows"] = rows
     # largest N up to which the kernel is faster on every shape
     best = 0
-    for n in sorted({r["n"] for r in rows}):
-        if all(r["kernel_ms"] <= r["decode_cublas_ms"] for r in rows if r["n"] == n):
+    for n in sorted({r["n"] for r in rows if "n" in r}):
+        if all(r["kernel_ms"] <= r["decode_cublas_ms"] for r in rows if r.get("n") == n):
             best = n
         else:
             break

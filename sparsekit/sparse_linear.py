@@ -5,8 +5,8 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
 * CUDA, fp16, ``N <= SparseLinear.dense_above`` -> the bundled kernel
   ``sparsekit.kernels.tcabme_matmul`` (decode steps; launched on torch's current stream, so a
   CUDA graph can capture it).
-* CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU, then
-  ``F.linear`` (cuBLAS). The threshold is measured by ``scripts/gpu_check_runtime.py`` (kernel
+* CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (the
+  decode kernel ``sparsekit.kernels.decode``), then ``F.linear`` (cuBLAS). The threshold is measured by ``scripts/gpu_check_runtime.py`` (kernel
   vs decode + cuBLAS per N) and recorded in docs/benchmarks.md ("End to end"); override it with
   the environment variable ``SPARSEKIT_DENSE_ABOVE`` or per module (``layer.dense_above = n``).
   Inside a compiled or graph-captured step the decode is ``decode_dense`` (no host sync).
@@ -30,9 +30,9 @@ from sparsekit.errors import SparsekitError
 from sparsekit.tcabme import TcaBme, decode, encode
 
 # Kernel up to and including this many tokens, decode + cuBLAS above: measured on an H100 with
-# scripts/gpu_check_runtime.py (7B shapes, 50%, eager calls; see docs/benchmarks.md, "End to end"):
-# 64 while numba's own launch cost ~0.35 ms per call, 512 since launch.py launches directly (~45 us).
-DEFAULT_DENSE_ABOVE = 512
+# scripts/gpu_check_runtime.py (7B shapes, 50%, eager calls; see docs/benchmarks.md, "End to end").
+# With the decode kernel (0.11-0.19 ms per 7B weight) decode + cuBLAS wins from 96 tokens on.
+DEFAULT_DENSE_ABOVE = 64
 
 NO_GPU_NOTICE = "no CUDA GPU: sparse layers run the reference path (decode + matmul), which is slow"
 CPU_NOTICE = "sparse layers on the CPU run the reference path (decode + matmul), which is slow"
@@ -174,8 +174,15 @@ class SparseLinear(nn.Module):
         return super()._apply(fn, *args, **kwargs)
 
     def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The decoded ``[out, in]`` weight (bit-exact), optionally cast."""
-        w = decode(self.packed)
+        """The decoded ``[out, in]`` weight (bit-exact), optionally cast. On a GPU with the bundled
+        kernels, one decode kernel (``sparsekit.kernels.decode``); otherwise ``tcabme.decode``."""
+        p = self.packed
+        if p.values.is_cuda and kernels_ready():
+            from sparsekit.kernels.decode import tcabme_decode
+
+            w = tcabme_decode(p)
+        else:
+            w = decode(p)
         return w if dtype is None else w.to(dtype)
 
     def to_linear(self, dtype: torch.dtype | None = None) -> nn.Linear:
@@ -212,7 +219,7 @@ class SparseLinear(nn.Module):
                 raw = TcaBme(bitmaps=self.bitmaps, values=self.values, gtile_offsets=self.gtile_offsets,
                              strip_offsets=self.strip_offsets, shape=(self.out_features, self.in_features))
                 y = F.linear(x2, decode_dense(raw).to(x2.dtype))
-            else:  # prefill: decode the tiles to a dense weight on the GPU (measured faster), then cuBLAS
+            else:  # prefill: decode the tiles to a dense weight on the GPU (one kernel), then cuBLAS
                 y = F.linear(x2, self.dense_weight(x2.dtype))
         elif torch.compiler.is_compiling():  # the reference path, as one op (decode + matmul)
             y = tcabme_mm(x2, self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets,

@@ -119,3 +119,26 @@ def test_padded_values_tail_is_ignored():
     for tuning in (dict(cuda_core_max_n=0, warp_kernel=False), {}):   # both kernels
         y = tcabme_matmul(x.to(DEV), p.to(DEV), **tuning)
         assert (y.cpu().double() - ref).norm() / ref.norm() < 1e-3
+
+
+@pytest.mark.parametrize("m,k,sparsity,dtype", [
+    (64, 128, 0.5, torch.float16),    # 2 GroupTiles, random pattern
+    (100, 72, 0.7, torch.bfloat16),   # M and K padding, bf16 bit patterns
+    (64, 64, 0.0, torch.float16),     # dense tiles: every lane reads its 32 values
+])
+def test_decode_kernel_is_bit_exact(m, k, sparsity, dtype):
+    """kernels/decode.py (the prefill path) rebuilds exactly what tcabme.decode does."""
+    from sparsekit.kernels.decode import tcabme_decode
+    from sparsekit.tcabme import decode
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(m, k, generator=g).to(dtype)
+    w[torch.rand(m, k, generator=g) < sparsity] = 0
+    w[0, :8] = 0
+    w[1, 3] = -0.0                    # a stored -0.0 stays -0.0
+    w[m - 1, k - 1] = 2.5             # the last element of the padded grid's last real row
+    p = encode(w).to(DEV)
+    d = tcabme_decode(p)
+    assert d.shape == (m, k) and d.dtype == dtype
+    assert torch.equal(d.cpu().view(torch.int16), decode(encode(w)).view(torch.int16))
+    assert torch.equal(d.cpu().view(torch.int16), w.view(torch.int16))

@@ -1,0 +1,71 @@
+"""TCA-BME -> dense on the GPU in one kernel: the prefill path (decode once, then cuBLAS).
+
+One block per GroupTile, one warp per strip, one lane per half-BitmapTile (4 rows x 8 columns):
+the lane's values are contiguous in the format, so after a warp scan of the 32 popcounts each
+lane walks its own bits, reads its values in order and writes its four 16-byte row pieces of the
+dense weight (eight lanes write one 128-byte row of the strip). Values are copied as bit
+patterns: fp16 and bf16 alike, bit-exact.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numba import cuda
+
+from ._intrinsics import SCRATCH_WORDS
+from ._warp_intrinsics import scan_counts
+
+THREADS = 128   # 4 warps: the 4 strips of a GroupTile
+_KERNEL = []
+
+
+def _build():
+    @cuda.jit
+    def kernel(bm, vals, soff, out, gk_n, ldo):
+        scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
+        tid = cuda.threadIdx.x
+        s = tid >> 5
+        h = tid & 31
+        g = cuda.blockIdx.x
+        gm = g // gk_n
+        gk = g - gm * gk_n
+        b = h >> 1                     # BitmapTile in the strip: TCTile b >> 2, quadrant b & 3
+        half = h & 1                   # rows 0-3 or 4-7 of it
+        word = bm[64 * g + 16 * s + b]
+        bits = np.uint32((word >> (32 * half)) & 0xFFFFFFFF)
+        ptr = np.int64(soff[4 * g + s]) + np.int64(scan_counts(scr, tid, np.uint32(cuda.popc(bits))))
+        q = b & 3
+        row = 64 * gm + 16 * s + 8 * (q & 1) + 4 * half
+        col = (64 * gk + 16 * (b >> 2) + 8 * (q >> 1)) >> 1     # in 32-bit words (2 values)
+        for i in range(4):
+            for jw in range(4):
+                lo = np.int32(0)
+                hi = np.int32(0)
+                if (bits >> np.uint32(8 * i + 2 * jw)) & np.uint32(1):
+                    lo = np.int32(vals[ptr]) & 0xFFFF
+                    ptr += 1
+                if (bits >> np.uint32(8 * i + 2 * jw + 1)) & np.uint32(1):
+                    hi = np.int32(vals[ptr]) << 16
+                    ptr += 1
+                out[(row + i) * ldo + col + jw] = hi | lo
+
+    return kernel
+
+
+def tcabme_decode(w) -> torch.Tensor:
+    """The dense ``[M, K]`` weight of a CUDA TCA-BME weight ``w`` (bit-exact, in its values' dtype)."""
+    from . import launch
+
+    if not _KERNEL:
+        _KERNEL.append(_build())
+    m, k = w.shape
+    gm, gk = w.grid
+    out = torch.empty((gm * 64, gk * 64), dtype=w.values.dtype, device=w.values.device)
+    if gm * gk and w.values.numel():
+        launch.launch_tensors(_KERNEL[0], gm * gk, THREADS,
+                              (w.bitmaps.view(torch.int64), w.values.view(torch.int16), w.strip_offsets,
+                               out.view(-1).view(torch.int32)),
+                              (gk, gk * 32))
+    else:
+        out.zero_()
+    return out[:m, :k]
