@@ -3,6 +3,7 @@
     tcabme_matmul(x, w, out=None)  # y[N, M] = x[N, K] @ W^T, W packed (sparsekit.tcabme.TcaBme)
     reference_matmul(x, w)          # decode + matmul, any device
     kernels_available()             # True when the GPU kernels can run here
+    decode.tcabme_decode(w)         # the dense [M, K] weight, one GPU kernel (import it from .decode)
 
 Importing this package is cheap and safe on a CPU-only machine: numba.cuda and the kernels load
 on first use.
