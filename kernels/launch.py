@@ -260,7 +260,9 @@ def _fast_entry(kern, args):
         return None
 
 
-def _launch_fast(kernel, wflat, x, y, scalars, blocks: int, threads: int, dyn: int, stream) -> None:
+def _launch_direct(ck, blocks: int, threads: int, dyn: int, stream, flat, scalars) -> None:
+    """Launch the cuda.core kernel ``ck`` with numba's argument packing: ``flat`` (the arrays, see
+    ``_flat``) then ``scalars`` as int64."""
     from cuda.core import LaunchConfig
     from cuda.core import launch as cc_launch
 
@@ -268,9 +270,7 @@ def _launch_fast(kernel, wflat, x, y, scalars, blocks: int, threads: int, dyn: i
     cfg = _cfgs.get(key)
     if cfg is None:
         cfg = _cfgs[key] = LaunchConfig(grid=blocks, block=threads, shmem_size=dyn)
-    xs, ys = x.numel() // 4, y.numel()     # x as int64 words, y as int16
-    cc_launch(stream, cfg, kernel, *wflat, *_flat(x.data_ptr(), xs, 8), *_flat(y.data_ptr(), ys, 2),
-              *[ctypes.c_int64(s) for s in scalars])
+    cc_launch(stream, cfg, ck, *flat, *[ctypes.c_int64(s) for s in scalars])
 
 
 def launch_tensors(kern, blocks: int, threads: int, tensors, scalars) -> None:
@@ -284,15 +284,8 @@ def launch_tensors(kern, blocks: int, threads: int, tensors, scalars) -> None:
     fkey = (id(kern), device.index)
     ck = _fast.get(fkey)
     if ck is not None:
-        from cuda.core import LaunchConfig
-        from cuda.core import launch as cc_launch
-
-        key = (blocks, threads, 0)
-        cfg = _cfgs.get(key)
-        if cfg is None:
-            cfg = _cfgs[key] = LaunchConfig(grid=blocks, block=threads, shmem_size=0)
         flat = [f for t in tensors for f in _flat(t.data_ptr(), t.numel(), t.element_size())]
-        cc_launch(_stream(device), cfg, ck, *flat, *[ctypes.c_int64(s) for s in scalars])
+        _launch_direct(ck, blocks, threads, 0, _stream(device), flat, scalars)
         return
     args = tuple(_as_numba(t) for t in tensors) + tuple(scalars)
     kern[blocks, threads, _stream(device)](*args)
@@ -317,7 +310,9 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, reg
     fkey = (id(kern), x.device.index)
     # (a block past 48 KB of shared memory needs the kernel's opt-in first: numba's launch path does it)
     if not SIM and wflat and _fast.get(fkey) is not None and (dyn <= 48 * 1024 or id(kern) in _optin_done):
-        _launch_fast(_fast[fkey], wflat, x, y, scalars, blocks, 32 * nw, dyn, _stream(x.device))
+        xs, ys = x.numel() // 4, y.numel()     # x as int64 words, y as int16
+        _launch_direct(_fast[fkey], blocks, 32 * nw, dyn, _stream(x.device),
+                       [*wflat, *_flat(x.data_ptr(), xs, 8), *_flat(y.data_ptr(), ys, 2)], scalars)
         return True
     xv = _as_numba(x.reshape(-1).view(torch.int64))
     yv = _as_numba(y.reshape(-1).view(torch.int16))
