@@ -38,6 +38,8 @@ MAX_N = 64
 DENSE_CHUNKS = 129   # 16-byte value chunks a strip can need: 1024 values + a misaligned start
 
 _KERNELS: dict = {}
+ROT = 1     # blocks start their K loop at different steps (blockIdx mod steps), see _build
+PROBE = 0   # diagnostics only (scripts/probe_kernels.py): 1 = stream without decoding, 2 = decode L2-hot data
 _SIM_U64 = np.dtype(np.uint64) if SIM else np.uint64
 _SIM_U32 = np.dtype(np.uint32) if SIM else np.uint32
 _SIM_F32 = np.dtype(np.float32) if SIM else np.float32
@@ -62,13 +64,13 @@ def get_kernel(n: int, stages: int, cmax: int, r: int = 1, maxreg: int | None = 
     """Kernel for exactly ``n`` tokens, ``stages`` slots per warp, ``cmax`` value chunks per lane,
     ``r`` (1 or 2) strips per warp-step."""
     maxreg = maxreg or max_registers(n, r)
-    key = (n, stages, cmax, r, maxreg)
+    key = (n, stages, cmax, r, maxreg, PROBE, ROT)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(n, stages, cmax, r, maxreg)
+        _KERNELS[key] = _build(n, stages, cmax, r, maxreg, PROBE, ROT)
     return _KERNELS[key]
 
 
-def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int):
+def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int, PROBE: int = 0, ROT: int = 1):
     assert 1 <= N <= MAX_N and 2 <= STAGES <= 4 and 1 <= CMAX <= 9 and R in (1, 2)
     NB = (N + 7) // 8          # 8-token mma blocks
     NACC = 4 * NB
@@ -81,6 +83,17 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int):
     step_issue = make_step_issue(CMAX, XIT, 8 * R)
     RACC = R * NACC
     TABB = 256                 # bytes of one strip's table
+
+    @cuda.jit(device=True, inline="always")
+    def rotated(t, rot, nsw):
+        """Step number of the warp's ``t``-th step when it starts at step ``rot``; ``nsw`` (no
+        step: the copies are predicated off) once ``t`` runs past the warp's steps."""
+        if t >= nsw:
+            return nsw
+        j = t + rot
+        if j >= nsw:
+            j -= nsw
+        return j
 
     @cuda.jit(device=True, inline="always")
     def scan_step(scr, tid, d32, sb, bmo, lstart, lmid, j, valid):
@@ -196,6 +209,9 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int):
         xstep = u64(128 * nw)
         xstride = u64(4 * ldxb)
         nsw_u = u32(nsw)
+        # ROT: block b runs its warps' steps from step b mod nsw (wrapping), so the blocks of one
+        # launch do not all read the same X slice (the same L2 lines) at the same time
+        rot = u32(cuda.blockIdx.x % nsw) if ROT and nsw > 0 else u32(0)
         xrem = np.int32(XCH - lane)
 
         acc = cuda.local.array(RACC, np.float32)
@@ -205,10 +221,10 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int):
         # prologue: steps 0 .. STAGES-2 in flight
         islot = u32(0)                 # slot to fill next (byte offset in the ring)
         for j in range(STAGES - 1):
-            step_issue(scr, tid, d64, lstart, lend, j, nsw_u, lane, wring + islot + vlane, vals, vp,
-                       bm, wring + islot + boff, bsrc, x, wring + islot + xoff, xsrc, xrem, xstride)
-            bsrc += bstep
-            xsrc += xstep
+            jr = u32(0) if PROBE == 2 else rotated(u32(j), rot, nsw_u)
+            step_issue(scr, tid, d64, lstart, lend, jr, nsw_u, lane, wring + islot + vlane,
+                       vals, vp, bm, wring + islot + boff, bsrc + u64(jr) * bstep, x, wring + islot + xoff,
+                       xsrc + u64(jr) * xstep, xrem, xstride)
             islot += slot_b
         dslot = u32(0)                 # slot of the step decoded next
         i = u32(0)
@@ -217,10 +233,10 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int):
             wait()                     # this lane's copies of step i have landed ...
             syncwarp()                 # ... and everyone's; everyone is done with step i-1's slot
             # ---- issue step i + STAGES - 1 into the slot of step i - 1
-            step_issue(scr, tid, d64, lstart, lend, i + u32(STAGES - 1), nsw_u, lane, wring + islot + vlane,
-                       vals, vp, bm, wring + islot + boff, bsrc, x, wring + islot + xoff, xsrc, xrem, xstride)
-            bsrc += bstep
-            xsrc += xstep
+            jn = u32(0) if PROBE == 2 else rotated(i + u32(STAGES - 1), rot, nsw_u)
+            step_issue(scr, tid, d64, lstart, lend, jn, nsw_u, lane, wring + islot + vlane,
+                       vals, vp, bm, wring + islot + boff, bsrc + u64(jn) * bstep, x, wring + islot + xoff,
+                       xsrc + u64(jn) * xstep, xrem, xstride)
             islot += slot_b
             if islot == ring_b:
                 islot = u32(0)
@@ -230,8 +246,12 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int):
             dslot += slot_b
             if dslot == ring_b:
                 dslot = u32(0)
+            if PROBE == 1:
+                i += u32(1)
+                continue
             valid = (i < nsw_u) if SIM else True      # the simulator runs every warp to nloop
-            t1, t2 = scan_step(scr, tid, d32, sb, bmo, lstart, lmid, i, valid)
+            t1, t2 = scan_step(scr, tid, d32, sb, bmo, lstart, lmid, u32(0) if PROBE == 2 else rotated(i, rot, nsw_u),
+                               valid)
             sts64b(d64, tab_w, t1)
             if R == 2:
                 sts64b(d64, tab_w + u32(TABB), t2)

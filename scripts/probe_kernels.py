@@ -1,0 +1,87 @@
+"""Where spmm_warp's time goes: the kernel against two crippled copies of itself.
+
+- ``full``: the kernel as shipped (correct output);
+- ``stream``: the same copies, waits and loop, no decode or multiply (what the memory traffic alone
+  costs in this access pattern);
+- ``l2hot``: every step re-copies and decodes the warp's first step (L2-hot: the decode, the
+  multiply and the copy instructions without DRAM).
+
+Timed like bench_kernels.py (CUDA-graph replays over >= 4 weight copies, median us per call), plus
+a read-only bandwidth (``torch.sum`` over 1 GiB) for scale. Diagnostics only: the crippled kernels'
+outputs are wrong by design.
+
+    python3 scripts/probe_kernels.py [--shapes 11008x4096,4096x4096] [--ns 1,16] [--plans default,r2w8s2g64]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_kernels import copies_for, random_pruned, time_calls  # noqa: E402
+
+
+def read_bandwidth() -> float:
+    a = torch.ones(2**29, dtype=torch.float16, device="cuda")   # 1 GiB
+    ts = []
+    for i in range(12):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        a.sum()
+        e1.record()
+        e1.synchronize()
+        if i > 1:
+            ts.append(e0.elapsed_time(e1) / 1e3)
+    return a.numel() * 2 / statistics.median(ts)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="11008x4096,4096x4096")
+    ap.add_argument("--ns", default="1,16")
+    ap.add_argument("--plans", default="default")
+    ap.add_argument("--sparsity", type=float, default=0.5)
+    ap.add_argument("--rot", default="1", help="ROT values to compare (0: every block starts at step 0)")
+    ap.add_argument("--modes", default="0,1,2", help="0 full, 1 stream, 2 l2hot")
+    a = ap.parse_args()
+    from sparsekit.kernels import spmm_warp, tcabme_matmul
+    from sparsekit.tcabme import encode
+
+    print(f"{torch.cuda.get_device_name()}: read bandwidth {read_bandwidth() / 1e12:.2f} TB/s", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for shape in a.shapes.split(","):
+        m, k = map(int, shape.split("x"))
+        p = encode(random_pruned(m, k, a.sparsity, gen))
+        npk = copies_for(p.nbytes)
+        pcs = [type(p)(bitmaps=p.bitmaps.clone(), values=p.values.clone(), gtile_offsets=p.gtile_offsets.clone(),
+                       strip_offsets=p.strip_offsets.clone(), shape=p.shape) for _ in range(npk)]
+        for n in map(int, a.ns.split(",")):
+            x = torch.randn(n, k, device="cuda", generator=gen).half()
+            ys = [torch.empty(n, m, device="cuda", dtype=torch.float16) for _ in range(npk)]
+            for plan in a.plans.split(","):
+                kw = {}
+                mt = re.fullmatch(r"r(\d+)w(\d+)s(\d+)(?:g(\d+))?", plan)
+                if mt:
+                    kw = dict(strips=int(mt[1]), warps=int(mt[2]), stages=int(mt[3]),
+                              regs=int(mt[4]) if mt[4] else None)
+                for rot in map(int, a.rot.split(",")):
+                    spmm_warp.ROT = rot
+                    out = []
+                    for probe in map(int, a.modes.split(",")):
+                        spmm_warp.PROBE = probe
+                        t = time_calls([lambda i=i: tcabme_matmul(x, pcs[i], out=ys[i], **kw) for i in range(npk)])[0]
+                        out.append(f"{('full', 'stream', 'l2hot')[probe]} {t:.1f} us ({p.nbytes / t / 1e3:.0f} GB/s)")
+                    print(f"{m}x{k} N={n} {plan} rot={rot}: " + " | ".join(out), flush=True)
+                spmm_warp.PROBE = 0
+                spmm_warp.ROT = 1
+        del pcs
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
