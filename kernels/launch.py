@@ -110,7 +110,7 @@ def _weight_views(w):
         arrays = (_as_numba(w.bitmaps.view(torch.int64)), _as_numba(values.view(torch.int64)),
                   _as_numba(w.gtile_offsets), _as_numba(w.strip_offsets))
         flat = [] if SIM else [f for a in arrays for f in _flat(a.device_ctypes_pointer.value or 0, a.size, a.dtype.itemsize)]
-        v = arrays + (_vcap(w), (_strip_chunks(w, 1), _strip_chunks(w, 2)), flat)
+        v = arrays + (_vcap(w), (_strip_chunks(w, 1), _strip_chunks(w, 2), 0, _strip_chunks(w, 4)), flat)
         if not SIM:
             if len(_views) >= _VIEW_CACHE_MAX:
                 _views.clear()
@@ -130,10 +130,16 @@ def _workspace(device: torch.device, floats: int, rows: int):
     return ws, cnt
 
 
-def warp_strips(m: int, gk: int, n: int) -> int:
+def warp_strips(m: int, gk: int, n: int, sms: int = 132) -> int:
     """Strips per warp-step for spmm_warp: 2 (two strip rows share each X slice, the scan and the
-    loop) from 128 strip rows on; small M keeps 1, where halving the blocks costs more than it saves."""
-    return 1 if -(-m // 16) < 128 else 2
+    loop) from 128 strip rows on; small M keeps 1, where halving the blocks costs more than it saves.
+    4 (a whole GroupTile row per block: contiguous 4-strip reads, X shared 4 ways) up to 16 tokens
+    once that still leaves 1.5 blocks per SM (H100 sweep, docs/kernels-notes.md v9: 14336x4096 and
+    22016x4096 gain 4-18%; 11008x4096, 1.3 blocks per SM, loses 15-30%)."""
+    rows = -(-m // 16)
+    if rows < 128:
+        return 1
+    return 4 if n <= 16 and -(-rows // 4) * 2 >= 3 * sms and gk < 128 else 2
 
 
 def warp_plan(m: int, gk: int, n: int, vch: int, warps: int | None = None,
@@ -152,6 +158,9 @@ def warp_plan(m: int, gk: int, n: int, vch: int, warps: int | None = None,
     long_k = gk >= 128
     tall = r == 2 and not long_k and gk > 16 and blocks >= 2 * sms
     crowded = tall and n < 8 and blocks > 4 * sms
+    if r == 4:     # a whole GroupTile row per block
+        warps = warps or (min(gk, 16) if long_k or gk <= 16 else 4)
+        stages = stages or 2
     if warps is None:
         if gk <= 16:
             warps = gk
@@ -221,7 +230,7 @@ def warp_chunk(m: int, gk: int, n: int, vchs, warps: int | None = None, stages: 
     0: not even one token fits, and spmm.py runs the product."""
     limit = _smem_limit()
     while n >= 1:
-        r = strips or warp_strips(m, gk, n)
+        r = strips or warp_strips(m, gk, n, sms)
         if warp_plan(m, gk, n, vchs[r - 1], warps, stages, r, sms)[2] <= limit:
             return n
         n //= 2
@@ -299,9 +308,9 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, reg
     n = x.shape[0]
     m, _ = w.shape
     gm, gk = w.grid
-    r = strips or warp_strips(m, gk, n)
-    vch = vchs[r - 1]
     sms = _sm_count(x.device)
+    r = strips or warp_strips(m, gk, n, sms)
+    vch = vchs[r - 1]
     nw, st, dyn = warp_plan(m, gk, n, vch, warps, stages, r, sms)
     cmax = -(-vch // 32)
     kern = spmm_warp.get_kernel(n, st, cmax, r, regs)

@@ -57,12 +57,14 @@ def smem_bytes(nw: int, vch: int, n: int, stages: int, r: int = 1) -> int:
 
 def max_registers(n: int, r: int = 1) -> int:
     """Register cap per thread (64 keeps 2+ blocks of 8-16 warps on an SM at decode sizes)."""
+    if r == 4:
+        return 128
     return 64 if n <= 16 and r == 1 else (96 if n <= 16 else 128)
 
 
 def get_kernel(n: int, stages: int, cmax: int, r: int = 1, maxreg: int | None = None):
     """Kernel for exactly ``n`` tokens, ``stages`` slots per warp, ``cmax`` value chunks per lane,
-    ``r`` (1 or 2) strips per warp-step."""
+    ``r`` (1, 2 or 4) strips per warp-step."""
     maxreg = maxreg or max_registers(n, r)
     key = (n, stages, cmax, r, maxreg, PROBE, ROT)
     if key not in _KERNELS:
@@ -71,7 +73,7 @@ def get_kernel(n: int, stages: int, cmax: int, r: int = 1, maxreg: int | None = 
 
 
 def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int, PROBE: int = 0, ROT: int = 1):
-    assert 1 <= N <= MAX_N and 2 <= STAGES <= 4 and 1 <= CMAX <= 9 and R in (1, 2)
+    assert 1 <= N <= MAX_N and 2 <= STAGES <= 4 and 1 <= CMAX <= 17 and R in (1, 2, 4)
     NB = (N + 7) // 8          # 8-token mma blocks
     NACC = 4 * NB
     XCH = 8 * N                # 16-byte chunks of one step's X slice
@@ -96,26 +98,41 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int, PROBE: int = 0, 
         return j
 
     @cuda.jit(device=True, inline="always")
-    def scan_step(scr, tid, d32, sb, bmo, lstart, lmid, j, valid):
+    def scan_step(scr, tid, d32, sb, bmo, lstart, l1, l2, l3, j, valid):
         """The table words (half-bitmap, address of its first value) of this lane's entry, for
-        the R strips of step ``j`` staged at ``sb``: popcounts, one warp scan, the offsets."""
+        the R strips of step ``j`` staged at ``sb``: popcounts, warp scans (two strips' counts
+        share one, in 16-bit halves), the offsets. Strips past R get 0."""
         start = shfl_idx(scr, tid, lstart, j & u32(31))
-        bmw = lds32b(d32, sb + bmo)
+        base = start & ~u32(7)           # the slot holds the values from this 8-value boundary
+        bw0 = lds32b(d32, sb + bmo)
         if not valid:
-            bmw = u32(0)
+            bw0 = u32(0)
         t2 = u64(0)
+        t3 = u64(0)
+        t4 = u64(0)
         if R == 1:
-            excl = scan_counts(scr, tid, u32(cuda.popc(bmw)))
+            ex0 = scan_counts(scr, tid, u32(cuda.popc(bw0)))
         else:
-            mid = shfl_idx(scr, tid, lmid, j & u32(31))
-            bmw2 = lds32b(d32, sb + bmo + u32(BMW * 8))
+            m1 = shfl_idx(scr, tid, l1, j & u32(31))
+            bw1 = lds32b(d32, sb + bmo + u32(BMW * 8))
             if not valid:
-                bmw2 = u32(0)
-            both = scan_counts(scr, tid, u32(cuda.popc(bmw)) | (u32(cuda.popc(bmw2)) << u32(16)))
-            excl = both & u32(0xFFFF)
-            t2 = u64(bmw2) | (u64(sb + u32(2) * ((both >> u32(16)) + mid - (start & ~u32(7)))) << u64(32))
-        t1 = u64(bmw) | (u64(sb + u32(2) * (excl + (start & u32(7)))) << u64(32))
-        return t1, t2
+                bw1 = u32(0)
+            a = scan_counts(scr, tid, u32(cuda.popc(bw0)) | (u32(cuda.popc(bw1)) << u32(16)))
+            ex0 = a & u32(0xFFFF)
+            t2 = u64(bw1) | (u64(sb + u32(2) * ((a >> u32(16)) + m1 - base)) << u64(32))
+            if R == 4:
+                m2 = shfl_idx(scr, tid, l2, j & u32(31))
+                m3 = shfl_idx(scr, tid, l3, j & u32(31))
+                bw2 = lds32b(d32, sb + bmo + u32(2 * BMW * 8))
+                bw3 = lds32b(d32, sb + bmo + u32(3 * BMW * 8))
+                if not valid:
+                    bw2 = u32(0)
+                    bw3 = u32(0)
+                b = scan_counts(scr, tid, u32(cuda.popc(bw2)) | (u32(cuda.popc(bw3)) << u32(16)))
+                t3 = u64(bw2) | (u64(sb + u32(2) * ((b & u32(0xFFFF)) + m2 - base)) << u64(32))
+                t4 = u64(bw3) | (u64(sb + u32(2) * ((b >> u32(16)) + m3 - base)) << u64(32))
+        t1 = u64(bw0) | (u64(sb + u32(2) * (ex0 + (start & u32(7)))) << u64(32))
+        return t1, t2, t3, t4
 
     @cuda.jit(device=True, inline="always")
     def tctile(t, scr, tid, d32, d64, xb, tab_r, lmask, p, gid, valid, acc):
@@ -172,16 +189,21 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int, PROBE: int = 0, 
         nsw = (GK - warp + nw - 1) // nw if warp < GK else 0
         nloop = (GK + nw - 1) // nw if SIM else nsw
 
-        # lane j: where the values of this warp's step j start (and, R = 2, where its second strip
-        # starts) and end; the R strips of a step are contiguous in the format
+        # lane j: where the values of this warp's step j start (and, R > 1, where its other strips
+        # start) and end; the R strips of a step are contiguous in the format
         lstart = u32(0)
-        lmid = u32(0)
+        l1 = u32(0)
+        l2 = u32(0)
+        l3 = u32(0)
         lend = u32(0)
         if lane < nsw:
             g = gm * GK + warp + nw * lane
             lstart = u32(soff[4 * g + s])
-            if R == 2:
-                lmid = u32(soff[4 * g + s + 1])
+            if R >= 2:
+                l1 = u32(soff[4 * g + s + 1])
+            if R == 4:
+                l2 = u32(soff[4 * g + 2])
+                l3 = u32(soff[4 * g + 3])
             if s + R < 4:
                 lend = u32(soff[4 * g + s + R])
             else:
@@ -250,11 +272,14 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int, PROBE: int = 0, 
                 i += u32(1)
                 continue
             valid = (i < nsw_u) if SIM else True      # the simulator runs every warp to nloop
-            t1, t2 = scan_step(scr, tid, d32, sb, bmo, lstart, lmid, u32(0) if PROBE == 2 else rotated(i, rot, nsw_u),
-                               valid)
+            t1, t2, t3, t4 = scan_step(scr, tid, d32, sb, bmo, lstart, l1, l2, l3,
+                                       u32(0) if PROBE == 2 else rotated(i, rot, nsw_u), valid)
             sts64b(d64, tab_w, t1)
-            if R == 2:
+            if R >= 2:
                 sts64b(d64, tab_w + u32(TABB), t2)
+            if R == 4:
+                sts64b(d64, tab_w + u32(2 * TABB), t3)
+                sts64b(d64, tab_w + u32(3 * TABB), t4)
             syncwarp()
 
             xb = sb + xlo

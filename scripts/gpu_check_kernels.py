@@ -60,7 +60,7 @@ def probe():
     return info
 
 
-def check(quick: bool, shapes=None, ns=None) -> int:
+def check(quick: bool, shapes=None, ns=None, sparsities=None) -> int:
     from sparsekit.kernels import kernels_available, tcabme_matmul
     from sparsekit.tcabme import encode
 
@@ -71,7 +71,7 @@ def check(quick: bool, shapes=None, ns=None) -> int:
     failures, worst, cases = [], 0.0, 0
     t0 = time.time()
     for (m, k) in shapes:
-        for sp in SPARSITIES:
+        for sp in (sparsities or SPARSITIES):
             w = random_pruned(m, k, sp, dev, gen)
             p = encode(w)
             for n in (ns or NS):
@@ -81,9 +81,10 @@ def check(quick: bool, shapes=None, ns=None) -> int:
                 if n <= 16:   # spmm_warp by default; spmm.py (v4) too, and forced warp/stage/strip counts
                     variants += [{"warp_kernel": False, "cuda_core_max_n": 0}, {"warps": 1, "stages": 2},
                                  {"warps": 3, "stages": 4}, {"warps": 32, "stages": 3},
-                                 {"strips": 1}, {"strips": 2}, {"strips": 2, "warps": 3, "stages": 3}]
+                                 {"strips": 1}, {"strips": 2}, {"strips": 2, "warps": 3, "stages": 3},
+                                 {"strips": 4}, {"strips": 4, "warps": 3, "stages": 3}]
                 elif n <= 64:
-                    variants += [{"warps": 3}, {"strips": 1}, {"strips": 2}]
+                    variants += [{"warps": 3}, {"strips": 1}, {"strips": 2}, {"strips": 4}]
                 if n <= 8:
                     variants += [{"warp_kernel": False, "cuda_core_max_n": 8}]
                 if (m, k) in ((576, 576), (4096, 4096), (100, 72)) and n in (1, 17):
@@ -106,6 +107,8 @@ def check(quick: bool, shapes=None, ns=None) -> int:
                         print(f"FAIL m={m} k={k} sp={sp} n={n} {kw}: rel err {e}", flush=True)
                     else:
                         worst = max(worst, e)
+        print(f"  {m}x{k}: {cases} cases so far, {len(failures)} failures, worst rel err {worst:.2e}, "
+              f"{time.time() - t0:.0f}s", flush=True)
     # CUDA graph capture of several launches, replayed on fresh inputs.
     w = random_pruned(1536, 576, 0.5, dev, gen)
     p = encode(w)
@@ -160,6 +163,7 @@ def main() -> int:
     ap.add_argument("--probe", action="store_true", help="print environment facts first")
     ap.add_argument("--shapes", default=None, help="e.g. 4096x4096,576x576 (default: all, or the small ones)")
     ap.add_argument("--ns", default=None, help="token counts, e.g. 1,16")
+    ap.add_argument("--sparsities", default=None, help="e.g. 0.5,0.7 (default 0.4,0.5,0.7)")
     args = ap.parse_args()
     if args.profile:
         m, k, n, sp = args.profile.split(",")
@@ -168,7 +172,8 @@ def main() -> int:
         probe()
     shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")] if args.shapes else None
     ns = [int(v) for v in args.ns.split(",")] if args.ns else None
-    return check(args.quick, shapes, ns)
+    sps = [float(v) for v in args.sparsities.split(",")] if args.sparsities else None
+    return check(args.quick, shapes, ns, sps)
 
 
 if __name__ == "__main__":

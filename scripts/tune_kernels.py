@@ -26,7 +26,8 @@ def plan_of(m: int, k: int, n: int, p, strips=None, warps=None, stages=None) -> 
     from sparsekit.kernels import launch
 
     gm, gk = p.grid
-    r = strips or launch.warp_strips(m, gk, n)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    r = strips or launch.warp_strips(m, gk, n, sms)
     vch = launch._strip_chunks(p, r)
     w, s, _ = launch.warp_plan(m, gk, n, vch, warps, stages, r, torch.cuda.get_device_properties(0).multi_processor_count)
     return r, w, s

@@ -60,6 +60,10 @@ def _check(m, k, n, sparsity, seed=0, **tuning):
         (100, 200, 3, 0.7, dict(strips=2, warps=3)),        # 7 strip rows: the last block's 2nd strip is padding
         (48, 320, 9, 0.5, dict(strips=2, warps=2, stages=3)),  # ring wraps; strips 2+3 end at the GroupTile end
         (64, 128, 16, 0.0, dict(strips=2, warps=1)),        # dense: the widest value copies (2 strips)
+        # a whole GroupTile row (four strips) per warp-step: two packed scans
+        (100, 200, 3, 0.7, dict(strips=4, warps=3)),        # 2 blocks, the second one's strips 3+4 are padding
+        (128, 320, 9, 0.5, dict(strips=4, warps=2, stages=3)),  # ring wraps, 2 mma blocks
+        (64, 128, 16, 0.0, dict(strips=4, warps=1)),        # dense: the widest value copies (17 per lane)
     ],
 )
 def test_kernel_matches_float64_reference(m, k, n, sparsity, tuning):

@@ -18,7 +18,8 @@ def test_plan_fits(m, k, n, dense):
     """Whatever the launcher runs fits: shared memory, registers, steps per warp."""
     gk = gk_of(k)
     # the stage capacity: a 50% weight's, or the widest (a weight first seen inside graph capture)
-    vchs = (spmm_warp.DENSE_CHUNKS, 2 * spmm_warp.DENSE_CHUNKS) if dense else (70, 140)
+    d = spmm_warp.DENSE_CHUNKS
+    vchs = (d, 2 * d, 0, 4 * d) if dense else (70, 140, 0, 280)
     c = launch.warp_chunk(m, gk, n, vchs)
     assert 0 < c <= n
     r = launch.warp_strips(m, gk, c)
@@ -38,9 +39,10 @@ def test_plan_fits(m, k, n, dense):
 def test_long_k_many_tokens_get_smaller_chunks():
     """K = 32768 needs 16 warps; with 64 tokens their stages cannot fit, so the launcher takes fewer
     tokens per launch instead of failing to launch (seen missing in review: the plan overflowed)."""
-    assert launch.warp_chunk(2048, 512, 64, (70, 140)) < 64
-    assert launch.warp_chunk(4096, 172, 64, (70, 140)) == 64
-    assert launch.warp_chunk(4096, 172, 64, (spmm_warp.DENSE_CHUNKS, 2 * spmm_warp.DENSE_CHUNKS)) < 64
+    d = spmm_warp.DENSE_CHUNKS
+    assert launch.warp_chunk(2048, 512, 64, (70, 140, 0, 280)) < 64
+    assert launch.warp_chunk(4096, 172, 64, (70, 140, 0, 280)) == 64
+    assert launch.warp_chunk(4096, 172, 64, (d, 2 * d, 0, 4 * d)) < 64
 
 
 def test_tall_weights_take_short_blocks():
@@ -59,3 +61,16 @@ def test_tall_weights_take_short_blocks():
     assert launch.warp_plan(4096, 64, 1, vch, r=2, sms=64)[:2] == (4, 2)
     # small M keeps one strip per step
     assert launch.warp_strips(576, 9, 1) == 1
+
+
+def test_very_tall_weights_take_whole_grouptile_rows():
+    """From the H100 probe (scripts/probe_kernels.py, v9): four strips per step (a block per
+    GroupTile row, 4 warps) where that still leaves 1.5 blocks per SM, up to 16 tokens."""
+    assert launch.warp_strips(22016, 64, 1) == 4
+    assert launch.warp_strips(14336, 64, 16) == 4
+    assert launch.warp_plan(14336, 64, 16, 280, r=4, sms=132)[:2] == (4, 2)
+    assert launch.warp_strips(14336, 64, 32) == 2       # 32 tokens: two strips
+    assert launch.warp_strips(11008, 64, 1) == 2        # 172 blocks: too few for 132 SMs
+    assert launch.warp_strips(12288, 64, 1) == 2
+    assert launch.warp_strips(22016, 64, 1, sms=264) == 2
+    assert launch.warp_strips(14336, 172, 1) == 2       # long K keeps two
