@@ -5,17 +5,21 @@ and one mbarrier wait per step), and its split-K partials make a second trip thr
 memory. At decode shapes that serial chain, not bandwidth, set its speed (docs/kernels-notes.md).
 Here the warps are independent:
 
-- **Block** = one strip row (16 outputs) x ``nw`` warps. Warp ``w`` takes GroupTile columns
-  ``k = w, w + nw, ...`` of that row (at most 32): split-K happens inside the block, and at the end
-  the warps' fp32 sums meet in shared memory. No partial leaves the SM, no counter, no second pass.
+- **Block** = ``R`` strip rows (R = 1, 2 or 4: 16, 32 or 64 outputs) x ``nw`` warps. Warp ``w``
+  takes GroupTile columns ``k = w, w + nw, ...`` of those rows (at most 32 steps; a step is R
+  strips, contiguous in the format, sharing one X slice): split-K happens inside the block, and at
+  the end the warps' fp32 sums meet in shared memory. No partial leaves the SM, no counter, no
+  second pass. Block ``b`` starts at its warps' step ``b mod steps`` and wraps around, so that the
+  blocks of a launch do not all copy the same X slice (the same L2 lines) at once.
 - **Offsets once**: lane ``j`` loads the start and end of the warp's step ``j`` (strip offsets), so
   issuing a step never waits on a global load (one ``shfl`` fetches them).
 - **Per-warp ring**: ``STAGES`` shared-memory slots per warp. For a step, 16-byte ``cp.async``
   copies (predicated, no loops) bring the strip's values (from the 16-byte floor of its start),
   its 16 bitmaps (128 B, contiguous in the format) and the N rows of X's 64-column slice. Waiting
   is ``cp.async.wait_group`` + ``__syncwarp``: a scoreboard wait, no spinning, no block barrier.
-- **Decode + multiply**: the SMBD decode and ``mma.sync.m16n8k16`` of spmm.py (one popcount and a
-  5-step scan per strip, one popc + two 16-bit loads + PRMT selects per A register). Token rows
+- **Decode + multiply**: the SMBD decode and ``mma.sync.m16n8k16`` of spmm.py (one popcount per
+  strip and a 5-step warp scan per two strips, their counts packed in 16-bit halves; one popc +
+  two 16-bit loads + PRMT selects per A register). Token rows
   past N read as zero B fragments.
 
 Under the simulator every warp runs the same number of iterations (its emulated warp exchanges are
