@@ -93,7 +93,10 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int, PROBE: int = 0, 
     @cuda.jit(device=True, inline="always")
     def rotated(t, rot, nsw):
         """Step number of the warp's ``t``-th step when it starts at step ``rot``; ``nsw`` (no
-        step: the copies are predicated off) once ``t`` runs past the warp's steps."""
+        step: the copies are predicated off) once ``t`` runs past the warp's steps. (PROBE 2:
+        always step 0.)"""
+        if PROBE == 2:
+            return u32(0)
         if t >= nsw:
             return nsw
         j = t + rot
@@ -102,40 +105,46 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int, PROBE: int = 0, 
         return j
 
     @cuda.jit(device=True, inline="always")
+    def half_bitmap(d32, sb, bmo, k, valid):
+        """This lane's half-bitmap word of strip ``k`` of the step staged at ``sb`` (0 if not valid)."""
+        w = lds32b(d32, sb + bmo + u32(k * BMW * 8))
+        if not valid:
+            w = u32(0)
+        return w
+
+    @cuda.jit(device=True, inline="always")
+    def entry(bw, excl, off, sb):
+        """Table word: the half-bitmap and the shared address of its first value (``excl`` values
+        into the strip, whose values start ``off`` values into the slot)."""
+        return u64(bw) | (u64(sb + u32(2) * (excl + off)) << u64(32))
+
+    @cuda.jit(device=True, inline="always")
+    def pair_entries(scr, tid, d32, sb, bmo, k, valid, offa, offb):
+        """Table words of strips ``k`` and ``k + 1``: one warp scan, their counts in 16-bit halves."""
+        ba = half_bitmap(d32, sb, bmo, k, valid)
+        bb = half_bitmap(d32, sb, bmo, k + 1, valid)
+        ex = scan_counts(scr, tid, u32(cuda.popc(ba)) | (u32(cuda.popc(bb)) << u32(16)))
+        return entry(ba, ex & u32(0xFFFF), offa, sb), entry(bb, ex >> u32(16), offb, sb)
+
+    @cuda.jit(device=True, inline="always")
     def scan_step(scr, tid, d32, sb, bmo, lstart, l1, l2, l3, j, valid):
         """The table words (half-bitmap, address of its first value) of this lane's entry, for
-        the R strips of step ``j`` staged at ``sb``: popcounts, warp scans (two strips' counts
-        share one, in 16-bit halves), the offsets. Strips past R get 0."""
-        start = shfl_idx(scr, tid, lstart, j & u32(31))
+        the R strips of step ``j`` staged at ``sb``. Strips past R get 0."""
+        jl = j & u32(31)
+        start = shfl_idx(scr, tid, lstart, jl)
         base = start & ~u32(7)           # the slot holds the values from this 8-value boundary
-        bw0 = lds32b(d32, sb + bmo)
-        if not valid:
-            bw0 = u32(0)
         t2 = u64(0)
         t3 = u64(0)
         t4 = u64(0)
         if R == 1:
-            ex0 = scan_counts(scr, tid, u32(cuda.popc(bw0)))
+            bw0 = half_bitmap(d32, sb, bmo, 0, valid)
+            t1 = entry(bw0, scan_counts(scr, tid, u32(cuda.popc(bw0))), start & u32(7), sb)
         else:
-            m1 = shfl_idx(scr, tid, l1, j & u32(31))
-            bw1 = lds32b(d32, sb + bmo + u32(BMW * 8))
-            if not valid:
-                bw1 = u32(0)
-            a = scan_counts(scr, tid, u32(cuda.popc(bw0)) | (u32(cuda.popc(bw1)) << u32(16)))
-            ex0 = a & u32(0xFFFF)
-            t2 = u64(bw1) | (u64(sb + u32(2) * ((a >> u32(16)) + m1 - base)) << u64(32))
+            t1, t2 = pair_entries(scr, tid, d32, sb, bmo, 0, valid, start & u32(7),
+                                  shfl_idx(scr, tid, l1, jl) - base)
             if R == 4:
-                m2 = shfl_idx(scr, tid, l2, j & u32(31))
-                m3 = shfl_idx(scr, tid, l3, j & u32(31))
-                bw2 = lds32b(d32, sb + bmo + u32(2 * BMW * 8))
-                bw3 = lds32b(d32, sb + bmo + u32(3 * BMW * 8))
-                if not valid:
-                    bw2 = u32(0)
-                    bw3 = u32(0)
-                b = scan_counts(scr, tid, u32(cuda.popc(bw2)) | (u32(cuda.popc(bw3)) << u32(16)))
-                t3 = u64(bw2) | (u64(sb + u32(2) * ((b & u32(0xFFFF)) + m2 - base)) << u64(32))
-                t4 = u64(bw3) | (u64(sb + u32(2) * ((b >> u32(16)) + m3 - base)) << u64(32))
-        t1 = u64(bw0) | (u64(sb + u32(2) * (ex0 + (start & u32(7)))) << u64(32))
+                t3, t4 = pair_entries(scr, tid, d32, sb, bmo, 2, valid, shfl_idx(scr, tid, l2, jl) - base,
+                                      shfl_idx(scr, tid, l3, jl) - base)
         return t1, t2, t3, t4
 
     @cuda.jit(device=True, inline="always")
@@ -247,7 +256,7 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int, PROBE: int = 0, 
         # prologue: steps 0 .. STAGES-2 in flight
         islot = u32(0)                 # slot to fill next (byte offset in the ring)
         for j in range(STAGES - 1):
-            jr = u32(0) if PROBE == 2 else rotated(u32(j), rot, nsw_u)
+            jr = rotated(u32(j), rot, nsw_u)
             step_issue(scr, tid, d64, lstart, lend, jr, nsw_u, lane, wring + islot + vlane,
                        vals, vp, bm, wring + islot + boff, bsrc + u64(jr) * bstep, x, wring + islot + xoff,
                        xsrc + u64(jr) * xstep, xrem, xstride)
@@ -259,7 +268,7 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int, PROBE: int = 0, 
             wait()                     # this lane's copies of step i have landed ...
             syncwarp()                 # ... and everyone's; everyone is done with step i-1's slot
             # ---- issue step i + STAGES - 1 into the slot of step i - 1
-            jn = u32(0) if PROBE == 2 else rotated(i + u32(STAGES - 1), rot, nsw_u)
+            jn = rotated(i + u32(STAGES - 1), rot, nsw_u)
             step_issue(scr, tid, d64, lstart, lend, jn, nsw_u, lane, wring + islot + vlane,
                        vals, vp, bm, wring + islot + boff, bsrc + u64(jn) * bstep, x, wring + islot + xoff,
                        xsrc + u64(jn) * xstep, xrem, xstride)
@@ -276,8 +285,7 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int, PROBE: int = 0, 
                 i += u32(1)
                 continue
             valid = (i < nsw_u) if SIM else True      # the simulator runs every warp to nloop
-            t1, t2, t3, t4 = scan_step(scr, tid, d32, sb, bmo, lstart, l1, l2, l3,
-                                       u32(0) if PROBE == 2 else rotated(i, rot, nsw_u), valid)
+            t1, t2, t3, t4 = scan_step(scr, tid, d32, sb, bmo, lstart, l1, l2, l3, rotated(i, rot, nsw_u), valid)
             sts64b(d64, tab_w, t1)
             if R >= 2:
                 sts64b(d64, tab_w + u32(TABB), t2)

@@ -29,7 +29,7 @@ def plan_of(m: int, k: int, n: int, p, strips=None, warps=None, stages=None) -> 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     r = strips or launch.warp_strips(m, gk, n, sms)
     vch = launch._strip_chunks(p, r)
-    w, s, _ = launch.warp_plan(m, gk, n, vch, warps, stages, r, torch.cuda.get_device_properties(0).multi_processor_count)
+    w, s, _ = launch.warp_plan(m, gk, n, vch, warps, stages, r, sms)
     return r, w, s
 
 
