@@ -92,6 +92,12 @@ def copies_for(nbytes: int) -> int:
     return max(4, math.ceil(L2_ROTATE_BYTES / max(nbytes, 1)))
 
 
+def weight_copies(p) -> list:
+    """``copies_for`` independent copies of the packed weight ``p`` (rotated so L2 cannot hold them)."""
+    return [type(p)(bitmaps=p.bitmaps.clone(), values=p.values.clone(), gtile_offsets=p.gtile_offsets.clone(),
+                    strip_offsets=p.strip_offsets.clone(), shape=p.shape) for _ in range(copies_for(p.nbytes))]
+
+
 def random_pruned(m, k, sparsity, gen):
     w = torch.randn(m, k, device="cuda", generator=gen).half()
     w[torch.rand(m, k, device="cuda", generator=gen) < sparsity] = 0
@@ -141,10 +147,8 @@ def bench(shapes, ns, sparsities, tune: bool):
         for sp in sparsities:
             w = random_pruned(m, k, sp, gen)
             p = encode(w)
-            npk = copies_for(p.nbytes)
-            pcopies = [type(p)(bitmaps=p.bitmaps.clone(), values=p.values.clone(),
-                               gtile_offsets=p.gtile_offsets.clone(), strip_offsets=p.strip_offsets.clone(),
-                               shape=p.shape) for _ in range(npk)]
+            pcopies = weight_copies(p)
+            npk = len(pcopies)
             csr = None
             try:
                 csr = [w.to_sparse_csr() for _ in range(copies_for(int((w != 0).sum()) * 6))]

@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import copies_for, random_pruned, time_calls  # noqa: E402
+from bench_kernels import random_pruned, time_calls, weight_copies  # noqa: E402
 
 
 def read_bandwidth() -> float:
@@ -57,9 +57,8 @@ def main() -> int:
     for shape in a.shapes.split(","):
         m, k = map(int, shape.split("x"))
         p = encode(random_pruned(m, k, a.sparsity, gen))
-        npk = copies_for(p.nbytes)
-        pcs = [type(p)(bitmaps=p.bitmaps.clone(), values=p.values.clone(), gtile_offsets=p.gtile_offsets.clone(),
-                       strip_offsets=p.strip_offsets.clone(), shape=p.shape) for _ in range(npk)]
+        pcs = weight_copies(p)
+        npk = len(pcs)
         for n in map(int, a.ns.split(",")):
             x = torch.randn(n, k, device="cuda", generator=gen).half()
             ys = [torch.empty(n, m, device="cuda", dtype=torch.float16) for _ in range(npk)]

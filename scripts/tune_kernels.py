@@ -18,7 +18,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import copies_for, random_pruned, time_calls  # noqa: E402
+from bench_kernels import random_pruned, time_calls, weight_copies  # noqa: E402
 
 
 def plan_of(m: int, k: int, n: int, p, strips=None, warps=None, stages=None) -> tuple[int, int, int]:
@@ -46,10 +46,8 @@ def sweep(shapes, ns, sparsity, strips, warps, stages, regs):
     rows = []
     for (m, k) in shapes:
         p = encode(random_pruned(m, k, sparsity, gen))
-        npk = copies_for(p.nbytes)
-        pcopies = [type(p)(bitmaps=p.bitmaps.clone(), values=p.values.clone(),
-                           gtile_offsets=p.gtile_offsets.clone(), strip_offsets=p.strip_offsets.clone(),
-                           shape=p.shape) for _ in range(npk)]
+        pcopies = weight_copies(p)
+        npk = len(pcopies)
         for n in ns:
             x = torch.randn(n, k, device="cuda", generator=gen).half()
             ys = [torch.empty(n, m, device="cuda", dtype=torch.float16) for _ in range(npk)]
