@@ -9,9 +9,12 @@ from sparsekit.cli.common import JSON_OPTION, console, emit_json, err_console, h
 
 HELP = (
     "Prune a causal LM layer by layer and write an HF checkpoint (dense weights with zeros).\n\n"
-    "Methods: magnitude, wanda, sparsegpt. Patterns: unstructured (with --sparsity), N:M (2:4, 4:8, ...), "
+    "Methods: magnitude, wanda, sparsegpt, cats. Patterns: unstructured (with --sparsity), N:M (2:4, 4:8, ...), "
     "hybrid[:T] (TxT tiles, each dense or 2:4). Settings come from the defaults, then --recipe, then the "
     "flags you pass.\n\n"
+    "cats (gated MLPs: Llama, Mistral, Qwen2, SmolLM2) changes no weight: it calibrates one threshold per MLP "
+    "and zeroes the gate activations act(gate(x)) smaller in magnitude, --sparsity being the fraction zeroed "
+    "(unstructured only); the thresholds go into sparsekit.json, and `sparsekit eval` applies them.\n\n"
     "Example: sparsekit prune smollm2-135m --method wanda --sparsity 0.5 -o out/wanda50"
 )
 
@@ -23,8 +26,8 @@ def register(app: typer.Typer) -> None:
 @handle_errors
 def prune_cmd(
     model: str = typer.Argument("smollm2-135m", help="Local HF directory, hub id, or the demo alias smollm2-135m."),
-    method: Optional[str] = typer.Option(None, "--method", "-m", help="magnitude | wanda | sparsegpt (default: wanda)"),
-    sparsity: Optional[float] = typer.Option(None, "--sparsity", "-s", help="Fraction of weights to zero in [0, 1) (default: 0.5; implied by N:M)"),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="magnitude | wanda | sparsegpt | cats (default: wanda)"),
+    sparsity: Optional[float] = typer.Option(None, "--sparsity", "-s", help="Fraction of weights (cats: of gate activations) to zero in [0, 1) (default: 0.5; implied by N:M)"),
     pattern: Optional[str] = typer.Option(None, "--pattern", "-p", help="unstructured | N:M (2:4, 4:8) | hybrid[:T] (default: unstructured)"),
     calib: Optional[str] = typer.Option(None, "--calib", "--dataset", help="Calibration text: wikitext2, c4, a hub dataset, or a .txt/.jsonl/.parquet file (default: wikitext2)"),
     nsamples: Optional[int] = typer.Option(None, "--nsamples", help="Calibration windows (default: 128)"),
@@ -109,8 +112,15 @@ def summary_table(report: dict):
                  f"peak device memory {_mib(report['peak_mem_bytes'])}")
     head.add_row("time", f"{report['elapsed_s']:.1f} s total, {report['prune_seconds']:.1f} s pruning "
                  f"({report['capture_seconds']:.1f} s capture)")
-    head.add_row("overall sparsity", f"{report['overall_sparsity']:.4f} of {sum(v['params'] for v in report['by_type'].values()):,} pruned-layer weights")
+    if report.get("cats"):
+        c = report["cats"]
+        head.add_row("activation sparsity", f"{c['activation_sparsity']:.4f} of the gate activations of "
+                     f"{len(c['mlps'])} gated MLPs (target {c['target']:.4g}); weights unchanged")
+    else:
+        head.add_row("overall sparsity", f"{report['overall_sparsity']:.4f} of {sum(v['params'] for v in report['by_type'].values()):,} pruned-layer weights")
     head.add_row("output", report["output"])
+    if report.get("cats"):
+        return Group(head, cats_table(report["cats"]))
 
     types = Table(title="sparsity by module type", title_justify="left")
     types.add_column("module")
@@ -131,3 +141,17 @@ def summary_table(report: dict):
         sp = sum(x["sparsity"] * x["shape"][0] * x["shape"][1] for x in lin) / tot if tot else 0.0
         layers.add_row(str(r["index"]), str(len(lin)), f"{sp:.4f}", f"{r['seconds']:.2f} s", _mib(r["peak_mem_bytes"]))
     return Group(head, types, layers)
+
+
+def cats_table(cats: dict):
+    from rich.table import Table
+
+    table = Table(title="CATS thresholds per gated MLP", title_justify="left")
+    table.add_column("MLP")
+    table.add_column("threshold", justify="right")
+    table.add_column("activation sparsity", justify="right")
+    table.add_column("sample", justify="right")
+    for name, r in cats["mlps"].items():
+        table.add_row(name, f"{r['threshold']:.5g}", f"{r['activation_sparsity']:.4f}",
+                      f"all {r['samples']:,}" if r["exact"] else f"{r['samples']:,}")
+    return table

@@ -7,6 +7,9 @@ The pruned weights are stored dense, with zeros (the contract between pruning an
      "skip": [...], "layers": {"<module name>": {"sparsity", "shape": [out, in], "kind"}},
      "versions": {...}, "elapsed_s"}
 
+plus, for ``--method cats`` (no weight changed), ``"cats": {"target", "quantile", "activation_sparsity",
+"mlps": {"<gated MLP name>": {"threshold", "activation_sparsity", "samples", "exact"}}}``.
+
 The directory is written atomically (temporary sibling, then rename); an existing output is
 refused unless ``overwrite``.
 """
@@ -39,10 +42,11 @@ def package_versions() -> dict[str, str]:
 
 
 def build_metadata(*, model: str, method: str, pattern: str, sparsity: float, calibration: dict,
-                   skip: list[str], layers: dict[str, dict], elapsed_s: float) -> dict[str, Any]:
+                   skip: list[str], layers: dict[str, dict], elapsed_s: float,
+                   cats: dict | None = None) -> dict[str, Any]:
     from sparsekit import __version__
 
-    return {
+    meta = {
         "sparsekit_version": __version__,
         "model": model,
         "method": method,
@@ -57,6 +61,9 @@ def build_metadata(*, model: str, method: str, pattern: str, sparsity: float, ca
         "versions": package_versions(),
         "elapsed_s": float(elapsed_s),
     }
+    if cats is not None:
+        meta["cats"] = cats
+    return meta
 
 
 def save_pruned(model, tokenizer, output: str | Path, metadata: dict, *, overwrite: bool = False,

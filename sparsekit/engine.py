@@ -12,6 +12,13 @@
 Peak device memory is one layer plus the calibration activations (kept in a single buffer that
 each layer's outputs overwrite in place). Magnitude pruning needs no calibration: no capture, no
 forward pass at all.
+
+CATS (``method="cats"``, math in ``sparsekit.cats``) uses the same capture and layer loop, but step 2
+becomes: forward hooks on the layer's gated-MLP ``act_fn`` sample ``|act(gate(x))|``; each MLP gets
+its threshold (the target-sparsity quantile of the sample) as a ``CatsActivation``; a second pass
+through the thresholded layer counts the activation sparsity reached and (but for the last layer)
+writes the next layer's inputs. So, as the other methods see the pruned outputs of the layers before,
+the thresholds of layer i are measured with layers < i already thresholded. No weight changes.
 """
 from __future__ import annotations
 
@@ -280,7 +287,7 @@ class _LayerMover:
             else:
                 originals.append(t)
                 mod._buffers[key] = g
-        self.cpu[idx] = originals
+        self.cpu[idx] = (slots, originals)
         return layer
 
     def offload(self, idx: int) -> None:
@@ -291,12 +298,19 @@ class _LayerMover:
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         gpu = []
-        for (mod, kind, key, t), cpu in zip(list(self._slots(layer)), self.cpu.pop(idx)):
-            gpu.append((t.data if kind == "p" else t, cpu))
+        slots, originals = self.cpu.pop(idx)
+        for (mod, kind, key, t), cpu in zip(slots, originals):  # the tensors that load() moved in
+            gpu.append((t.data if kind == "p" else mod._buffers[key], cpu))
             if kind == "p":
                 t.data = cpu  # the CPU tensor receives the device values below
             else:
                 mod._buffers[key] = cpu
+        for mod, kind, key, t in list(self._slots(layer)):  # made on the device (CATS thresholds)
+            if t.device.type != "cpu":
+                if kind == "p":
+                    t.data = t.data.to("cpu")
+                else:
+                    mod._buffers[key] = t.to("cpu")
 
         def copy_out():
             self.stream.wait_event(done)
@@ -361,6 +375,71 @@ def _prune_linears(linears: dict[str, nn.Module], stats: dict, method: str, spar
     return report
 
 
+def _weight_report(linears: dict[str, nn.Module]) -> dict[str, dict]:
+    """The ``layers`` entries of linears left as they are (CATS): their zeros, shape and kind."""
+    report = {}
+    for name, mod in linears.items():
+        w = L.weight_out_in(mod)
+        report[name] = {"sparsity": float((w == 0).sum().item() / w.numel()),
+                        "shape": [int(w.shape[0]), int(w.shape[1])], "kind": _linear_kind(mod)}
+    return report
+
+
+def _cats_layer(layer: nn.Module, prefix: str, acts: Activations, sparsity: float, skip: list[str],
+                sample_size: int, seed: int, write: bool) -> dict[str, dict]:
+    """Calibrate and install the CATS thresholds of one decoder layer's gated MLPs (see module doc)."""
+    from sparsekit import cats
+
+    mlps = cats.find_gated_mlps(layer, prefix=prefix, skip=skip)
+    tokens = acts.hidden.shape[0] * acts.hidden.shape[1]
+    samples = {}
+    for name, mlp in mlps.items():
+        width = L.weight_out_in(mlp.gate_proj).shape[0]
+        samples[name] = cats.ActivationSample(tokens * width, sample_size, seed=seed * 1_000_003 + hash_name(name))
+
+    def sampler(name):
+        return lambda module, inputs, output: samples[name].add(output.abs())
+
+    handles = [mlp.act_fn.register_forward_hook(sampler(name)) for name, mlp in mlps.items()]
+    try:
+        with _tf32(True):
+            acts.run(layer, write=False)
+    finally:
+        for h in handles:
+            h.remove()
+    report = {}
+    for name, mlp in mlps.items():
+        t = samples[name].threshold(sparsity)
+        cats.apply_threshold(mlp, t).to(acts.hidden.device)
+        report[name] = {"threshold": t, "samples": len(samples[name].values()), "exact": samples[name].exact}
+    del samples
+
+    zeros = {name: [0, 0] for name in mlps}
+
+    def counter(name):
+        def hook(module, inputs, output):
+            zeros[name][0] += int((output == 0).sum().item())
+            zeros[name][1] += output.numel()
+        return hook
+
+    handles = [mlp.act_fn.register_forward_hook(counter(name)) for name, mlp in mlps.items()]
+    try:
+        acts.run(layer, write=write)  # with write: the thresholded layer's outputs, next layer's inputs
+    finally:
+        for h in handles:
+            h.remove()
+    for name, (z, n) in zeros.items():
+        report[name]["activation_sparsity"] = z / n if n else 0.0
+    return report
+
+
+def hash_name(name: str) -> int:
+    """A stable small integer for a module name (Python's hash() changes between runs)."""
+    import zlib
+
+    return zlib.crc32(name.encode())
+
+
 def default_batch_size(seqlen: int, tokens: int = 16384) -> int:
     return max(1, tokens // max(1, seqlen))
 
@@ -381,6 +460,8 @@ def prune_model(
     progress: Progress | None = None,
     warn: Callable[[str], None] = print,
     observer: Callable[[int, Activations], None] | None = None,
+    cats_sample_size: int | None = None,
+    seed: int = 0,
 ) -> dict:
     """Prune ``model`` in place (it stays on the CPU; one layer at a time visits ``device``).
 
@@ -389,15 +470,22 @@ def prune_model(
     ``observer(idx, acts)``, if given, sees each layer's captured inputs before its stats pass.
     Returns a report: per-linear sparsity/shape/kind, per-layer seconds and peak device memory,
     capture seconds, total seconds and the overall peak device memory.
+
+    With ``method="cats"`` no weight changes (``sparsity`` is the target activation sparsity of
+    each gated MLP; ``skip`` patterns also name MLPs to leave alone); the report's ``cats`` holds
+    each MLP's ``threshold``, measured ``activation_sparsity`` and the sample it came from
+    (``cats_sample_size`` values at most, default ``sparsekit.cats.SAMPLE_SIZE``, drawn with
+    ``seed``), and the model keeps the installed ``CatsActivation`` modules.
     """
-    from sparsekit.methods import METHODS, needs_hessian, needs_stats
+    from sparsekit.methods import METHODS, needs_calibration, needs_hessian, needs_stats
 
     if method not in METHODS:
         raise SparsekitError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
     device = torch.device(device)
     skip = list(skip)
+    is_cats = method == "cats"
     use_stats = needs_stats(method)
-    if use_stats and calib is None:
+    if needs_calibration(method) and calib is None:
         raise SparsekitError(f"{method} needs calibration data: pass calibration windows")
     model.eval()
     stack_name, layers = L.find_decoder_layers(model)
@@ -405,11 +493,18 @@ def prune_model(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    _check_outside_linears(model, stack_name, skip, method)
+    if is_cats:
+        from sparsekit.cats import SAMPLE_SIZE, require_gated_mlps
+
+        require_gated_mlps(layers, skip=skip)
+        cats_sample_size = cats_sample_size or SAMPLE_SIZE
+    else:
+        _check_outside_linears(model, stack_name, skip, method)
 
     acts = None
     t_capture = 0.0
-    if use_stats:
+    cats_reports: dict[str, dict] = {}
+    if needs_calibration(method):
         t0 = time.perf_counter()
         bs = batch_size or default_batch_size(calib.shape[1])
         acts = capture_inputs(model, calib, device, bs, progress)
@@ -433,6 +528,12 @@ def prune_model(
             stats: dict = {}
             if observer is not None and acts is not None:
                 observer(idx, acts)
+            if is_cats:
+                rep = _weight_report(linears)
+                linear_reports.update(rep)
+                cats_reports.update(_cats_layer(layer, f"{stack_name}.{idx}", acts, sparsity, skip,
+                                                cats_sample_size, seed, write=idx + 1 < len(layers)))
+                phases.mark("cats")
             if use_stats and linears:
                 collector = StatsCollector(linears, needs_hessian(method), device)
                 try:
@@ -445,9 +546,10 @@ def prune_model(
                     collector.remove()
                 stats = collector.stats
                 phases.mark("stats")
-            rep = _prune_linears(linears, stats, method, sparsity, pattern, blocksize, percdamp, warn)
-            linear_reports.update(rep)
-            phases.mark("prune")
+            if not is_cats:
+                rep = _prune_linears(linears, stats, method, sparsity, pattern, blocksize, percdamp, warn)
+                linear_reports.update(rep)
+                phases.mark("prune")
             if use_stats and idx + 1 < len(layers):
                 acts.run(layer, write=True)  # the pruned layer's outputs: next layer's inputs
                 phases.mark("recompute")
@@ -463,7 +565,8 @@ def prune_model(
             del stats
             if progress:
                 progress("layers", idx + 1, len(layers))
-    _prune_outside_linears(model, stack_name, skip, method, sparsity, pattern, linear_reports, warn)
+    if not is_cats:
+        _prune_outside_linears(model, stack_name, skip, method, sparsity, pattern, linear_reports, warn)
     del acts
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -476,6 +579,7 @@ def prune_model(
         "peak_mem_bytes": peak if device.type == "cuda" else None,
         "device": str(device),
         "decoder_stack": stack_name,
+        **({"cats": cats_reports} if is_cats else {}),
     }
 
 

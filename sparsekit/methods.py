@@ -2,6 +2,9 @@
 
 The model plumbing (which layers, where the statistics come from) lives in ``sparsekit.engine``;
 here is only the math on a single [out, in] weight matrix, on the weight's device.
+
+``METHODS`` lists every method of ``sparsekit prune``; ``WEIGHT_METHODS`` those that prune weights.
+CATS (``sparsekit.cats``) changes no weight: it thresholds the gate activations of gated MLPs.
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import torch
 from sparsekit.errors import SparsekitError
 from sparsekit.patterns import Pattern
 
-METHODS = ("magnitude", "wanda", "sparsegpt")
+WEIGHT_METHODS = ("magnitude", "wanda", "sparsegpt")
+METHODS = WEIGHT_METHODS + ("cats",)
 
 
 @dataclass
@@ -27,6 +31,11 @@ def _check_method(method: str) -> str:
     if method not in METHODS:
         raise SparsekitError(f"unknown pruning method '{method}': use one of {', '.join(METHODS)}")
     return method
+
+
+def needs_calibration(method: str) -> bool:
+    """Whether the method runs calibration data through the model (all but magnitude)."""
+    return _check_method(method) != "magnitude"
 
 
 def needs_stats(method: str) -> bool:
@@ -56,7 +65,8 @@ def prune_weight(
     fraction of zeros in the returned weight) and method extras (SparseGPT: ``damp``, ``dead``,
     ``loss``, ``blocksize``; hybrid: ``sparse_tiles``, ``tiles``).
     """
-    _check_method(method)
+    if _check_method(method) not in WEIGHT_METHODS:
+        raise SparsekitError(f"method '{method}' changes no weight: it runs on whole models (sparsekit.prune(..., method='{method}'))")
     pattern = Pattern.parse(pattern)
     s = pattern.resolve_sparsity(sparsity)
     if weight.dim() != 2:

@@ -257,7 +257,9 @@ def load_model(id_or_path: str | os.PathLike | None = None, device: str | torch.
     """Return ``(model, tokenizer)`` in eval mode on ``device`` in ``dtype`` (default fp16 on CUDA, fp32 on CPU).
 
     A packed TCA-BME directory (holding ``tcabme.index.json``) is loaded through
-    ``sparsekit.packed_loader.load_packed``, with its packed linears as sparse layers.
+    ``sparsekit.packed_loader.load_packed``, with its packed linears as sparse layers. The CATS
+    thresholds recorded in a directory's ``sparsekit.json`` (``sparsekit prune --method cats``) are
+    installed into its gated MLPs.
     """
     from transformers import AutoModelForCausalLM
 
@@ -274,6 +276,9 @@ def load_model(id_or_path: str | os.PathLike | None = None, device: str | torch.
             model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype)
         except Exception as e:
             raise SparsekitError(f"could not load a causal LM from {location}: {type(e).__name__}: {e}") from e
+        from sparsekit.cats import install_from_checkpoint
+
+        install_from_checkpoint(model, location)
         model.to(dev)
     model.eval()
     return model, tokenizer

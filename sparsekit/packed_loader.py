@@ -142,6 +142,9 @@ def load_packed(path, device="cuda", dtype: torch.dtype = torch.float16) -> nn.M
         shown = ", ".join(unexpected[:4])
         raise SparsekitError(f"{path}: tensors {shown} do not belong to a {type(model).__name__}: "
                              "the shards do not match config.json, re-run `sparsekit encode`")
+    from sparsekit.cats import install_from_checkpoint
+
+    install_from_checkpoint(model, path)  # CATS thresholds from sparsekit.json, if any
     model.to(dev)  # the buffers built on the CPU (rotary frequencies, ...)
     gen_cfg = path / "generation_config.json"
     if gen_cfg.exists():

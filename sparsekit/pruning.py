@@ -84,6 +84,11 @@ def prune(
     Arguments left as None take the recipe's value, else the default (wanda, 50% unstructured,
     128 wikitext2 windows of 2048 tokens capped to the model context, seed 0, skip lm_head).
     ``skip`` patterns add to the lm_head exclusion; ``prune_lm_head=True`` lifts it.
+
+    ``method="cats"`` changes no weight: it calibrates one activation threshold per gated MLP
+    (``sparsity`` is the fraction of gate activations to zero; see ``sparsekit.cats``), and
+    ``sparsekit.json`` records them under ``cats`` (``load_model`` installs them); ``skip`` patterns
+    also name MLPs to leave dense.
     """
     from sparsekit import checkpoint, engine
     from sparsekit.atomic import check_output_dir
@@ -103,16 +108,21 @@ def prune(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
 
-    from sparsekit.methods import needs_stats
+    from sparsekit.methods import needs_calibration
 
     from sparsekit.models import resolve_model
 
     location = resolve_model(model)
     net, tokenizer = load_model(location, device="cpu", dtype=torch_dtype)
-    _warn_unmatched_skip(net, s["skip"], warn)
+    is_cats = s["method"] == "cats"
+    if is_cats:
+        from sparsekit.cats import require_gated_mlps
+
+        require_gated_mlps(net, skip=s["skip"])  # before the calibration data is read
+    _warn_unmatched_skip(net, s["skip"], warn, mlps=is_cats)
     calib_ids = None
     calibration: dict[str, Any]
-    if needs_stats(s["method"]):
+    if needs_calibration(s["method"]):
         from sparsekit.data import calibration_windows
 
         ctx = model_context(net)
@@ -128,9 +138,9 @@ def prune(
     report = engine.prune_model(
         net, calib_ids, method=s["method"], sparsity=s["sparsity"], pattern=Pattern.parse(s["pattern"]),
         skip=s["skip"], device=dev, blocksize=s["blocksize"], percdamp=s["damp"], batch_size=batch_size,
-        progress=progress, warn=warn,
+        progress=progress, warn=warn, seed=s["seed"],
     )
-    if not report["layers"]:
+    if not report["layers"] and not is_cats:
         raise SparsekitError(f"no linear layer was pruned: the skip patterns {s['skip']} exclude them all")
     save_dtype = _checkpoint_dtype(location)
     if save_dtype in _half_dtypes() and save_dtype != torch_dtype:
@@ -142,6 +152,7 @@ def prune(
     meta = checkpoint.build_metadata(
         model=str(model), method=s["method"], pattern=s["pattern"], sparsity=s["sparsity"],
         calibration=calibration, skip=s["skip"], layers=report["layers"], elapsed_s=elapsed,
+        cats=cats_metadata(report["cats"], s["sparsity"]) if is_cats else None,
     )
     checkpoint.save_pruned(net, tokenizer, out, meta, overwrite=overwrite)
     return {
@@ -161,11 +172,31 @@ def prune(
     }
 
 
-def _warn_unmatched_skip(model, skip: list[str], warn: Callable[[str], None]) -> None:
-    """A --skip pattern that names no linear layer is most likely a typo: say so before the work."""
+def cats_metadata(mlps: dict[str, dict], sparsity: float) -> dict[str, Any]:
+    """The ``cats`` entry of ``sparsekit.json``: per-MLP thresholds and measured activation sparsity."""
+    from sparsekit.cats import SAMPLE_SIZE
+
+    n = len(mlps)
+    return {
+        "target": float(sparsity),
+        "quantile": f"torch.quantile of |act(gate(x))| over the calibration tokens: all of them, or a seeded "
+                    f"uniform sample of {SAMPLE_SIZE} per MLP when there are more",
+        "activation_sparsity": sum(r["activation_sparsity"] for r in mlps.values()) / n if n else 0.0,
+        "mlps": {name: {"threshold": float(r["threshold"]), "activation_sparsity": float(r["activation_sparsity"]),
+                        "samples": int(r["samples"]), "exact": bool(r["exact"])} for name, r in mlps.items()},
+    }
+
+
+def _warn_unmatched_skip(model, skip: list[str], warn: Callable[[str], None], mlps: bool = False) -> None:
+    """A --skip pattern that names no linear layer (nor, with ``mlps``, gated MLP) is most likely a
+    typo: say so before the work."""
     from sparsekit.layers import find_linears
 
     names = list(find_linears(model))
+    if mlps:
+        from sparsekit.cats import find_gated_mlps
+
+        names += list(find_gated_mlps(model))
     for pat in skip:
         if not any(_skip_matches(n, pat) for n in names):
             warn(f"--skip pattern {pat!r} matches no linear layer of this model (e.g. {names[0] if names else '-'}): "

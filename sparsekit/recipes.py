@@ -119,6 +119,9 @@ def validate(s: dict[str, Any]) -> dict[str, Any]:
     if s["method"] not in METHODS:
         raise SparsekitError(f"unknown method {s['method']!r}: choose one of {', '.join(METHODS)}")
     pattern = Pattern.parse(str(s["pattern"]))
+    if s["method"] == "cats" and not pattern.is_unstructured:
+        raise SparsekitError(f"cats zeroes gate activations, not weights, so pattern {pattern} does not apply: "
+                             "use --pattern unstructured (the default) with --sparsity")
     s["sparsity"] = pattern.resolve_sparsity(s["sparsity"])  # None -> the pattern's default
     s["pattern"] = str(pattern)
     for key, lo in (("nsamples", 1), ("seqlen", 8), ("blocksize", 1)):
@@ -140,6 +143,8 @@ def validate(s: dict[str, Any]) -> dict[str, Any]:
     s["skip"] = [str(p) for p in s["skip"]]
     # --skip adds to the default: lm_head stays excluded unless pruning it is asked for by name.
     s["prune_lm_head"] = bool(s.get("prune_lm_head", False))
+    if s["prune_lm_head"] and s["method"] == "cats":
+        raise SparsekitError("cats changes no weight, so there is no lm_head to prune: drop --prune-lm-head")
     if s["prune_lm_head"]:
         s["skip"] = [p for p in s["skip"] if p != "lm_head"]
     elif "lm_head" not in s["skip"]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sparsekit.errors import SparsekitError
-from sparsekit.methods import METHODS, PruneResult, needs_hessian, needs_stats, prune_weight
+from sparsekit.methods import METHODS, WEIGHT_METHODS, PruneResult, needs_calibration, needs_hessian, needs_stats, prune_weight
 from sparsekit.patterns import n_pruned
 from sparsekit.sparsegpt import inverse_hessian_cholesky
 from sparsekit.stats import InputStats
@@ -60,11 +60,15 @@ def test_input_stats_match_direct_computation():
 
 
 def test_method_registry():
-    assert METHODS == ("magnitude", "wanda", "sparsegpt")
-    assert [needs_stats(m) for m in METHODS] == [False, True, True]
-    assert [needs_hessian(m) for m in METHODS] == [False, False, True]
+    assert WEIGHT_METHODS == ("magnitude", "wanda", "sparsegpt")
+    assert METHODS == WEIGHT_METHODS + ("cats",)
+    assert [needs_stats(m) for m in METHODS] == [False, True, True, False]
+    assert [needs_hessian(m) for m in METHODS] == [False, False, True, False]
+    assert [needs_calibration(m) for m in METHODS] == [False, True, True, True]
     with pytest.raises(SparsekitError, match="unknown pruning method"):
         needs_stats("obc")
+    with pytest.raises(SparsekitError, match="changes no weight"):  # CATS thresholds activations
+        prune_weight(torch.randn(8, 8), "cats", 0.5, "unstructured")
 
 
 # ----------------------------------------------------------------------------- brute-force references
@@ -223,7 +227,7 @@ def test_reconstruction_error_ordering(pattern):
         w = torch.randn(64, 128, generator=g)
         x = realistic_inputs(1024, 128, seed=200 + seed)
         st = stats_for(x)
-        err = {m: recon_error(w, prune_weight(w, m, 0.5, pattern, st).weight, x) for m in METHODS}
+        err = {m: recon_error(w, prune_weight(w, m, 0.5, pattern, st).weight, x) for m in WEIGHT_METHODS}
         assert err["sparsegpt"] < 0.9 * err["wanda"], (seed, err)
         assert err["wanda"] < 0.9 * err["magnitude"], (seed, err)
 
@@ -266,7 +270,7 @@ def test_sparsegpt_dead_inputs():
 
 
 # ----------------------------------------------------------------------------- API behaviour
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", WEIGHT_METHODS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_dtype_is_preserved_and_input_untouched(method, dtype):
     w = torch.randn(16, 32).to(dtype)
@@ -285,7 +289,7 @@ def test_dtype_is_preserved_and_input_untouched(method, dtype):
 def test_zero_sparsity_keeps_everything():
     w = torch.randn(8, 16)
     st = stats_for(realistic_inputs(64, 16, seed=51))
-    for method in METHODS:
+    for method in WEIGHT_METHODS:
         for pattern in ("unstructured", "hybrid:8"):
             res = prune_weight(w, method, 0.0, pattern, st)
             assert res.mask.all() and torch.equal(res.weight, w)
@@ -310,7 +314,7 @@ def test_prune_weight_errors():
         prune_weight(torch.randn(8, 16), "wanda", 0.5, "unstructured", st)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", WEIGHT_METHODS)
 def test_hybrid_tiles_dense_or_2of4(method):
     """Every 8x8 tile is dense or 2:4, with round(s / 0.5 * n_tiles) 2:4 tiles; s = 0.5 is plain 2:4."""
     g = torch.Generator().manual_seed(81)
@@ -338,7 +342,7 @@ def test_cuda_matches_cpu():
     st_gpu = InputStats(256, hessian=True, device="cuda")
     for part in x.chunk(3):
         st_gpu.add(part.cuda())
-    for method in METHODS:
+    for method in WEIGHT_METHODS:
         for pattern in ("unstructured", "2:4"):
             a = prune_weight(w, method, 0.5, pattern, st_cpu)
             b = prune_weight(w.cuda(), method, 0.5, pattern, st_gpu)
@@ -350,7 +354,7 @@ def test_cuda_matches_cpu():
             assert (~h.mask).sum().item() == 64 * 128
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", WEIGHT_METHODS)
 def test_transposed_parameter_views(method):
     """GPT-2's Conv1D stores [in, out]: the engine hands over a transposed view of a Parameter."""
     g = torch.Generator().manual_seed(91)
