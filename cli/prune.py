@@ -72,7 +72,8 @@ def prune_cmd(
 class _Bars:
     """rich progress bars on stderr, one per stage ("calibration", "layers"), created on first use."""
 
-    LABELS = {"calibration": "capturing calibration inputs", "layers": "pruning decoder layers"}
+    LABELS = {"calibration": "capturing calibration inputs", "layers": "pruning decoder layers",
+              "thresholds": "calibrating CATS thresholds"}
 
     def __init__(self, disable: bool = False):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

@@ -32,7 +32,7 @@ from torch import nn
 from sparsekit import layers as L
 from sparsekit.errors import SparsekitError
 
-Progress = Callable[[str, int, int], None]  # (stage, done, total); stage is "calibration" or "layers"
+Progress = Callable[[str, int, int], None]  # (stage, done, total); "calibration", "layers" or (CATS) "thresholds"
 
 
 class _StopForward(Exception):
@@ -395,15 +395,14 @@ def _cats_layer(layer: nn.Module, prefix: str, acts: Activations, sparsity: floa
     samples = {}
     for name, mlp in mlps.items():
         width = L.weight_out_in(mlp.gate_proj).shape[0]
-        samples[name] = cats.ActivationSample(tokens * width, sample_size, seed=seed * 1_000_003 + hash_name(name))
+        samples[name] = cats.ActivationSample(tokens * width, sample_size, seed=seed * 1_000_003 + _name_seed(name))
 
     def sampler(name):
         return lambda module, inputs, output: samples[name].add(output.abs())
 
     handles = [mlp.act_fn.register_forward_hook(sampler(name)) for name, mlp in mlps.items()]
     try:
-        with _tf32(True):
-            acts.run(layer, write=False)
+        acts.run(layer, write=False)  # no TF32 here: the thresholds must fit the model as it runs
     finally:
         for h in handles:
             h.remove()
@@ -414,11 +413,11 @@ def _cats_layer(layer: nn.Module, prefix: str, acts: Activations, sparsity: floa
         report[name] = {"threshold": t, "samples": len(samples[name].values()), "exact": samples[name].exact}
     del samples
 
-    zeros = {name: [0, 0] for name in mlps}
+    zeros = {name: [0, 0] for name in mlps}  # [zeros (a device tensor once counted), values]
 
     def counter(name):
         def hook(module, inputs, output):
-            zeros[name][0] += int((output == 0).sum().item())
+            zeros[name][0] = zeros[name][0] + (output == 0).sum()
             zeros[name][1] += output.numel()
         return hook
 
@@ -429,11 +428,11 @@ def _cats_layer(layer: nn.Module, prefix: str, acts: Activations, sparsity: floa
         for h in handles:
             h.remove()
     for name, (z, n) in zeros.items():
-        report[name]["activation_sparsity"] = z / n if n else 0.0
+        report[name]["activation_sparsity"] = int(z) / n if n else 0.0
     return report
 
 
-def hash_name(name: str) -> int:
+def _name_seed(name: str) -> int:
     """A stable small integer for a module name (Python's hash() changes between runs)."""
     import zlib
 
@@ -564,7 +563,7 @@ def prune_model(
             })
             del stats
             if progress:
-                progress("layers", idx + 1, len(layers))
+                progress("thresholds" if is_cats else "layers", idx + 1, len(layers))
     if not is_cats:
         _prune_outside_linears(model, stack_name, skip, method, sparsity, pattern, linear_reports, warn)
     del acts

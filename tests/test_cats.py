@@ -30,10 +30,10 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cats_dir(workdir):
     """The tiny Llama through ``sparsekit.prune(method="cats", sparsity=0.5)``."""
-    import sparsekit.pruning
+    import sparsekit
 
     out = workdir / "cats50"
-    report = sparsekit.pruning.prune(str(workdir / "tiny"), method="cats", sparsity=0.5,
+    report = sparsekit.prune(str(workdir / "tiny"), method="cats", sparsity=0.5,
                                      calib=str(workdir / "calib.txt"), nsamples=4, seqlen=64, device="cpu",
                                      output=out, warn=lambda m: None)
     return out, report
