@@ -32,7 +32,7 @@ def prune_cmd(
     calib: Optional[str] = typer.Option(None, "--calib", "--dataset", help="Calibration text: wikitext2, c4, a hub dataset, or a .txt/.jsonl/.parquet file (default: wikitext2)"),
     nsamples: Optional[int] = typer.Option(None, "--nsamples", help="Calibration windows (default: 128)"),
     seqlen: Optional[int] = typer.Option(None, "--seqlen", help="Tokens per window, capped at the model context (default: 2048)"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for drawing the windows (default: 0)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed for drawing the windows and the CATS activation sample (default: 0)"),
     skip: Optional[List[str]] = typer.Option(None, "--skip", help="Module-name pattern (fnmatch) to leave dense; repeatable; lm_head is always left dense"),
     prune_lm_head: bool = typer.Option(False, "--prune-lm-head", help="Prune lm_head too (magnitude only; refused when it is tied to the embeddings)."),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="YAML recipe (recipes/*.yaml); flags override it."),
