@@ -260,3 +260,27 @@ def test_cats_recipe_and_help():
         resolve_settings(None, method="cats", pattern="4:8")
     res = runner.invoke(app, ["prune", "--help"])
     assert res.exit_code == 0 and "cats" in res.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_engine_matches_cpu_and_leaves_the_model_on_the_cpu(workdir):
+    """On CUDA (layers visit the GPU one at a time, thresholds are made there) the thresholds
+    match the CPU run's and every tensor of the model, the new threshold buffers included, ends
+    back on the CPU; the weights are unchanged."""
+    from sparsekit.engine import prune_model
+    from sparsekit.models import load_model
+
+    ids = calib_ids(workdir)
+    cpu, _ = load_model(str(workdir / "tiny"))
+    gpu, _ = load_model(str(workdir / "tiny"))
+    before = {k: v.clone() for k, v in gpu.state_dict().items()}
+    rc = prune_model(cpu, ids, method="cats", sparsity=0.5, pattern="unstructured", device="cpu")
+    rg = prune_model(gpu, ids, method="cats", sparsity=0.5, pattern="unstructured", device="cuda")
+    assert rc["cats"].keys() == rg["cats"].keys()
+    for name in rc["cats"]:
+        assert rg["cats"][name]["threshold"] == pytest.approx(rc["cats"][name]["threshold"], rel=1e-3)
+        assert abs(rg["cats"][name]["activation_sparsity"] - 0.5) < 1e-2
+    assert all(t.device.type == "cpu" for t in list(gpu.parameters()) + list(gpu.buffers()))
+    assert all(torch.equal(v, gpu.state_dict()[k]) for k, v in before.items())
+    for name in rg["cats"]:
+        assert float(gpu.get_submodule(name).act_fn.threshold) == pytest.approx(rg["cats"][name]["threshold"])
