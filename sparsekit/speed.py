@@ -128,9 +128,12 @@ def _load(model_dir, device, dtype, notes: list[str]):
         raise SparsekitError(f"no model at {path}: pass a packed directory (from `sparsekit encode`) or a pruned HF directory")
     from transformers import AutoModelForCausalLM
 
+    from sparsekit.cats import install_from_checkpoint
     from sparsekit.sparse_linear import sparsify
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    install_from_checkpoint(model, path)  # CATS thresholds from sparsekit.json, if any
+    model = model.to(device).eval()
     swapped = sparsify(model, min_sparsity=0.3)
     notes.append(f"{path} is not packed: {len(swapped)} linears with >= 30% zeros were encoded in memory")
     return model

@@ -284,3 +284,15 @@ def test_cuda_engine_matches_cpu_and_leaves_the_model_on_the_cpu(workdir):
     assert all(torch.equal(v, gpu.state_dict()[k]) for k, v in before.items())
     for name in rg["cats"]:
         assert float(gpu.get_submodule(name).act_fn.threshold) == pytest.approx(rg["cats"][name]["threshold"])
+
+
+def test_speed_loader_installs_thresholds_of_an_unpacked_checkpoint(cats_dir):
+    """`sparsekit eval --speed` on the pruned (not packed) directory measures the CATS model."""
+    from sparsekit.speed import _load
+
+    out, report = cats_dir
+    notes: list[str] = []
+    model = _load(out, "cpu", torch.float32, notes)
+    for name, r in report["cats"]["mlps"].items():
+        act = model.get_submodule(name).act_fn
+        assert isinstance(act, cats.CatsActivation) and float(act.threshold) == pytest.approx(r["threshold"])
