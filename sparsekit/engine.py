@@ -350,6 +350,13 @@ def _linear_kind(module: nn.Module) -> str:
     return "linear" if isinstance(module, nn.Linear) else "conv1d"
 
 
+def _layer_entry(module: nn.Module) -> dict:
+    """A linear's ``layers`` entry as stored: its fraction of zeros, [out, in] shape and kind."""
+    w = L.weight_out_in(module)
+    return {"sparsity": float((w == 0).sum().item() / w.numel()), "shape": [int(w.shape[0]), int(w.shape[1])],
+            "kind": _linear_kind(module)}
+
+
 def _prune_linears(linears: dict[str, nn.Module], stats: dict, method: str, sparsity: float, pattern,
                    blocksize: int, percdamp: float, warn) -> dict[str, dict]:
     from sparsekit.methods import prune_weight
@@ -364,25 +371,15 @@ def _prune_linears(linears: dict[str, nn.Module], stats: dict, method: str, spar
         res = prune_weight(w, method, sparsity, pattern, stats.get(name), blocksize=blocksize,
                            percdamp=percdamp, warn=lambda msg, _n=name: warn(f"{_n}: {msg}"))
         L.set_weight_out_in(mod, res.weight)
-        stored = L.weight_out_in(mod)
-        report[name] = {
-            "sparsity": float((stored == 0).sum().item() / stored.numel()),
-            "shape": [int(stored.shape[0]), int(stored.shape[1])],
-            "kind": _linear_kind(mod),
-        }
+        report[name] = _layer_entry(mod)
         if res.info:
             report[name]["info"] = {k: v for k, v in res.info.items() if isinstance(v, (int, float, str, bool))}
     return report
 
 
 def _weight_report(linears: dict[str, nn.Module]) -> dict[str, dict]:
-    """The ``layers`` entries of linears left as they are (CATS): their zeros, shape and kind."""
-    report = {}
-    for name, mod in linears.items():
-        w = L.weight_out_in(mod)
-        report[name] = {"sparsity": float((w == 0).sum().item() / w.numel()),
-                        "shape": [int(w.shape[0]), int(w.shape[1])], "kind": _linear_kind(mod)}
-    return report
+    """The ``layers`` entries of linears left as they are (CATS)."""
+    return {name: _layer_entry(mod) for name, mod in linears.items()}
 
 
 def _cats_layer(layer: nn.Module, prefix: str, acts: Activations, sparsity: float, skip: list[str],
