@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-GROUPS = (("sparse", ("spmm", "kernel_", "cudapy")), ("cublas", ("gemm", "gemv", "xmma", "cutlass", "sm90_", "nvjet")),
+GROUPS = (("sparse", ("sparsekit::kernels",)), ("cublas", ("gemm", "gemv", "xmma", "cutlass", "sm90_", "nvjet")),
           ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")), ("triton", ("triton",)))
 
 
@@ -36,38 +36,39 @@ def group_of(name: str) -> str:
 
 
 def step_ms(dec, ids, loops: int = 5, steps: int = 32) -> float:
+    from sparsekit.speed import _time_ms
+
+    def replays():
+        for _ in range(steps):
+            dec.graph.replay()
+
     times = []
     for _ in range(loops):
         dec.prefill(ids)   # the cache has room for new_tokens steps after each prefill
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(steps):
-            dec.graph.replay()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / steps)
+        times.append(_time_ms(replays) / steps)
     return statistics.median(times)
 
 
-ATTN = ("sdpa", "sdpa-efficient", "sdpa-flash", "sdpa-math", "eager")
+# the SDPA backend a variant leaves enabled (None: torch's own choice, cuDNN here). Flash cannot
+# take HF's decode mask and HF's eager attention cannot be captured, so neither is a variant.
+ATTN = {"sdpa": None, "sdpa-efficient": "efficient", "sdpa-math": "math"}
 
 
-def attention_mode(model, attn: str):
-    """Context for one ``--attn`` variant: HF's attention implementation and the SDPA backends
-    torch may pick (set globally: the compiled layer picks its backend when it is traced)."""
+def attention_mode(attn: str):
+    """Context for one ``--attn`` variant: the SDPA backends torch may pick (set globally: the
+    compiled layer picks its backend when it is traced)."""
     import contextlib
 
     @contextlib.contextmanager
     def ctx():
         b = torch.backends.cuda
         saved = (b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled())
-        only = {"sdpa-efficient": "efficient", "sdpa-flash": "flash", "sdpa-math": "math"}.get(attn)
+        only = ATTN[attn]
         if only:
             b.enable_cudnn_sdp(False)
-            b.enable_flash_sdp(only == "flash")
+            b.enable_flash_sdp(False)
             b.enable_mem_efficient_sdp(only == "efficient")
             b.enable_math_sdp(only == "math")
-        model.set_attn_implementation("eager" if attn == "eager" else "sdpa")
         try:
             yield
         finally:
@@ -136,6 +137,10 @@ def main() -> int:
     ap.add_argument("--attn", default="sdpa", help=f"comma-separated attention variants to compare: {', '.join(ATTN)}")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    unknown = [a for a in args.attn.split(",") if a not in ATTN]
+    if unknown:
+        print(f"unknown --attn variant(s) {', '.join(unknown)}: use {', '.join(ATTN)}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("no CUDA GPU: profile_e2e runs on a GPU machine", file=sys.stderr)
         return 2
@@ -165,7 +170,7 @@ def main() -> int:
                 torch._dynamo.reset()          # the attention backend is chosen when a layer is traced
                 cg._compiled_layer_call = None
                 try:
-                    with attention_mode(model, attn):
+                    with attention_mode(attn):
                         r = profile_step(model, b, args.prompt_len, args.new_tokens)
                 except Exception as e:  # noqa: BLE001 - a backend that cannot run this step
                     print(f"\n== {label} {attn} batch {b}: failed ({type(e).__name__}: {str(e)[:200]})")
