@@ -46,9 +46,9 @@ def run_ppl(model_dir: str, *, dataset: str, seqlen: int, max_windows: Optional[
     """Load ``model_dir`` and measure its perplexity; the report the CLI prints (library-callable)."""
     import time
 
-    from sparsekit.data import cap_seqlen, eval_text
-    from sparsekit.models import load_model, resolve_device, resolve_dtype, resolve_model
-    from sparsekit.ppl import perplexity
+    from sparsekit.hf.data import cap_seqlen, eval_text
+    from sparsekit.hf.models import load_model, resolve_device, resolve_dtype, resolve_model
+    from sparsekit.evaluation.ppl import perplexity
 
     t0 = time.perf_counter()
     dev = resolve_device(device)
@@ -135,8 +135,8 @@ def eval_cmd(
         if not json_out:
             console.print(ppl_table(report["ppl"]))
     if speed:
-        from sparsekit.models import resolve_dtype, resolve_model
-        from sparsekit.speed import measure_speed, plot_speed, speed_table
+        from sparsekit.hf.models import resolve_dtype, resolve_model
+        from sparsekit.evaluation.speed import measure_speed, plot_speed, speed_table
 
         location = resolve_model(model_dir)
         if not Path(location).is_dir():  # a hub id: the speed runner reads a local directory

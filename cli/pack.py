@@ -83,7 +83,7 @@ def encode_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
     json_out: bool = JSON_OPTION,
 ):
-    from sparsekit.packing import encode
+    from sparsekit.packed.encoding import encode
 
     with _progress("encoding") as progress:
         report = encode(pruned, output, min_sparsity=min_sparsity, force=force, max_shard_size=max_shard_size,
@@ -145,7 +145,7 @@ def inspect_cmd(
     packed: Path = typer.Argument(..., help="Packed checkpoint directory (output of `sparsekit encode`)."),
     json_out: bool = JSON_OPTION,
 ):
-    from sparsekit.verify import inspect_packed
+    from sparsekit.packed.verify import inspect_packed
 
     report = inspect_packed(packed)
     if json_out:
@@ -167,7 +167,7 @@ def verify_cmd(
     packed: Path = typer.Argument(..., help="Packed checkpoint directory (output of `sparsekit encode`)."),
     json_out: bool = JSON_OPTION,
 ):
-    from sparsekit.verify import verify_packed
+    from sparsekit.packed.verify import verify_packed
 
     with _progress("verifying") as progress:
         report = verify_packed(packed, progress=progress)
@@ -187,7 +187,7 @@ def export_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
     json_out: bool = JSON_OPTION,
 ):
-    from sparsekit.interchange import export_bitmask
+    from sparsekit.packed.interchange import export_bitmask
 
     with _progress("exporting") as progress:
         report = export_bitmask(source, output, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress)
@@ -206,7 +206,7 @@ def import_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
     json_out: bool = JSON_OPTION,
 ):
-    from sparsekit.interchange import import_bitmask
+    from sparsekit.packed.interchange import import_bitmask
 
     with _progress("importing") as progress:
         report = import_bitmask(source, output, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress)

@@ -1,4 +1,4 @@
-"""sparsekit prune: a thin typer layer over ``sparsekit.pruning.prune``."""
+"""sparsekit prune: a thin typer layer over ``sparsekit.pruning.api.prune``."""
 from __future__ import annotations
 
 from typing import List, Optional
@@ -47,7 +47,7 @@ def prune_cmd(
 ) -> None:
     from transformers.utils import logging as hf_logging
 
-    from sparsekit.pruning import prune
+    from sparsekit.pruning.api import prune
 
     hf_logging.disable_progress_bar()  # our own bars only
     bars = _Bars(disable=False)

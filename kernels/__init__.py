@@ -1,6 +1,6 @@
 """Numba CUDA kernels for TCA-BME sparse x dense products (installed as ``sparsekit.kernels``).
 
-    tcabme_matmul(x, w, out=None)  # y[N, M] = x[N, K] @ W^T, W packed (sparsekit.tcabme.TcaBme)
+    tcabme_matmul(x, w, out=None)  # y[N, M] = x[N, K] @ W^T, W packed (sparsekit.packed.tcabme.TcaBme)
     reference_matmul(x, w)          # decode + matmul, any device
     kernels_available()             # True when the GPU kernels can run here
     decode.tcabme_decode(w)         # the dense [M, K] weight, one GPU kernel (import it from .decode)

@@ -3,9 +3,9 @@
 The model: 32 layers, hidden 4096, MLP 11008, 32 heads, vocab 32000, random fp16 weights made
 directly on the GPU (normal, std 0.02), every decoder linear pruned 50% by magnitude per output
 row. The dense model is timed first; then every decoder linear is encoded with
-``sparsekit.tcabme.encode`` on the GPU and swapped for ``SparseLinear``, the logits are checked
+``sparsekit.packed.tcabme.encode`` on the GPU and swapped for ``SparseLinear``, the logits are checked
 against the dense pruned model, and the sparse model is timed. Both use the same harness
-(``sparsekit.speed.measure_model``): eager prefill into a static KV cache, then greedy decode
+(``sparsekit.evaluation.speed.measure_model``): eager prefill into a static KV cache, then greedy decode
 steps replayed from a CUDA graph (``--eager`` to compare without graphs), each decoder layer of
 the step run through torch.compile (``--no-compile``) and RMSNorm fused (``--hf-norms``), in
 both models alike. ``--fuse-proj both`` (default) also measures the pair with q/k/v and gate/up
@@ -50,7 +50,7 @@ def build_model(layers: int, hidden: int, inter: int, heads: int, vocab: int, se
 
 
 def prune_(model, sparsity: float) -> None:
-    from sparsekit.layers import find_decoder_layers, find_linears
+    from sparsekit.hf.modules import find_decoder_layers, find_linears
 
     stack_name, stack = find_decoder_layers(model)
     for _, mod in find_linears(stack, prefix=stack_name).items():
@@ -76,9 +76,9 @@ class FreeLinear(torch.nn.Module):
 
 def overhead_probe(model, batches, kw, skip_hf: bool = False) -> dict:
     """Decode step time with every decoder linear made free, norms as HF wrote them and fused."""
-    from sparsekit.cuda_graph import fuse_rms_norms
-    from sparsekit.layers import find_decoder_layers, find_linears
-    from sparsekit.speed import measure_model
+    from sparsekit.runtime.decoder import fuse_rms_norms
+    from sparsekit.hf.modules import find_decoder_layers, find_linears
+    from sparsekit.evaluation.speed import measure_model
 
     stack_name, stack = find_decoder_layers(model)
     saved = find_linears(stack, prefix=stack_name)
@@ -142,9 +142,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA GPU: bench_e2e runs on a GPU machine", file=sys.stderr)
         return 2
-    from sparsekit.cuda_graph import equalize_packed_sizes, fuse_projections, fuse_rms_norms
-    from sparsekit.sparse_linear import SparseLinear, _kernel, densify, sparsify
-    from sparsekit.speed import _model_bytes, measure_model
+    from sparsekit.runtime.decoder import equalize_packed_sizes, fuse_projections, fuse_rms_norms
+    from sparsekit.runtime.sparse_linear import SparseLinear, _kernel, densify, sparsify
+    from sparsekit.evaluation.speed import _model_bytes, measure_model
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     graphs = not args.eager

@@ -1,4 +1,4 @@
-"""Encode / decode throughput of TCA-BME (sparsekit.tcabme), in MB/s of dense weights.
+"""Encode / decode throughput of TCA-BME (sparsekit.packed.tcabme), in MB/s of dense weights.
 
     python scripts/bench_encode.py                 # CPU (and CUDA when present), markdown table
     python scripts/bench_encode.py --json          # the same as JSON
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from sparsekit import tcabme
+from sparsekit.packed import tcabme
 
 SHAPES = {
     "smollm2 q_proj 576x576": (576, 576),
@@ -94,12 +94,12 @@ def bench(device: str, repeat: int) -> list[dict]:
 
 
 def bench_demo() -> dict:
-    """`sparsekit.packing.encode` of SmolLM2-135M magnitude-pruned to 50% (files, checksums and all)."""
+    """`sparsekit.packed.encoding.encode` of SmolLM2-135M magnitude-pruned to 50% (files, checksums and all)."""
     import numpy as np
     from safetensors.torch import load_file, save_file
 
-    from sparsekit.models import resolve_model
-    from sparsekit.packing import checkpoint_files, encode, linear_modules, load_json, resolve_key
+    from sparsekit.hf.models import resolve_model
+    from sparsekit.packed.encoding import checkpoint_files, encode, linear_modules, load_json, resolve_key
 
     demo = Path(resolve_model("smollm2-135m"))
     state = {}

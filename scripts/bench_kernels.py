@@ -114,7 +114,7 @@ def prune_24(w):
 
 def bench(shapes, ns, sparsities, tune: bool):
     from sparsekit.kernels import tcabme_matmul
-    from sparsekit.tcabme import encode
+    from sparsekit.packed.tcabme import encode
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     bw = copy_bandwidth()

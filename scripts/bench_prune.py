@@ -60,9 +60,9 @@ def build_model(shape: str, dtype=torch.float16, seed: int = 0):
 
 def run_one(shape: str, method: str, pattern: str, nsamples: int, seqlen: int, device: str, batch_size=None,
             overlap: bool = True) -> dict:
-    from sparsekit.engine import prune_model
-    from sparsekit.methods import needs_stats
-    from sparsekit.patterns import Pattern
+    from sparsekit.pruning.engine import prune_model
+    from sparsekit.pruning.methods import needs_stats
+    from sparsekit.pruning.patterns import Pattern
 
     t0 = time.perf_counter()
     model = build_model(shape)

@@ -103,10 +103,10 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from sparsekit.data import eval_text
-    from sparsekit.models import load_model, resolve_model
-    from sparsekit.ppl import perplexity
-    from sparsekit.pruning import prune
+    from sparsekit.hf.data import eval_text
+    from sparsekit.hf.models import load_model, resolve_model
+    from sparsekit.evaluation.ppl import perplexity
+    from sparsekit.pruning.api import prune
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

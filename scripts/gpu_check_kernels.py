@@ -62,7 +62,7 @@ def probe():
 
 def check(quick: bool, shapes=None, ns=None, sparsities=None) -> int:
     from sparsekit.kernels import kernels_available, tcabme_matmul
-    from sparsekit.tcabme import encode
+    from sparsekit.packed.tcabme import encode
 
     assert kernels_available(), "kernels_available() is False on a GPU machine"
     dev = torch.device("cuda")
@@ -145,7 +145,7 @@ def check(quick: bool, shapes=None, ns=None, sparsities=None) -> int:
 def profile_case(m: int, k: int, n: int, sparsity: float, calls: int = 20) -> int:
     """Run one case ``calls`` times (for ncu: --launch-skip/--launch-count pick one)."""
     from sparsekit.kernels import tcabme_matmul
-    from sparsekit.tcabme import encode
+    from sparsekit.packed.tcabme import encode
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     p = encode(random_pruned(m, k, sparsity, "cuda", gen))

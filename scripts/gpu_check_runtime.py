@@ -1,7 +1,7 @@
 """GPU check of the runtime (run through the device tool; needs a CUDA GPU).
 
 1. Correctness: a random Llama (fp16, 50% magnitude-pruned per row) written as an HF dir, packed
-   with ``sparsekit.packing.encode`` and loaded with ``load_packed(device="cuda")`` (falls back to
+   with ``sparsekit.packed.encoding.encode`` and loaded with ``load_packed(device="cuda")`` (falls back to
    swapping in ``SparseLinear`` in memory while packing is unavailable). Logits vs the dense
    pruned model, relative error < 1e-2, both at decode size (N <= dense_above tokens: the bundled
    kernel) and at prefill size (above: the decode kernel + cuBLAS). The decode kernel is checked
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparsekit.sparse_linear import SparseLinear, decode_dense, sparsify
-from sparsekit.tcabme import decode, encode
+from sparsekit.runtime.sparse_linear import SparseLinear, decode_dense, sparsify
+from sparsekit.packed.tcabme import decode, encode
 
 FAIL = []
 
@@ -72,8 +72,8 @@ def tiny_llama(hidden=1024, inter=2816, layers=4, vocab=8000, heads=16, seed=0):
 def packed_copy(model, tmp: Path):
     """The model through disk: save_pretrained -> packing.encode -> load_packed (or in-memory swap)."""
     try:
-        from sparsekit.packing import encode as pack_dir
-        from sparsekit.packed_loader import load_packed
+        from sparsekit.packed.encoding import encode as pack_dir
+        from sparsekit.runtime.loader import load_packed
     except ImportError as e:
         print(f"note: packing unavailable ({e}); swapping SparseLinear in memory", flush=True)
         import copy
@@ -87,7 +87,7 @@ def packed_copy(model, tmp: Path):
 
 
 def check_correctness(results: dict) -> None:
-    from sparsekit.cuda_graph import GreedyDecoder
+    from sparsekit.runtime.decoder import GreedyDecoder
 
     dense = tiny_llama()
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,7 +116,7 @@ def check_correctness(results: dict) -> None:
         check(bool(torch.isfinite(y).all()) and e < 1e-2, f"SparseLinear N={n}: rel err vs float64 {e:.2e}")
 
     # CUDA graphs vs eager: same greedy tokens
-    from sparsekit.sparse_linear import _kernel
+    from sparsekit.runtime.sparse_linear import _kernel
 
     prompt = torch.randint(0, 8000, (4, 12), generator=gen).cuda()
     for label, m in (("packed", packed), ("dense", dense)):
@@ -149,8 +149,8 @@ def check_measure_speed(results: dict, out_dir: Path | None) -> None:
     """The `sparsekit eval --speed` library path on a small packed model: report, table, plot."""
     from rich.console import Console
 
-    from sparsekit.packing import encode as pack_dir
-    from sparsekit.speed import measure_speed, plot_speed, speed_table
+    from sparsekit.packed.encoding import encode as pack_dir
+    from sparsekit.evaluation.speed import measure_speed, plot_speed, speed_table
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -181,7 +181,7 @@ def time_ms(fn, reps=20) -> float:
 
 
 def measure_threshold(results: dict) -> None:
-    from sparsekit.sparse_linear import _kernel
+    from sparsekit.runtime.sparse_linear import _kernel
 
     kernel = _kernel()
     if kernel is None:

@@ -50,7 +50,7 @@ def main() -> int:
     ap.add_argument("--modes", default="0,1,2", help="0 full, 1 stream, 2 l2hot")
     a = ap.parse_args()
     from sparsekit.kernels import spmm_warp, tcabme_matmul
-    from sparsekit.tcabme import encode
+    from sparsekit.packed.tcabme import encode
 
     print(f"{torch.cuda.get_device_name()}: read bandwidth {read_bandwidth() / 1e12:.2f} TB/s", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -36,7 +36,7 @@ def group_of(name: str) -> str:
 
 
 def step_ms(dec, ids, loops: int = 5, steps: int = 32) -> float:
-    from sparsekit.speed import _time_ms
+    from sparsekit.evaluation.speed import _time_ms
 
     def replays():
         for _ in range(steps):
@@ -81,7 +81,7 @@ def attention_mode(attn: str):
 def profile_step(model, batch: int, prompt_len: int, new_tokens: int, replays: int = 16) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from sparsekit.cuda_graph import GreedyDecoder
+    from sparsekit.runtime.decoder import GreedyDecoder
 
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(0)).cuda()
@@ -146,8 +146,8 @@ def main() -> int:
         return 2
     from bench_e2e import build_model, prune_
 
-    from sparsekit.cuda_graph import equalize_packed_sizes, fuse_projections, fuse_rms_norms
-    from sparsekit.sparse_linear import densify, sparsify
+    from sparsekit.runtime.decoder import equalize_packed_sizes, fuse_projections, fuse_rms_norms
+    from sparsekit.runtime.sparse_linear import densify, sparsify
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     import torch._inductor.config as inductor_config
@@ -163,7 +163,7 @@ def main() -> int:
     out = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "runs": []}
 
     def run(label):
-        import sparsekit.cuda_graph as cg
+        import sparsekit.runtime.decoder as cg
 
         for attn in args.attn.split(","):
             for b in batches:

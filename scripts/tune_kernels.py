@@ -40,7 +40,7 @@ def name(plan) -> str:
 
 def sweep(shapes, ns, sparsity, strips, warps, stages, regs):
     from sparsekit.kernels import tcabme_matmul
-    from sparsekit.tcabme import encode
+    from sparsekit.packed.tcabme import encode
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []

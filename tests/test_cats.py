@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from sparsekit import cats
+from sparsekit.pruning.methods import cats
 from sparsekit.cli.app import app
 from sparsekit.errors import SparsekitError
 from tiny_models import make_model, save_tiny, write_corpus
@@ -47,8 +47,8 @@ def masked_mlp_forward(mlp: nn.Module, x: torch.Tensor, t: float) -> torch.Tenso
 
 
 def calib_ids(workdir, n=4, seqlen=64):
-    from sparsekit.data import calibration_windows
-    from sparsekit.models import load_tokenizer
+    from sparsekit.hf.data import calibration_windows
+    from sparsekit.hf.models import load_tokenizer
 
     return calibration_windows(str(workdir / "calib.txt"), load_tokenizer(str(workdir / "tiny")),
                                nsamples=n, seqlen=seqlen, seed=0)
@@ -129,8 +129,8 @@ def test_gated_mlps_found_generically():
 # ----------------------------------------------------------------------------- calibration
 def test_layer_thresholds_measured_on_thresholded_inputs(workdir):
     """Layer i's threshold is the quantile of its activations with layers < i thresholded."""
-    from sparsekit.engine import prune_model
-    from sparsekit.models import load_model
+    from sparsekit.pruning.engine import prune_model
+    from sparsekit.hf.models import load_model
 
     ids = calib_ids(workdir)
     model, _ = load_model(str(workdir / "tiny"))
@@ -162,7 +162,7 @@ def test_layer_thresholds_measured_on_thresholded_inputs(workdir):
 def test_prune_writes_thresholds_and_load_model_installs_them(workdir, cats_dir):
     from safetensors.torch import load_file
 
-    from sparsekit.models import load_model
+    from sparsekit.hf.models import load_model
 
     out, report = cats_dir
     meta = json.loads((out / "sparsekit.json").read_text())
@@ -193,8 +193,8 @@ def test_prune_writes_thresholds_and_load_model_installs_them(workdir, cats_dir)
 
 
 def test_encode_keeps_thresholds_and_load_packed_installs_them(workdir, cats_dir, tmp_path):
-    from sparsekit.models import load_model
-    from sparsekit.packing import encode
+    from sparsekit.hf.models import load_model
+    from sparsekit.packed.encoding import encode
 
     out, report = cats_dir
     encode(out, tmp_path / "packed")
@@ -252,7 +252,7 @@ def test_cli_cats_refusals_are_one_line(workdir, extra, model, match):
 def test_cats_recipe_and_help():
     from pathlib import Path
 
-    from sparsekit.recipes import resolve_settings
+    from sparsekit.pruning.recipes import resolve_settings
 
     s = resolve_settings(Path(__file__).resolve().parents[1] / "recipes" / "cats-unstructured50.yaml")
     assert (s["method"], s["pattern"], s["sparsity"]) == ("cats", "unstructured", 0.5)
@@ -267,8 +267,8 @@ def test_cuda_engine_matches_cpu_and_leaves_the_model_on_the_cpu(workdir):
     """On CUDA (layers visit the GPU one at a time, thresholds are made there) the thresholds
     match the CPU run's and every tensor of the model, the new threshold buffers included, ends
     back on the CPU; the weights are unchanged."""
-    from sparsekit.engine import prune_model
-    from sparsekit.models import load_model
+    from sparsekit.pruning.engine import prune_model
+    from sparsekit.hf.models import load_model
 
     ids = calib_ids(workdir)
     cpu, _ = load_model(str(workdir / "tiny"))
@@ -288,7 +288,7 @@ def test_cuda_engine_matches_cpu_and_leaves_the_model_on_the_cpu(workdir):
 
 def test_speed_loader_installs_thresholds_of_an_unpacked_checkpoint(cats_dir):
     """`sparsekit eval --speed` on the pruned (not packed) directory measures the CATS model."""
-    from sparsekit.speed import _load
+    from sparsekit.evaluation.speed import _load
 
     out, report = cats_dir
     notes: list[str] = []

@@ -25,8 +25,8 @@ def tiny(tmp_path_factory):
 
 
 def test_json_report_matches_the_library(tiny):
-    from sparsekit.models import load_model
-    from sparsekit.ppl import perplexity
+    from sparsekit.hf.models import load_model
+    from sparsekit.evaluation.ppl import perplexity
 
     model_dir, text_file = tiny
     res = runner.invoke(app, ["eval", str(model_dir), "--dataset", str(text_file), "--seqlen", "32",
@@ -108,8 +108,8 @@ def test_demo_alias_subprocess_json(wikitext_dir):
 
 def test_pruned_and_packed_dirs_give_the_same_perplexity(tiny, tmp_path):
     """prune -> encode -> eval: the packed TCA-BME directory evaluates like the pruned one it came from."""
-    from sparsekit.packing import encode
-    from sparsekit.pruning import prune
+    from sparsekit.packed.encoding import encode
+    from sparsekit.pruning.api import prune
 
     model_dir, text_file = tiny
     pruned, packed = tmp_path / "pruned", tmp_path / "packed"
@@ -128,8 +128,8 @@ def test_pruned_and_packed_dirs_give_the_same_perplexity(tiny, tmp_path):
 
 
 def test_speed_flags_reach_the_runtime(tiny, tmp_path, monkeypatch):
-    """--speed/--batch-sizes/--plot are passed to sparsekit.speed; --json carries both reports."""
-    import sparsekit.speed as speed
+    """--speed/--batch-sizes/--plot are passed to sparsekit.evaluation.speed; --json carries both reports."""
+    import sparsekit.evaluation.speed as speed
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the runtime itself is faked below
     calls = {}

@@ -9,8 +9,8 @@ import torch
 from typer.testing import CliRunner
 
 from sparsekit.cli.app import app
-from sparsekit.shards import read_packed
-from sparsekit.tcabme import decode
+from sparsekit.packed.shards import read_packed
+from sparsekit.packed.tcabme import decode
 
 from test_packing import make_pruned
 
@@ -100,7 +100,7 @@ def test_pruner_output_is_encoded(tmp_path):
     """The contract with `sparsekit prune`: its sparsekit.json "layers" (incl. GPT-2 conv1d) drive encode."""
     from tiny_models import save_tiny
 
-    from sparsekit.pruning import prune
+    from sparsekit.pruning.api import prune
 
     save_tiny("gpt2", tmp_path / "tiny")
     prune(str(tmp_path / "tiny"), method="magnitude", sparsity=0.5, pattern="2:4",

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from sparsekit import data
+from sparsekit.hf import data
 from sparsekit.errors import SparsekitError
 from tiny_models import corpus, make_model, make_tokenizer
 

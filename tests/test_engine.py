@@ -8,12 +8,12 @@ import types
 import pytest
 import torch
 
-from sparsekit import engine
-from sparsekit import layers as L
+from sparsekit.pruning import engine
+from sparsekit.hf import modules as L
 from sparsekit.errors import SparsekitError
-from sparsekit.methods import prune_weight
-from sparsekit.patterns import Pattern
-from sparsekit.stats import InputStats
+from sparsekit.pruning.methods import prune_weight
+from sparsekit.pruning.patterns import Pattern
+from sparsekit.pruning.stats import InputStats
 from tiny_models import ARCHS, make_model
 
 UNSTRUCTURED = Pattern.parse("unstructured")

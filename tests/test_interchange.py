@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sparsekit.errors import SparsekitError
-from sparsekit.interchange import bitmask_compress, bitmask_decompress, export_bitmask, import_bitmask
-from sparsekit.packing import encode
+from sparsekit.packed.interchange import bitmask_compress, bitmask_decompress, export_bitmask, import_bitmask
+from sparsekit.packed.encoding import encode
 
 from test_packing import make_pruned
 

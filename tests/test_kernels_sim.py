@@ -14,7 +14,7 @@ import torch
 
 from sparsekit.kernels import kernels_available, reference_matmul, tcabme_matmul
 from sparsekit.kernels._intrinsics import SIM
-from sparsekit.tcabme import encode
+from sparsekit.packed.tcabme import encode
 
 DEV = "cpu" if SIM else "cuda"
 if not SIM and not torch.cuda.is_available():  # pragma: no cover - conftest sets the simulator
@@ -133,7 +133,7 @@ def test_padded_values_tail_is_ignored():
 def test_decode_kernel_is_bit_exact(m, k, sparsity, dtype):
     """kernels/decode.py (the prefill path) rebuilds exactly what tcabme.decode does."""
     from sparsekit.kernels.decode import tcabme_decode
-    from sparsekit.tcabme import decode
+    from sparsekit.packed.tcabme import decode
 
     g = torch.Generator().manual_seed(7)
     w = torch.randn(m, k, generator=g).to(dtype)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from sparsekit.errors import SparsekitError
-from sparsekit.methods import METHODS, WEIGHT_METHODS, PruneResult, needs_calibration, needs_hessian, needs_stats, prune_weight
-from sparsekit.patterns import n_pruned
-from sparsekit.sparsegpt import inverse_hessian_cholesky
-from sparsekit.stats import InputStats
+from sparsekit.pruning.methods import METHODS, WEIGHT_METHODS, PruneResult, needs_calibration, needs_hessian, needs_stats, prune_weight
+from sparsekit.pruning.patterns import n_pruned
+from sparsekit.pruning.methods.sparsegpt import inverse_hessian_cholesky
+from sparsekit.pruning.stats import InputStats
 
 
 def realistic_inputs(n_tokens: int, in_f: int, seed: int) -> torch.Tensor:
@@ -372,8 +372,8 @@ def _staged_vs_eager(device: str):
     """The staged sweep (static per-shape buffers; captured and replayed as a CUDA graph on CUDA)
     gives what the eager sweep gives, for every pattern, a short last block, and a second weight of
     the same shape (the cached buffers/graph reused with other numbers)."""
-    from sparsekit.patterns import Pattern
-    from sparsekit.sparsegpt import _GRAPH_CACHE, clear_graph_cache, sparsegpt_prune
+    from sparsekit.pruning.patterns import Pattern
+    from sparsekit.pruning.methods.sparsegpt import _GRAPH_CACHE, clear_graph_cache, sparsegpt_prune
 
     clear_graph_cache()
     cases = [("unstructured", 0.5, 16), ("unstructured", 0.3, 128), ("2:4", 0.5, 16), ("4:8", 0.5, 24), ("hybrid:8", 0.25, 16)]
@@ -406,8 +406,8 @@ def test_cuda_graph_sweep_matches_eager():
     staged = _staged_vs_eager("cuda")
     assert all(st.graph is not None for st in staged)  # every block shape was captured, then replayed
     # the default on CUDA is the graph path: prune_weight agrees with the eager sweep
-    from sparsekit.patterns import Pattern
-    from sparsekit.sparsegpt import sparsegpt_prune
+    from sparsekit.pruning.patterns import Pattern
+    from sparsekit.pruning.methods.sparsegpt import sparsegpt_prune
 
     w = torch.randn(64, 256).cuda()
     st = stats_for(realistic_inputs(512, 256, seed=77))

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from sparsekit import models
+from sparsekit.hf import models
 from sparsekit.errors import SparsekitError
 from conftest import need_demo_model
 from tiny_models import make_model, make_tokenizer, save_tiny
@@ -59,7 +59,7 @@ def test_cuda_without_gpu(tiny_dir):
 
 
 def test_packed_dir_delegates_to_packed_loader(tmp_path, tiny_dir, monkeypatch):
-    import sparsekit.packed_loader as pl
+    import sparsekit.runtime.loader as pl
 
     packed = tmp_path / "packed"
     packed.mkdir()

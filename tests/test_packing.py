@@ -1,4 +1,4 @@
-"""sparsekit.packing.encode: which tensors are packed, per-layer choice, casting, bad input, demo model."""
+"""sparsekit.packed.encoding.encode: which tensors are packed, per-layer choice, casting, bad input, demo model."""
 from __future__ import annotations
 
 import json
@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sparsekit.errors import SparsekitError
-from sparsekit.packing import encode
-from sparsekit.shards import INDEX_NAME, read_packed
-from sparsekit.tcabme import decode
-from sparsekit.verify import verify_packed
+from sparsekit.packed.encoding import encode
+from sparsekit.packed.shards import INDEX_NAME, read_packed
+from sparsekit.packed.tcabme import decode
+from sparsekit.packed.verify import verify_packed
 
 
 def make_pruned(path: Path, arch: str = "llama", dtype=torch.float16, sparsity: float = 0.5,
@@ -23,7 +23,7 @@ def make_pruned(path: Path, arch: str = "llama", dtype=torch.float16, sparsity: 
     """
     import transformers as T
 
-    from sparsekit.layers import find_decoder_layers, find_linears, set_weight_out_in, weight_out_in
+    from sparsekit.hf.modules import find_decoder_layers, find_linears, set_weight_out_in, weight_out_in
 
     torch.manual_seed(seed)
     if arch == "llama":
@@ -181,7 +181,7 @@ def test_bad_inputs_one_clear_error_no_partial_output(tmp_path):
 def test_failure_midway_leaves_nothing(tmp_path, monkeypatch):
     src = tmp_path / "pruned"
     make_pruned(src)
-    from sparsekit import tcabme
+    from sparsekit.packed import tcabme
 
     calls = {"n": 0}
     real = tcabme.encode
@@ -202,7 +202,7 @@ def test_failure_midway_leaves_nothing(tmp_path, monkeypatch):
 def test_demo_model_50_percent_unstructured(tmp_path):
     """Real SmolLM2-135M weights, magnitude-pruned to 50% per layer: packed linear bytes <= 0.58x dense."""
     pytest.importorskip("gguf")
-    from sparsekit.models import resolve_model
+    from sparsekit.hf.models import resolve_model
 
     try:
         demo = Path(resolve_model("smollm2-135m"))
@@ -210,7 +210,7 @@ def test_demo_model_50_percent_unstructured(tmp_path):
         pytest.skip(f"demo model unavailable: {e}")
     import shutil
 
-    from sparsekit.packing import checkpoint_files, linear_modules, load_json, resolve_key
+    from sparsekit.packed.encoding import checkpoint_files, linear_modules, load_json, resolve_key
 
     src = tmp_path / "pruned"
     src.mkdir()

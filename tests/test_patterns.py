@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparsekit.errors import SparsekitError
-from sparsekit.patterns import (
+from sparsekit.pruning.patterns import (
     Pattern,
     expand_tiles,
     hybrid_mask,

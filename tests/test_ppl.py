@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from sparsekit.errors import SparsekitError
-from sparsekit.ppl import perplexity, window_ids
+from sparsekit.evaluation.ppl import perplexity, window_ids
 from conftest import need_demo_model
 from tiny_models import corpus, make_model, make_tokenizer
 
@@ -101,8 +101,8 @@ def test_cuda_matches_cpu(tiny):
 @pytest.mark.slow
 def test_demo_model_on_real_wikitext(wikitext_dir):
     """SmolLM2-135M (Q4_1 dequantized) on the real WikiText-2 test string: a sane perplexity."""
-    from sparsekit.data import eval_text
-    from sparsekit.models import load_model
+    from sparsekit.hf.data import eval_text
+    from sparsekit.hf.models import load_model
 
     need_demo_model()
     model, tok = load_model("smollm2-135m", device="cpu")

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from sparsekit.errors import SparsekitError
-from sparsekit.pruning import prune
+from sparsekit.pruning.api import prune
 from tiny_models import save_tiny, write_corpus
 
 META_KEYS = {"sparsekit_version", "model", "method", "pattern", "sparsity", "calibration", "skip", "layers",
@@ -145,7 +145,7 @@ def test_skip_pattern_matching_nothing_is_warned(workdir):
 
 
 def test_default_output_names_differ_when_settings_differ():
-    from sparsekit.pruning import _default_output
+    from sparsekit.pruning.api import _default_output
 
     names = {_default_output("m", "wanda", p, sp).name for p, sp in [
         ("unstructured", 0.5), ("unstructured", 0.333), ("unstructured", 0.334), ("2:4", 0.5), ("4:8", 0.5),

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from sparsekit.errors import SparsekitError
-from sparsekit.methods import METHODS
-from sparsekit.recipes import DEFAULTS, load_recipe, resolve_settings
+from sparsekit.pruning.methods import METHODS
+from sparsekit.pruning.recipes import DEFAULTS, load_recipe, resolve_settings
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 PATTERN_OF_TAG = {"unstructured50": ("unstructured", 0.5), "2of4": ("2:4", 0.5), "4of8": ("4:8", 0.5),

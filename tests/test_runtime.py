@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from sparsekit.errors import SparsekitError
-from sparsekit.layers import find_decoder_layers, find_linears, weight_out_in
+from sparsekit.hf.modules import find_decoder_layers, find_linears, weight_out_in
 from tests import tiny_models
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -36,7 +36,7 @@ def pruned_tiny(arch: str = "llama", seed: int = 0) -> nn.Module:
 
 
 def write_pruned(model, path):
-    from sparsekit.checkpoint import build_metadata, save_pruned
+    from sparsekit.hf.checkpoint import build_metadata, save_pruned
 
     stack_name, stack = find_decoder_layers(model)
     layers = {}
@@ -59,7 +59,7 @@ IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64, 11, 200], [1, 2, 3, 4, 5, 6, 
 
 # --- SparseLinear -----------------------------------------------------------------------------
 def test_sparse_linear_matches_linear_any_leading_dims():
-    from sparsekit.sparse_linear import SparseLinear
+    from sparsekit.runtime.sparse_linear import SparseLinear
 
     torch.manual_seed(0)
     lin = nn.Linear(130, 70)  # not multiples of 64: padding must be invisible
@@ -79,8 +79,8 @@ def test_sparse_linear_matches_linear_any_leading_dims():
 @pytest.mark.parametrize("shape,sparsity", [((70, 130), 0.5), ((64, 64), 0.0), ((64, 64), 1.0), ((200, 300), 0.7)])
 def test_decode_dense_is_bit_exact(shape, sparsity):
     """The sync-free GPU decode (prefill path) rebuilds exactly the encoded bits, -0.0 included."""
-    from sparsekit.sparse_linear import decode_dense
-    from sparsekit.tcabme import encode
+    from sparsekit.runtime.sparse_linear import decode_dense
+    from sparsekit.packed.tcabme import encode
 
     g = torch.Generator().manual_seed(sum(shape))
     w = torch.randn(shape, generator=g).half()
@@ -92,7 +92,7 @@ def test_decode_dense_is_bit_exact(shape, sparsity):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_sparsify_logits_match_dense_pruned(arch):
-    from sparsekit.sparse_linear import SparseLinear, densify, sparsify
+    from sparsekit.runtime.sparse_linear import SparseLinear, densify, sparsify
 
     dense = pruned_tiny(arch)
     sparse = copy.deepcopy(dense)
@@ -108,14 +108,14 @@ def test_sparsify_logits_match_dense_pruned(arch):
 
 
 def test_sparsify_leaves_dense_layers_alone():
-    from sparsekit.sparse_linear import sparsify
+    from sparsekit.runtime.sparse_linear import sparsify
 
     model = tiny_models.make_model("llama")  # nothing pruned: no layer reaches 30% zeros
     assert sparsify(model, min_sparsity=0.3) == []
 
 
 def test_no_gpu_notice_said_once(monkeypatch):
-    from sparsekit import sparse_linear
+    from sparsekit.runtime import sparse_linear
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(sparse_linear, "_notices_shown", set())
@@ -135,8 +135,8 @@ def test_no_gpu_notice_said_once(monkeypatch):
 
 # --- static-cache greedy decoding -------------------------------------------------------------
 def test_static_cache_greedy_matches_hf_generate():
-    from sparsekit.cuda_graph import GreedyDecoder
-    from sparsekit.sparse_linear import sparsify
+    from sparsekit.runtime.decoder import GreedyDecoder
+    from sparsekit.runtime.sparse_linear import sparsify
 
     model = pruned_tiny("llama")
     sparsify(model)
@@ -157,9 +157,9 @@ def test_compiled_decode_step_matches_and_compiles_once(monkeypatch, fuse):
     """Regional compilation: one compiled decoder layer serves every layer (the packed value
     counts differ per layer), the sparse matmul traces as one op (fullgraph), same tokens;
     with q/k/v and gate/up merged (fuse_projections) the logits stay the same too."""
-    from sparsekit import cuda_graph
-    from sparsekit.cuda_graph import FusedProjection, GreedyDecoder, fuse_projections
-    from sparsekit.sparse_linear import SparseLinear, sparsify
+    from sparsekit.runtime import decoder as cuda_graph
+    from sparsekit.runtime.decoder import FusedProjection, GreedyDecoder, fuse_projections
+    from sparsekit.runtime.sparse_linear import SparseLinear, sparsify
 
     monkeypatch.setattr(cuda_graph, "COMPILE_OPTIONS", {"backend": "aot_eager", "fullgraph": True})
     monkeypatch.setattr(cuda_graph, "_compiled_layer_call", None)
@@ -188,7 +188,7 @@ def test_compiled_decode_step_matches_and_compiles_once(monkeypatch, fuse):
 # --- load_packed ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def packed_llama(tmp_path_factory):
-    from sparsekit import packing
+    from sparsekit.packed import encoding as packing
     root = tmp_path_factory.mktemp("rt")
     dense = pruned_tiny("llama")
     write_pruned(dense, root / "pruned")
@@ -197,8 +197,8 @@ def packed_llama(tmp_path_factory):
 
 
 def test_load_packed_logits_and_generate_match_dense(packed_llama):
-    from sparsekit.packed_loader import load_packed
-    from sparsekit.sparse_linear import SparseLinear
+    from sparsekit.runtime.loader import load_packed
+    from sparsekit.runtime.sparse_linear import SparseLinear
 
     dense, packed_dir = packed_llama
     model = load_packed(packed_dir, device="cpu", dtype=torch.float32)
@@ -213,7 +213,7 @@ def test_load_packed_logits_and_generate_match_dense(packed_llama):
 
 
 def test_load_packed_errors(tmp_path, packed_llama):
-    from sparsekit.packed_loader import load_packed
+    from sparsekit.runtime.loader import load_packed
 
     with pytest.raises(SparsekitError, match="no packed model"):
         load_packed(tmp_path / "missing", device="cpu")
@@ -229,7 +229,7 @@ def test_load_packed_errors(tmp_path, packed_llama):
 def test_load_packed_corrupt_shard(tmp_path, packed_llama):
     import shutil
 
-    from sparsekit.packed_loader import load_packed
+    from sparsekit.runtime.loader import load_packed
 
     _, packed_dir = packed_llama
     bad = tmp_path / "bad"
@@ -254,7 +254,7 @@ def fake_report():
 
 
 def test_plot_speed_writes_png(tmp_path):
-    from sparsekit.speed import plot_speed
+    from sparsekit.evaluation.speed import plot_speed
 
     out = plot_speed(fake_report(), tmp_path / "speed.png")
     data = out.read_bytes()
@@ -266,7 +266,7 @@ def test_plot_speed_writes_png(tmp_path):
 def test_speed_table_has_a_row_per_batch():
     from rich.console import Console
 
-    from sparsekit.speed import speed_table
+    from sparsekit.evaluation.speed import speed_table
 
     table = speed_table(fake_report())
     assert table.row_count == 4
@@ -277,7 +277,7 @@ def test_speed_table_has_a_row_per_batch():
 
 
 def test_measure_speed_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
-    from sparsekit.speed import measure_speed
+    from sparsekit.evaluation.speed import measure_speed
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SparsekitError, match="needs a CUDA GPU"):
@@ -287,8 +287,8 @@ def test_measure_speed_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
 # --- GPU only ---------------------------------------------------------------------------------
 @needs_gpu
 def test_cuda_graph_tokens_equal_eager():
-    from sparsekit.cuda_graph import GreedyDecoder
-    from sparsekit.sparse_linear import sparsify
+    from sparsekit.runtime.decoder import GreedyDecoder
+    from sparsekit.runtime.sparse_linear import sparsify
 
     model = pruned_tiny("llama").to(device="cuda", dtype=torch.float16)
     sparsify(model)
@@ -303,7 +303,7 @@ def test_cpu_reference_path_is_bit_equal_to_dense_layers_with_bias():
     reference path must compute the very same op, not matmul-then-add (two roundings)."""
     from transformers.pytorch_utils import Conv1D
 
-    from sparsekit.sparse_linear import SparseLinear
+    from sparsekit.runtime.sparse_linear import SparseLinear
 
     torch.manual_seed(0)
     x = torch.randn(3, 40, 64).half()
@@ -320,8 +320,8 @@ def test_cpu_reference_path_is_bit_equal_to_dense_layers_with_bias():
 
 def test_load_packed_gpt_neox_renamed_lm_head(tmp_path):
     """GPT-NeoX checkpoints store lm_head as embed_out.weight (transformers renames it on load)."""
-    from sparsekit import packing
-    from sparsekit.packed_loader import load_packed
+    from sparsekit.packed import encoding as packing
+    from sparsekit.runtime.loader import load_packed
 
     dense = pruned_tiny("gpt_neox")
     write_pruned(dense, tmp_path / "pruned")

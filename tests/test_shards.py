@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sparsekit import shards as sh
+from sparsekit.packed import shards as sh
 from sparsekit.errors import SparsekitError
-from sparsekit.packing import encode
-from sparsekit.verify import inspect_packed, verify_packed
+from sparsekit.packed.encoding import encode
+from sparsekit.packed.verify import inspect_packed, verify_packed
 
 from test_packing import make_pruned
 

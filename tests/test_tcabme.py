@@ -7,9 +7,9 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from sparsekit import tcabme
+from sparsekit.packed import tcabme
 from sparsekit.errors import SparsekitError
-from sparsekit.tcabme import TcaBme, decode, encode
+from sparsekit.packed.tcabme import TcaBme, decode, encode
 
 
 def bits(x: torch.Tensor) -> torch.Tensor:

@@ -167,7 +167,7 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
 
 def cap_seqlen(model, seqlen: int) -> int:
     """``seqlen`` capped at the model's context length (``max_position_embeddings`` or alike)."""
-    from sparsekit.models import model_context
+    from sparsekit.hf.models import model_context
 
     if seqlen < 1:
         raise SparsekitError(f"seqlen must be >= 1, got {seqlen}")

@@ -103,7 +103,7 @@ def resolve_settings(recipe: str | Path | None = None, **overrides: Any) -> dict
                 value = [value] if isinstance(value, str) else list(value)
             settings[key] = value
     if overrides.get("pattern") is not None and overrides.get("sparsity") is None and recipe is not None:
-        from sparsekit.patterns import Pattern
+        from sparsekit.pruning.patterns import Pattern
 
         if Pattern.parse(str(overrides["pattern"])).is_nm:
             settings["sparsity"] = None  # the recipe's sparsity went with its pattern; N:M fixes its own
@@ -111,8 +111,8 @@ def resolve_settings(recipe: str | Path | None = None, **overrides: Any) -> dict
 
 
 def validate(s: dict[str, Any]) -> dict[str, Any]:
-    from sparsekit.methods import METHODS
-    from sparsekit.patterns import Pattern
+    from sparsekit.pruning.methods import METHODS
+    from sparsekit.pruning.patterns import Pattern
 
     s = dict(s)
     s["method"] = str(s["method"]).lower()

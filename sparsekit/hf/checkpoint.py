@@ -20,7 +20,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from sparsekit.atomic import atomic_output_dir
+from sparsekit.hf.atomic import atomic_output_dir
 
 METADATA_FILE = "sparsekit.json"
 

@@ -107,7 +107,7 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, overwrite: boo
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from sparsekit.atomic import atomic_output_dir
+    from sparsekit.hf.atomic import atomic_output_dir
 
     gguf = Path(gguf)
     verbosity = hf_logging.get_verbosity()
@@ -257,7 +257,7 @@ def load_model(id_or_path: str | os.PathLike | None = None, device: str | torch.
     """Return ``(model, tokenizer)`` in eval mode on ``device`` in ``dtype`` (default fp16 on CUDA, fp32 on CPU).
 
     A packed TCA-BME directory (holding ``tcabme.index.json``) is loaded through
-    ``sparsekit.packed_loader.load_packed``, with its packed linears as sparse layers. The CATS
+    ``sparsekit.runtime.loader.load_packed``, with its packed linears as sparse layers. The CATS
     thresholds recorded in a directory's ``sparsekit.json`` (``sparsekit prune --method cats``) are
     installed into its gated MLPs.
     """
@@ -268,7 +268,7 @@ def load_model(id_or_path: str | os.PathLike | None = None, device: str | torch.
     location = resolve_model(id_or_path)
     tokenizer = _load_tokenizer(location)
     if is_packed(location):
-        from sparsekit.packed_loader import load_packed
+        from sparsekit.runtime.loader import load_packed
 
         model = load_packed(location, device=str(dev), dtype=torch_dtype)
     else:
@@ -276,7 +276,7 @@ def load_model(id_or_path: str | os.PathLike | None = None, device: str | torch.
             model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype)
         except Exception as e:
             raise SparsekitError(f"could not load a causal LM from {location}: {type(e).__name__}: {e}") from e
-        from sparsekit.cats import install_from_checkpoint
+        from sparsekit.pruning.methods.cats import install_from_checkpoint
 
         install_from_checkpoint(model, location)
         model.to(dev)

@@ -73,7 +73,7 @@ def perplexity(
     ``device`` defaults to the model's device (the model is not moved); inputs go there.
     ``progress`` is an optional rich ``Progress``; a task "perplexity" advances per window.
     """
-    from sparsekit.data import tokenize
+    from sparsekit.hf.data import tokenize
 
     dev = torch.device(device) if device is not None else _model_device(model)
     ids = tokenize(tokenizer, text)

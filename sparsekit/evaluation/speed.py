@@ -6,7 +6,7 @@ into ``nn.Linear``, so cuBLAS runs them) are timed in the same process on the sa
 * prefill: one forward over ``batch x prompt_len`` tokens into a static cache, median of
   ``repeats`` runs, timed with CUDA events -> prefill tokens/s;
 * decode: ``new_tokens`` greedy steps, each one replay of a CUDA graph of the decode step
-  (``sparsekit.cuda_graph``; eager with ``cuda_graphs=False``; each decoder layer compiled with
+  (``sparsekit.runtime.decoder``; eager with ``cuda_graphs=False``; each decoder layer compiled with
   ``torch.compile`` unless ``compile=False``), median over ``repeats`` ->
   ms per token (one step) and decode tokens/s (= batch / step time);
 * peak GPU memory (``torch.cuda.max_memory_allocated``) over that batch size's run.
@@ -72,7 +72,7 @@ def measure_model(model: nn.Module, batch_size: int, *, prompt_len: int = 128, n
                   repeats: int = 3, cuda_graphs: bool = True, compile: bool = True,
                   seed: int = 0) -> dict[str, Any]:
     """Prefill/decode speed and peak memory of one model at one batch size (on its CUDA device)."""
-    from sparsekit.cuda_graph import GreedyDecoder
+    from sparsekit.runtime.decoder import GreedyDecoder
 
     device = next(model.parameters()).device
     vocab = int(getattr(model.config.get_text_config(), "vocab_size", 1000))
@@ -119,7 +119,7 @@ def measure_model(model: nn.Module, batch_size: int, *, prompt_len: int = 128, n
 
 
 def _load(model_dir, device, dtype, notes: list[str]):
-    from sparsekit.packed_loader import INDEX_FILE, load_packed
+    from sparsekit.runtime.loader import INDEX_FILE, load_packed
 
     path = Path(model_dir)
     if (path / INDEX_FILE).exists():
@@ -128,8 +128,8 @@ def _load(model_dir, device, dtype, notes: list[str]):
         raise SparsekitError(f"no model at {path}: pass a packed directory (from `sparsekit encode`) or a pruned HF directory")
     from transformers import AutoModelForCausalLM
 
-    from sparsekit.cats import install_from_checkpoint
-    from sparsekit.sparse_linear import sparsify
+    from sparsekit.pruning.methods.cats import install_from_checkpoint
+    from sparsekit.runtime.sparse_linear import sparsify
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     install_from_checkpoint(model, path)  # CATS thresholds from sparsekit.json, if any
@@ -148,13 +148,13 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     ``fuse_norms`` swaps the HF RMSNorm modules for ``cuda_graph.FusedRMSNorm`` (same rounding,
     two launches instead of eight) in both models: decode steps are launch-bound outside the
     matmuls, so this is what lets the matmul speed-up show. ``compile`` goes further: each
-    decoder layer of the decode step runs through ``torch.compile`` (see ``sparsekit.cuda_graph``),
+    decoder layer of the decode step runs through ``torch.compile`` (see ``sparsekit.runtime.decoder``),
     again in both models; when compiling fails the step runs uncompiled and ``notes`` says so.
     ``fuse_proj`` merges q/k/v and gate/up into one matmul each (``cuda_graph.fuse_projections``),
     in both models too.
     """
-    from sparsekit.models import resolve_device
-    from sparsekit.sparse_linear import SparseLinear, densify
+    from sparsekit.hf.models import resolve_device
+    from sparsekit.runtime.sparse_linear import SparseLinear, densify
 
     if not torch.cuda.is_available():
         raise SparsekitError("speed measurement needs a CUDA GPU and none is available: run `sparsekit eval --speed` on a GPU machine")
@@ -171,15 +171,15 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     t0 = time.perf_counter()
     model = _load(model_dir, dev, dtype, notes)
     if fuse_norms:
-        from sparsekit.cuda_graph import fuse_rms_norms
+        from sparsekit.runtime.decoder import fuse_rms_norms
 
         fuse_rms_norms(model)
     if fuse_proj:
-        from sparsekit.cuda_graph import fuse_projections
+        from sparsekit.runtime.decoder import fuse_projections
 
         fuse_projections(model)
     if compile:
-        from sparsekit.cuda_graph import equalize_packed_sizes
+        from sparsekit.runtime.decoder import equalize_packed_sizes
 
         equalize_packed_sizes(model)  # now, before any kernel call, not inside the first decoder
     n_sparse = sum(isinstance(m, SparseLinear) for m in model.modules())

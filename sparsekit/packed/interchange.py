@@ -21,10 +21,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from sparsekit import shards as sh
-from sparsekit.atomic import atomic_output_dir, check_output_dir
+from sparsekit.packed import shards as sh
+from sparsekit.hf.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
-from sparsekit.packing import (checkpoint_files, copy_side_files, linear_modules, load_json,
+from sparsekit.packed.encoding import (checkpoint_files, copy_side_files, linear_modules, load_json,
                                refuse_bitmask_source, resolve_key)
 
 FORMAT = "sparse-bitmask"
@@ -81,7 +81,7 @@ def bitmask_decompress(parts: dict[str, torch.Tensor], name: str = "weight") -> 
 def _dense_tensors(src: Path):
     """(name, tensor, is_linear_weight, info) over a pruned HF checkpoint or a packed directory."""
     if sh.is_packed_dir(src):
-        from sparsekit.tcabme import decode
+        from sparsekit.packed.tcabme import decode
 
         ck = sh.read_packed(src)
         yield len(ck.dense) + len(ck.packed)

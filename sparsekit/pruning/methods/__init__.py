@@ -1,10 +1,10 @@
 """One entry point for the pruning methods: ``prune_weight(weight, method, sparsity, pattern, stats)``.
 
-The model plumbing (which layers, where the statistics come from) lives in ``sparsekit.engine``;
+The model plumbing (which layers, where the statistics come from) lives in ``sparsekit.pruning.engine``;
 here is only the math on a single [out, in] weight matrix, on the weight's device.
 
 ``METHODS`` lists every method of ``sparsekit prune``; ``WEIGHT_METHODS`` those that prune weights.
-CATS (``sparsekit.cats``) changes no weight: it thresholds the gate activations of gated MLPs.
+CATS (``sparsekit.pruning.methods.cats``) changes no weight: it thresholds the gate activations of gated MLPs.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from sparsekit.errors import SparsekitError
-from sparsekit.patterns import Pattern
+from sparsekit.pruning.patterns import Pattern
 
 WEIGHT_METHODS = ("magnitude", "wanda", "sparsegpt")
 METHODS = WEIGHT_METHODS + ("cats",)
@@ -78,7 +78,7 @@ def prune_weight(
 
     info: dict = {"method": method, "pattern": str(pattern), "target": s}
     if method == "sparsegpt":
-        from sparsekit.sparsegpt import sparsegpt_prune
+        from sparsekit.pruning.methods.sparsegpt import sparsegpt_prune
 
         if getattr(stats, "hessian", None) is None:
             raise SparsekitError("sparsegpt needs the input Hessian: gather stats with InputStats(..., hessian=True)")
@@ -88,11 +88,11 @@ def prune_weight(
         info.update(extra)
     else:
         if method == "magnitude":
-            from sparsekit.magnitude import magnitude_mask
+            from sparsekit.pruning.methods.magnitude import magnitude_mask
 
             keep = magnitude_mask(weight, s, pattern)
         else:
-            from sparsekit.wanda import wanda_mask
+            from sparsekit.pruning.methods.wanda import wanda_mask
 
             keep = wanda_mask(weight, stats.col_sq_sum, s, pattern)
         new_w = weight.detach().masked_fill(~keep, 0)
@@ -101,7 +101,7 @@ def prune_weight(
         t = pattern.tile
         info["tiles"] = (out_f // t) * (in_f // t)
         if "sparse_tiles" not in info:
-            from sparsekit.patterns import tile_sums
+            from sparsekit.pruning.patterns import tile_sums
 
             info["sparse_tiles"] = int((tile_sums((~keep).float(), t) > 0).sum().item())
     info["sparsity"] = float((new_w == 0).sum().item()) / max(1, new_w.numel())

@@ -13,7 +13,7 @@ Peak device memory is one layer plus the calibration activations (kept in a sing
 each layer's outputs overwrite in place). Magnitude pruning needs no calibration: no capture, no
 forward pass at all.
 
-CATS (``method="cats"``, math in ``sparsekit.cats``) uses the same capture and layer loop, but step 2
+CATS (``method="cats"``, math in ``sparsekit.pruning.methods.cats``) uses the same capture and layer loop, but step 2
 becomes: forward hooks on the layer's gated-MLP ``act_fn`` sample ``|act(gate(x))|``; each MLP gets
 its threshold (the target-sparsity quantile of the sample) as a ``CatsActivation``; a second pass
 through the thresholded layer counts the activation sparsity reached and (but for the last layer)
@@ -29,7 +29,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from sparsekit import layers as L
+from sparsekit.hf import modules as L
 from sparsekit.errors import SparsekitError
 
 Progress = Callable[[str, int, int], None]  # (stage, done, total); "calibration", "layers" or (CATS) "thresholds"
@@ -167,7 +167,7 @@ class StatsCollector:
     """
 
     def __init__(self, linears: dict[str, nn.Module], hessian: bool, device: torch.device):
-        from sparsekit.stats import InputStats
+        from sparsekit.pruning.stats import InputStats
 
         self._make = lambda in_features: InputStats(in_features, hessian=hessian, device=device)
         self.linears = linears
@@ -359,9 +359,9 @@ def _layer_entry(module: nn.Module) -> dict:
 
 def _prune_linears(linears: dict[str, nn.Module], stats: dict, method: str, sparsity: float, pattern,
                    blocksize: int, percdamp: float, warn) -> dict[str, dict]:
-    from sparsekit.methods import prune_weight
+    from sparsekit.pruning.methods import prune_weight
 
-    from sparsekit.methods import needs_stats
+    from sparsekit.pruning.methods import needs_stats
 
     report = {}
     for name, mod in linears.items():
@@ -385,7 +385,7 @@ def _weight_report(linears: dict[str, nn.Module]) -> dict[str, dict]:
 def _cats_layer(layer: nn.Module, prefix: str, acts: Activations, sparsity: float, skip: list[str],
                 sample_size: int, seed: int, write: bool) -> dict[str, dict]:
     """Calibrate and install the CATS thresholds of one decoder layer's gated MLPs (see module doc)."""
-    from sparsekit import cats
+    from sparsekit.pruning.methods import cats
 
     mlps = cats.find_gated_mlps(layer, prefix=prefix, skip=skip)
     tokens = acts.hidden.shape[0] * acts.hidden.shape[1]
@@ -470,10 +470,10 @@ def prune_model(
     With ``method="cats"`` no weight changes (``sparsity`` is the target activation sparsity of
     each gated MLP; ``skip`` patterns also name MLPs to leave alone); the report's ``cats`` holds
     each MLP's ``threshold``, measured ``activation_sparsity`` and the sample it came from
-    (``cats_sample_size`` values at most, default ``sparsekit.cats.SAMPLE_SIZE``, drawn with
+    (``cats_sample_size`` values at most, default ``sparsekit.pruning.methods.cats.SAMPLE_SIZE``, drawn with
     ``seed``), and the model keeps the installed ``CatsActivation`` modules.
     """
-    from sparsekit.methods import METHODS, needs_calibration, needs_hessian, needs_stats
+    from sparsekit.pruning.methods import METHODS, needs_calibration, needs_hessian, needs_stats
 
     if method not in METHODS:
         raise SparsekitError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
@@ -490,7 +490,7 @@ def prune_model(
         torch.cuda.reset_peak_memory_stats(device)
 
     if is_cats:
-        from sparsekit.cats import SAMPLE_SIZE, require_gated_mlps
+        from sparsekit.pruning.methods.cats import SAMPLE_SIZE, require_gated_mlps
 
         require_gated_mlps(layers, skip=skip)
         cats_sample_size = cats_sample_size or SAMPLE_SIZE

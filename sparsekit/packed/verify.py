@@ -15,8 +15,8 @@ from typing import Any, Callable
 
 import torch
 
-from sparsekit import shards as sh
-from sparsekit import tcabme
+from sparsekit.packed import shards as sh
+from sparsekit.packed import tcabme
 from sparsekit.errors import SparsekitError
 
 Progress = Callable[[int, int, str], None]

@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit import layers as _layers
+from sparsekit.hf import modules as _layers
 from sparsekit.errors import SparsekitError
-from sparsekit.tcabme import TcaBme, decode, encode
+from sparsekit.packed.tcabme import TcaBme, decode, encode
 
 # Kernel up to and including this many tokens, decode + cuBLAS above: measured on an H100 with
 # scripts/gpu_check_runtime.py (7B shapes, 50%, eager calls; see docs/benchmarks.md, "End to end").
@@ -274,7 +274,7 @@ def sparsify(model: nn.Module, *, min_sparsity: float = 0.3, skip: Iterable[str]
     ``min_sparsity`` by a SparseLinear encoded on the layer's device. Returns the swapped names.
 
     For models already pruned in memory (benchmarks, tests); packed checkpoints use
-    ``sparsekit.packed_loader.load_packed``.
+    ``sparsekit.runtime.loader.load_packed``.
     """
     stack_name, stack = _layers.find_decoder_layers(model)
     swapped = []

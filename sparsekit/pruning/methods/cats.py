@@ -16,7 +16,7 @@ values the fraction of ``|a|`` below ``t`` is off by sqrt(k (1 - k) / 2**20) ~ 5
 error) at most k.
 
 Here are the math and the module; the calibration pass (one decoder layer at a time) is in
-``sparsekit.engine``. Installing thresholds on a loaded model: :func:`install_thresholds`, or
+``sparsekit.pruning.engine``. Installing thresholds on a loaded model: :func:`install_thresholds`, or
 :func:`install_from_checkpoint` with the ``sparsekit.json`` that ``sparsekit prune --method cats``
 wrote.
 """

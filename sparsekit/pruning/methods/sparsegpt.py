@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from sparsekit.errors import SparsekitError
-from sparsekit.patterns import Pattern, expand_tiles, hybrid_sparse_tiles, n_pruned
+from sparsekit.pruning.patterns import Pattern, expand_tiles, hybrid_sparse_tiles, n_pruned
 
 MAX_DAMP_RETRIES = 7  # percdamp grows x10 per retry: 1% -> 1e5 % of the mean diagonal
 

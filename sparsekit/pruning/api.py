@@ -86,15 +86,15 @@ def prune(
     ``skip`` patterns add to the lm_head exclusion; ``prune_lm_head=True`` lifts it.
 
     ``method="cats"`` changes no weight: it calibrates one activation threshold per gated MLP
-    (``sparsity`` is the fraction of gate activations to zero; see ``sparsekit.cats``), and
+    (``sparsity`` is the fraction of gate activations to zero; see ``sparsekit.pruning.methods.cats``), and
     ``sparsekit.json`` records them under ``cats`` (``load_model`` installs them); ``skip`` patterns
     also name MLPs to leave dense.
     """
-    from sparsekit import checkpoint, engine
-    from sparsekit.atomic import check_output_dir
-    from sparsekit.models import load_model, model_context, resolve_device, resolve_dtype
-    from sparsekit.patterns import Pattern
-    from sparsekit.recipes import resolve_settings
+    from sparsekit.hf import checkpoint; from sparsekit.pruning import engine
+    from sparsekit.hf.atomic import check_output_dir
+    from sparsekit.hf.models import load_model, model_context, resolve_device, resolve_dtype
+    from sparsekit.pruning.patterns import Pattern
+    from sparsekit.pruning.recipes import resolve_settings
 
     t0 = time.perf_counter()
     s = resolve_settings(recipe, method=method, pattern=pattern, sparsity=sparsity, dataset=calib,
@@ -108,22 +108,22 @@ def prune(
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
 
-    from sparsekit.methods import needs_calibration
+    from sparsekit.pruning.methods import needs_calibration
 
-    from sparsekit.models import resolve_model
+    from sparsekit.hf.models import resolve_model
 
     location = resolve_model(model)
     net, tokenizer = load_model(location, device="cpu", dtype=torch_dtype)
     is_cats = s["method"] == "cats"
     if is_cats:
-        from sparsekit.cats import require_gated_mlps
+        from sparsekit.pruning.methods.cats import require_gated_mlps
 
         require_gated_mlps(net, skip=s["skip"])  # before the calibration data is read
     _warn_unmatched_skip(net, s["skip"], warn, mlps=is_cats)
     calib_ids = None
     calibration: dict[str, Any]
     if needs_calibration(s["method"]):
-        from sparsekit.data import calibration_windows
+        from sparsekit.hf.data import calibration_windows
 
         ctx = model_context(net)
         if ctx is not None and s["seqlen"] > ctx:
@@ -174,7 +174,7 @@ def prune(
 
 def cats_metadata(mlps: dict[str, dict], sparsity: float) -> dict[str, Any]:
     """The ``cats`` entry of ``sparsekit.json``: per-MLP thresholds and measured activation sparsity."""
-    from sparsekit.cats import SAMPLE_SIZE
+    from sparsekit.pruning.methods.cats import SAMPLE_SIZE
 
     n = len(mlps)
     return {
@@ -190,11 +190,11 @@ def cats_metadata(mlps: dict[str, dict], sparsity: float) -> dict[str, Any]:
 def _warn_unmatched_skip(model, skip: list[str], warn: Callable[[str], None], mlps: bool = False) -> None:
     """A --skip pattern that names no linear layer (nor, with ``mlps``, gated MLP) is most likely a
     typo: say so before the work."""
-    from sparsekit.layers import find_linears
+    from sparsekit.hf.modules import find_linears
 
     names = list(find_linears(model))
     if mlps:
-        from sparsekit.cats import find_gated_mlps
+        from sparsekit.pruning.methods.cats import find_gated_mlps
 
         names += list(find_gated_mlps(model))
     for pat in skip:
@@ -211,7 +211,7 @@ def _skip_matches(name: str, pattern: str) -> bool:
 
 
 def _recount_sparsity(model, layers: dict[str, dict]) -> None:
-    from sparsekit.layers import weight_out_in
+    from sparsekit.hf.modules import weight_out_in
 
     for name, r in layers.items():
         w = weight_out_in(model.get_submodule(name))

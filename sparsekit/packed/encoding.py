@@ -17,10 +17,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from sparsekit.atomic import atomic_output_dir, check_output_dir
+from sparsekit.hf.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
-from sparsekit import shards as sh
-from sparsekit import tcabme
+from sparsekit.packed import shards as sh
+from sparsekit.packed import tcabme
 
 Progress = Callable[[int, int, str], None]   # progress(done, total, what)
 
@@ -101,7 +101,7 @@ def linear_modules(src: Path, config: dict, manifest: dict) -> dict[str, bool]:
         raise SparsekitError(f"{src} has neither sparsekit.json nor config.json: cannot tell which tensors are linear layers")
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sparsekit.layers import Conv1D, find_decoder_layers, find_linears
+    from sparsekit.hf.modules import Conv1D, find_decoder_layers, find_linears
 
     try:
         cfg = AutoConfig.from_pretrained(str(src))

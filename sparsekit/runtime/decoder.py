@@ -102,7 +102,7 @@ def equalize_packed_sizes(model: nn.Module) -> float:
     The padding sits past ``gtile_offsets[-1]`` and is never read. Returns the added fraction of
     packed bytes (small: layers pruned to one sparsity differ by a fraction of a percent).
     """
-    from sparsekit.sparse_linear import SparseLinear
+    from sparsekit.runtime.sparse_linear import SparseLinear
 
     groups: dict = {}
     for mod in model.modules():
@@ -120,7 +120,7 @@ def equalize_packed_sizes(model: nn.Module) -> float:
                 m.values = padded
                 added += longest - n
     if added:
-        from sparsekit.sparse_linear import release_kernel_caches
+        from sparsekit.runtime.sparse_linear import release_kernel_caches
 
         release_kernel_caches()  # else the kernels' cached views keep the unpadded copies alive
     return added / max(1, total)
@@ -129,8 +129,8 @@ def equalize_packed_sizes(model: nn.Module) -> float:
 def decoder_stack(model: nn.Module) -> nn.ModuleList:
     """The decoder layers: the longest ModuleList of same-class blocks holding a linear layer
     (``nn.Linear``, ``Conv1D`` or ``SparseLinear``)."""
-    from sparsekit.layers import is_linear
-    from sparsekit.sparse_linear import SparseLinear
+    from sparsekit.hf.modules import is_linear
+    from sparsekit.runtime.sparse_linear import SparseLinear
 
     best = fallback = None
     for mod in model.modules():
@@ -400,8 +400,8 @@ class ProjectionPart(nn.Module):
 
 def _concat_linears(mods: list[nn.Module]) -> nn.Module:
     """One linear whose outputs are those of ``mods`` stacked (same input features)."""
-    from sparsekit.sparse_linear import SparseLinear, decode_dense
-    from sparsekit.tcabme import encode
+    from sparsekit.runtime.sparse_linear import SparseLinear, decode_dense
+    from sparsekit.packed.tcabme import encode
 
     bias = None
     if any(m.bias is not None for m in mods):
@@ -422,7 +422,7 @@ def fuse_projections(model: nn.Module) -> int:
     (one SparseLinear when all were packed, re-encoded exactly; one nn.Linear when all were
     dense). Fewer, larger matmuls per step: fixed per-call costs are paid 4 times per layer
     instead of 7. Returns how many groups were merged; mixed or odd groups are left alone."""
-    from sparsekit.sparse_linear import SparseLinear, release_kernel_caches
+    from sparsekit.runtime.sparse_linear import SparseLinear, release_kernel_caches
 
     merged = 0
     for parent in list(model.modules()):

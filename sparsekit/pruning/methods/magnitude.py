@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sparsekit.patterns import Pattern, select_mask
+from sparsekit.pruning.patterns import Pattern, select_mask
 
 
 def magnitude_scores(weight: torch.Tensor) -> torch.Tensor:

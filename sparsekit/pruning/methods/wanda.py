@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from sparsekit.errors import SparsekitError
-from sparsekit.patterns import Pattern, select_mask
+from sparsekit.pruning.patterns import Pattern, select_mask
 
 
 def wanda_scores(weight: torch.Tensor, col_sq_sum: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ device (no random weights are allocated or initialised; buffers such as rotary f
 computed as usual), put a ``SparseLinear`` in place of every packed linear, assign the dense
 tensors (embeddings, norms, ``lm_head``, layers left dense) straight onto ``device`` in ``dtype``,
 tie the embeddings when the config says so, and return the model in eval mode. ``.generate()``
-then runs on the sparse kernels (see ``sparsekit.sparse_linear`` for which path runs when).
+then runs on the sparse kernels (see ``sparsekit.runtime.sparse_linear`` for which path runs when).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from sparsekit.errors import SparsekitError
-from sparsekit.sparse_linear import SparseLinear
+from sparsekit.runtime.sparse_linear import SparseLinear
 
 INDEX_FILE = "tcabme.index.json"
 
@@ -95,8 +95,8 @@ def load_packed(path, device="cuda", dtype: torch.dtype = torch.float16) -> nn.M
     ``dtype`` applies to the dense tensors (embeddings, norms, biases); the packed values keep
     their stored dtype. The bundled kernels need fp16 activations, so keep the default on a GPU.
     """
-    from sparsekit.models import resolve_device
-    from sparsekit.shards import read_packed
+    from sparsekit.hf.models import resolve_device
+    from sparsekit.packed.shards import read_packed
 
     path = Path(path)
     _check_dir(path)
@@ -142,7 +142,7 @@ def load_packed(path, device="cuda", dtype: torch.dtype = torch.float16) -> nn.M
         shown = ", ".join(unexpected[:4])
         raise SparsekitError(f"{path}: tensors {shown} do not belong to a {type(model).__name__}: "
                              "the shards do not match config.json, re-run `sparsekit encode`")
-    from sparsekit.cats import install_from_checkpoint
+    from sparsekit.pruning.methods.cats import install_from_checkpoint
 
     install_from_checkpoint(model, path)  # CATS thresholds from sparsekit.json, if any
     model.to(dev)  # the buffers built on the CPU (rotary frequencies, ...)
