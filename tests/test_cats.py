@@ -11,6 +11,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from sparsekit.pruning.methods import cats
+from sparsekit.runtime import cats as rcats
 from sparsekit.cli.app import app
 from sparsekit.errors import SparsekitError
 from tiny_models import make_model, save_tiny, write_corpus
@@ -101,15 +102,15 @@ def test_wrapped_mlp_equals_masked_reference():
         dense = mlp(x)
         a = nn.functional.silu(mlp.gate_proj(x))
         t = float(a.abs().median())
-        cats.apply_threshold(mlp, t)
+        rcats.apply_threshold(mlp, t)
         got = mlp(x)
         ref = masked_mlp_forward(mlp, x, t)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, dense, atol=1e-3)
-    assert isinstance(mlp.act_fn, cats.CatsActivation) and float(mlp.act_fn.threshold) == pytest.approx(t)
+    assert isinstance(mlp.act_fn, rcats.CatsActivation) and float(mlp.act_fn.threshold) == pytest.approx(t)
     assert not any("threshold" in k for k in model.state_dict())  # the weights are those of the dense model
-    cats.apply_threshold(mlp, 0.0)  # re-thresholding replaces; t = 0 is the dense MLP again
-    assert not isinstance(mlp.act_fn.act, cats.CatsActivation)
+    rcats.apply_threshold(mlp, 0.0)  # re-thresholding replaces; t = 0 is the dense MLP again
+    assert not isinstance(mlp.act_fn.act, rcats.CatsActivation)
     with torch.no_grad():
         torch.testing.assert_close(mlp(x), dense)
 
@@ -151,7 +152,7 @@ def test_layer_thresholds_measured_on_thresholded_inputs(workdir):
     dense_q = [quantile_of_layer(ref, i) for i in range(3)]
     for i in range(3):
         assert quantile_of_layer(ref, i) == pytest.approx(th[f"model.layers.{i}.mlp"], rel=1e-5)
-        cats.apply_threshold(ref.model.layers[i].mlp, th[f"model.layers.{i}.mlp"])
+        rcats.apply_threshold(ref.model.layers[i].mlp, th[f"model.layers.{i}.mlp"])
     assert dense_q[0] == pytest.approx(th["model.layers.0.mlp"], rel=1e-5)
     for i in (1, 2):  # on the dense model's activations they would differ
         assert dense_q[i] != pytest.approx(th[f"model.layers.{i}.mlp"], rel=1e-4)
@@ -179,7 +180,7 @@ def test_prune_writes_thresholds_and_load_model_installs_them(workdir, cats_dir)
     ths = {n: r["threshold"] for n, r in meta["cats"]["mlps"].items()}
     for name, t in ths.items():
         act = model.get_submodule(name).act_fn
-        assert isinstance(act, cats.CatsActivation) and float(act.threshold) == pytest.approx(t)
+        assert isinstance(act, rcats.CatsActivation) and float(act.threshold) == pytest.approx(t)
     ids = calib_ids(workdir, n=2)
     with torch.no_grad():
         got = model(input_ids=ids).logits
@@ -202,18 +203,18 @@ def test_encode_keeps_thresholds_and_load_packed_installs_them(workdir, cats_dir
     model, _ = load_model(str(tmp_path / "packed"), device="cpu", dtype="float32")
     for name, r in report["cats"]["mlps"].items():
         act = model.get_submodule(name).act_fn
-        assert isinstance(act, cats.CatsActivation) and float(act.threshold) == pytest.approx(r["threshold"])
+        assert isinstance(act, rcats.CatsActivation) and float(act.threshold) == pytest.approx(r["threshold"])
 
 
 def test_mismatched_thresholds_are_refused(tmp_path):
     model = make_model("llama")
     with pytest.raises(SparsekitError, match="not a gated MLP"):
-        cats.install_thresholds(model, {"model.layers.7.mlp": 0.1})
+        rcats.install_thresholds(model, {"model.layers.7.mlp": 0.1})
     with pytest.raises(SparsekitError, match="malformed"):
-        cats.thresholds_from_metadata({"cats": {"mlps": {"model.layers.0.mlp": 0.1}}})
+        rcats.thresholds_from_metadata({"cats": {"mlps": {"model.layers.0.mlp": 0.1}}})
     (tmp_path / "sparsekit.json").write_text("{not json")
     with pytest.raises(SparsekitError, match="sparsekit.json"):
-        cats.install_from_checkpoint(model, tmp_path)
+        rcats.install_from_checkpoint(model, tmp_path)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -295,4 +296,4 @@ def test_speed_loader_installs_thresholds_of_an_unpacked_checkpoint(cats_dir):
     model = _load(out, "cpu", torch.float32, notes)
     for name, r in report["cats"]["mlps"].items():
         act = model.get_submodule(name).act_fn
-        assert isinstance(act, cats.CatsActivation) and float(act.threshold) == pytest.approx(r["threshold"])
+        assert isinstance(act, rcats.CatsActivation) and float(act.threshold) == pytest.approx(r["threshold"])

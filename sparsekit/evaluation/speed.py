@@ -128,7 +128,7 @@ def _load(model_dir, device, dtype, notes: list[str]):
         raise SparsekitError(f"no model at {path}: pass a packed directory (from `sparsekit encode`) or a pruned HF directory")
     from transformers import AutoModelForCausalLM
 
-    from sparsekit.pruning.methods.cats import install_from_checkpoint
+    from sparsekit.runtime.cats import install_from_checkpoint
     from sparsekit.runtime.sparse_linear import sparsify
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

@@ -276,7 +276,7 @@ def load_model(id_or_path: str | os.PathLike | None = None, device: str | torch.
             model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype)
         except Exception as e:
             raise SparsekitError(f"could not load a causal LM from {location}: {type(e).__name__}: {e}") from e
-        from sparsekit.pruning.methods.cats import install_from_checkpoint
+        from sparsekit.runtime.cats import install_from_checkpoint
 
         install_from_checkpoint(model, location)
         model.to(dev)

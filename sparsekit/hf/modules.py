@@ -1,4 +1,4 @@
-"""Find the pieces of a model generically: the decoder layer list and the linear layers inside it.
+"""Find the pieces of a model generically: the decoder stack, its linears and gated MLPs, the skip rule.
 
 No architecture is hard-coded: the decoder stack is the longest ``nn.ModuleList`` whose children
 are all blocks of one class holding at least one linear layer. That finds ``model.layers``
@@ -19,6 +19,22 @@ try:  # GPT-2 style models store linear weights transposed, as [in, out]
     from transformers.pytorch_utils import Conv1D
 except Exception:  # pragma: no cover - transformers always has it, but keep the module importable
     Conv1D = ()
+
+
+GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
+
+
+def matches_skip(name: str, patterns: Iterable[str]) -> bool:
+    """The one skip rule: an fnmatch pattern matches a module's full name or its last component."""
+    last = name.rsplit(".", 1)[-1]
+    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(last, p) for p in patterns)
+
+
+def set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Replace the submodule at dotted ``name`` with ``new``."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -57,7 +73,7 @@ def find_linears(module: nn.Module, prefix: str = "", skip: Iterable[str] = ()) 
         if not is_linear(mod):
             continue
         full = f"{prefix}.{name}" if prefix and name else (prefix or name)
-        if any(fnmatch.fnmatchcase(full, p) or fnmatch.fnmatchcase(full.rsplit(".", 1)[-1], p) for p in skip):
+        if matches_skip(full, skip):
             continue
         found[full] = mod
     return found
@@ -74,3 +90,19 @@ def set_weight_out_in(module: nn.Module, weight: torch.Tensor) -> None:
     if bool(Conv1D) and isinstance(module, Conv1D):
         weight = weight.t()
     module.weight.data.copy_(weight.to(module.weight.dtype))
+
+
+def is_gated_mlp(module: nn.Module) -> bool:
+    """A Llama-style gated MLP: ``gate_proj``, ``up_proj``, ``down_proj`` and ``act_fn`` (modules)."""
+    return all(isinstance(getattr(module, part, None), nn.Module) for part in GATED_MLP_PARTS)
+
+
+def find_gated_mlps(module: nn.Module, prefix: str = "", skip: Iterable[str] = ()) -> dict[str, nn.Module]:
+    """Every gated MLP under ``module`` by qualified name (``prefix`` + name), minus ``skip``."""
+    skip = list(skip)
+    found = {}
+    for name, mod in module.named_modules():
+        full = ".".join(p for p in (prefix, name) if p)
+        if is_gated_mlp(mod) and not matches_skip(full, skip):
+            found[full] = mod
+    return found

@@ -190,24 +190,15 @@ def cats_metadata(mlps: dict[str, dict], sparsity: float) -> dict[str, Any]:
 def _warn_unmatched_skip(model, skip: list[str], warn: Callable[[str], None], mlps: bool = False) -> None:
     """A --skip pattern that names no linear layer (nor, with ``mlps``, gated MLP) is most likely a
     typo: say so before the work."""
-    from sparsekit.hf.modules import find_linears
+    from sparsekit.hf.modules import find_gated_mlps, find_linears, matches_skip
 
     names = list(find_linears(model))
     if mlps:
-        from sparsekit.pruning.methods.cats import find_gated_mlps
-
         names += list(find_gated_mlps(model))
     for pat in skip:
-        if not any(_skip_matches(n, pat) for n in names):
+        if not any(matches_skip(n, [pat]) for n in names):
             warn(f"--skip pattern {pat!r} matches no linear layer of this model (e.g. {names[0] if names else '-'}): "
                  f"check the spelling")
-
-
-def _skip_matches(name: str, pattern: str) -> bool:
-    """The rule ``find_linears`` applies: fnmatch on the full name or on its last component."""
-    import fnmatch
-
-    return fnmatch.fnmatchcase(name, pattern) or fnmatch.fnmatchcase(name.rsplit(".", 1)[-1], pattern)
 
 
 def _recount_sparsity(model, layers: dict[str, dict]) -> None:

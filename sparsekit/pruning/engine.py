@@ -386,6 +386,7 @@ def _cats_layer(layer: nn.Module, prefix: str, acts: Activations, sparsity: floa
                 sample_size: int, seed: int, write: bool) -> dict[str, dict]:
     """Calibrate and install the CATS thresholds of one decoder layer's gated MLPs (see module doc)."""
     from sparsekit.pruning.methods import cats
+    from sparsekit.runtime import cats as runtime_cats  # TODO(re-layout): pruning must not import the runtime
 
     mlps = cats.find_gated_mlps(layer, prefix=prefix, skip=skip)
     tokens = acts.hidden.shape[0] * acts.hidden.shape[1]
@@ -406,7 +407,7 @@ def _cats_layer(layer: nn.Module, prefix: str, acts: Activations, sparsity: floa
     report = {}
     for name, mlp in mlps.items():
         t = samples[name].threshold(sparsity)
-        cats.apply_threshold(mlp, t).to(acts.hidden.device)
+        runtime_cats.apply_threshold(mlp, t).to(acts.hidden.device)
         report[name] = {"threshold": t, "samples": len(samples[name].values()), "exact": samples[name].exact}
     del samples
 

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from sparsekit.errors import SparsekitError
+from sparsekit.hf.modules import set_submodule
 from sparsekit.runtime.sparse_linear import SparseLinear
 
 INDEX_FILE = "tcabme.index.json"
@@ -32,12 +33,6 @@ def _check_dir(path: Path) -> None:
         )
     if not (path / "config.json").exists():
         raise SparsekitError(f"{path} has no config.json: the packed directory is incomplete, re-run `sparsekit encode`")
-
-
-def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
 
 
 def _tie_embeddings(model: nn.Module, config) -> None:
@@ -125,7 +120,7 @@ def load_packed(path, device="cuda", dtype: torch.dtype = torch.float16) -> nn.M
         bias = dense.pop(f"{name}.bias", None)
         if getattr(old, "bias", None) is not None and bias is None:
             raise SparsekitError(f"{path}: the bias of packed layer {name!r} is missing: re-run `sparsekit encode`")
-        _set_submodule(model, name, SparseLinear.from_packed(packed, bias, device=dev, dtype=dtype,
+        set_submodule(model, name, SparseLinear.from_packed(packed, bias, device=dev, dtype=dtype,
                                                              transposed=transposed))
 
     state = {k: (v.to(device=dev, dtype=dtype) if v.is_floating_point() else v.to(dev)) for k, v in dense.items()}
@@ -142,7 +137,7 @@ def load_packed(path, device="cuda", dtype: torch.dtype = torch.float16) -> nn.M
         shown = ", ".join(unexpected[:4])
         raise SparsekitError(f"{path}: tensors {shown} do not belong to a {type(model).__name__}: "
                              "the shards do not match config.json, re-run `sparsekit encode`")
-    from sparsekit.pruning.methods.cats import install_from_checkpoint
+    from sparsekit.runtime.cats import install_from_checkpoint
 
     install_from_checkpoint(model, path)  # CATS thresholds from sparsekit.json, if any
     model.to(dev)  # the buffers built on the CPU (rotary frequencies, ...)

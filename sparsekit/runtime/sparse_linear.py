@@ -262,12 +262,6 @@ def decode_dense(packed: TcaBme) -> torch.Tensor:
 
 
 # swapping whole models -------------------------------------------------------------------------
-def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
-
-
 def sparsify(model: nn.Module, *, min_sparsity: float = 0.3, skip: Iterable[str] = ("lm_head",),
              dtype: torch.dtype | None = None, progress: Callable[[str], None] | None = None) -> list[str]:
     """Replace, in place, every linear of the decoder stack whose zero fraction is at least
@@ -283,7 +277,7 @@ def sparsify(model: nn.Module, *, min_sparsity: float = 0.3, skip: Iterable[str]
         zero_frac = 1.0 - float(torch.count_nonzero(w)) / max(1, w.numel())
         if zero_frac < min_sparsity:
             continue
-        _set_submodule(model, name, SparseLinear.from_linear(mod, dtype=dtype))
+        _layers.set_submodule(model, name, SparseLinear.from_linear(mod, dtype=dtype))
         del mod, w
         swapped.append(name)
         if progress is not None:
@@ -313,7 +307,7 @@ def densify(model: nn.Module, dtype: torch.dtype | None = None) -> list[str]:
     names = [n for n, m in model.named_modules() if isinstance(m, SparseLinear)]
     for name in names:
         sl = model.get_submodule(name)
-        _set_submodule(model, name, sl.to_linear(dtype))
+        _layers.set_submodule(model, name, sl.to_linear(dtype))
         del sl
     release_kernel_caches()
     return names

@@ -22,40 +22,22 @@ wrote.
 """
 from __future__ import annotations
 
-import fnmatch
 import json
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import nn  # noqa: F401
 
 from sparsekit.errors import SparsekitError
+from sparsekit.hf.modules import GATED_MLP_PARTS, find_gated_mlps, is_gated_mlp  # noqa: F401 (re-exported)
 
 SAMPLE_SIZE = 2**20
-GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
 
 
-class CatsActivation(nn.Module):
-    """``act(x)`` with the values of magnitude below ``threshold`` set to zero.
-
-    ``mlp.act_fn = CatsActivation(mlp.act_fn, t)`` makes an HF gated MLP run CATS. The threshold
-    is a (non-persistent) buffer: it follows ``.to(device/dtype)`` but stays out of the state dict,
-    so the checkpoint's weights are those of the dense model; it lives in ``sparsekit.json``.
-    """
-
-    def __init__(self, act: nn.Module, threshold: float | torch.Tensor):
-        super().__init__()
-        if isinstance(act, CatsActivation):
-            act = act.act
-        self.act = act
-        self.register_buffer("threshold", torch.as_tensor(float(threshold), dtype=torch.float32), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.act(x)
-        return a.masked_fill(a.abs() < self.threshold.to(a.dtype), 0)
-
-    def extra_repr(self) -> str:
-        return f"threshold={float(self.threshold):.6g}"
+def threshold_activation(a: torch.Tensor, threshold: torch.Tensor | float) -> torch.Tensor:
+    """CATS on gate activations ``a``: the values of magnitude below ``threshold`` set to zero."""
+    t = threshold.to(a.dtype) if isinstance(threshold, torch.Tensor) else threshold
+    return a.masked_fill(a.abs() < t, 0)
 
 
 def threshold_for(values: torch.Tensor, sparsity: float) -> float:
@@ -102,25 +84,6 @@ class ActivationSample:
         return threshold_for(self.values(), sparsity)
 
 
-def _matches(name: str, patterns) -> bool:
-    return any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(name.rsplit(".", 1)[-1], p) for p in patterns)
-
-
-def is_gated_mlp(module: nn.Module) -> bool:
-    return all(isinstance(getattr(module, part, None), nn.Module) for part in GATED_MLP_PARTS)
-
-
-def find_gated_mlps(module: nn.Module, prefix: str = "", skip=()) -> dict[str, nn.Module]:
-    """Every submodule with ``gate_proj``, ``up_proj``, ``down_proj`` and ``act_fn`` (a module),
-    by qualified name (``prefix`` + name), except those whose name matches a ``skip`` pattern."""
-    found = {}
-    for name, mod in module.named_modules():
-        full = ".".join(p for p in (prefix, name) if p)
-        if is_gated_mlp(mod) and not _matches(full, skip):
-            found[full] = mod
-    return found
-
-
 def require_gated_mlps(model: nn.Module, skip=()) -> dict[str, nn.Module]:
     """:func:`find_gated_mlps`, refusing a model without one."""
     mlps = find_gated_mlps(model, skip=skip)
@@ -131,49 +94,3 @@ def require_gated_mlps(model: nn.Module, skip=()) -> dict[str, nn.Module]:
             f"and there is none {what} ({type(model).__name__}): use --method wanda or sparsegpt"
         )
     return mlps
-
-
-def apply_threshold(mlp: nn.Module, threshold: float) -> CatsActivation:
-    """Make ``mlp`` run CATS with ``threshold`` (replacing any threshold it had)."""
-    mlp.act_fn = CatsActivation(mlp.act_fn, threshold)
-    return mlp.act_fn
-
-
-def install_thresholds(model: nn.Module, thresholds: dict[str, float]) -> None:
-    """Put a :class:`CatsActivation` with ``thresholds[name]`` into each named gated MLP of ``model``."""
-    for name, t in thresholds.items():
-        try:
-            mlp = model.get_submodule(name)
-        except AttributeError:
-            mlp = None
-        if mlp is None or not is_gated_mlp(mlp):
-            raise SparsekitError(f"CATS threshold for {name!r}, which is not a gated MLP of this "
-                                 f"{type(model).__name__}: the checkpoint's sparsekit.json does not match its model")
-        apply_threshold(mlp, float(t))
-        mlp.act_fn.to(next((p.device for p in mlp.parameters()), torch.device("cpu")))
-
-
-def thresholds_from_metadata(meta: dict) -> dict[str, float]:
-    """``{mlp name: threshold}`` from a ``sparsekit.json`` dict (empty when it is not a CATS run)."""
-    cats = meta.get("cats") if isinstance(meta, dict) else None
-    if not cats:
-        return {}
-    try:
-        return {name: float(v["threshold"]) for name, v in cats["mlps"].items()}
-    except (KeyError, TypeError, ValueError, AttributeError):
-        raise SparsekitError("sparsekit.json has a malformed \"cats\" entry (want mlps: {name: {threshold: t}}): "
-                             "re-run `sparsekit prune --method cats`") from None
-
-
-def install_from_checkpoint(model: nn.Module, directory) -> int:
-    """Install the CATS thresholds recorded in ``directory/sparsekit.json``, if any; returns how many."""
-    path = Path(directory) / "sparsekit.json"
-    if not path.is_file():
-        return 0
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SparsekitError(f"{path} cannot be read ({e}): fix or remove it") from None
-    thresholds = thresholds_from_metadata(meta)
-    install_thresholds(model, thresholds)
-    return len(thresholds)
