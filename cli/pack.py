@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
 
 @contextlib.contextmanager
 def _progress(description: str, enabled: bool = True):
-    """A rich progress bar on stderr; yields a ``progress(done, total, what)`` callback."""
+    """A rich progress bar on stderr; yields a ``sparsekit.progress.Progress`` callback."""
     if not enabled:
         yield None
         return
@@ -59,8 +59,8 @@ def _progress(description: str, enabled: bool = True):
                   TextColumn("{task.fields[what]}"), console=err_console, transient=True) as bar:
         task = bar.add_task(description, total=None, what="")
 
-        def update(done: int, total: int, what: str) -> None:
-            bar.update(task, completed=done, total=total, what=what[-60:])
+        def update(stage: str, done: int, total: int, item: str = "") -> None:
+            bar.update(task, completed=done, total=total, what=item[-60:])
 
         yield update
 

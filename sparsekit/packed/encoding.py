@@ -19,10 +19,10 @@ import torch
 
 from sparsekit.hf.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
+from sparsekit.progress import Progress
 from sparsekit.packed import shards as sh
 from sparsekit.packed import tcabme
 
-Progress = Callable[[int, int, str], None]   # progress(done, total, what)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", sh.INDEX_NAME)
@@ -175,7 +175,7 @@ def encode(
 ) -> dict[str, Any]:
     """Pack ``pruned_dir`` into ``out_dir`` (atomic). Returns a report (per-layer info and totals).
 
-    ``progress(done, total, tensor_name)`` is called after each source tensor when given.
+    ``progress("encoding", done, total, item=tensor_name)`` is called after each source tensor when given.
     ``max_shard_size`` is bytes or a string such as "2GB" / "500MB" / "1GiB".
     """
     t0 = time.perf_counter()
@@ -248,7 +248,7 @@ def encode(
                         writer.add({key: t})
                     done += 1
                     if progress:
-                        progress(done, len(names), key)
+                        progress("encoding", done, len(names), item=key)
         weight_map, shard_info = writer.close()
         copied = copy_side_files(src, tmp)
         dense_b = sum(i["dense_bytes"] for i in layers.values())

@@ -24,12 +24,12 @@ import torch
 from sparsekit.packed import shards as sh
 from sparsekit.hf.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
+from sparsekit.progress import Progress
 from sparsekit.packed.encoding import (checkpoint_files, copy_side_files, linear_modules, load_json,
                                refuse_bitmask_source, resolve_key)
 
 FORMAT = "sparse-bitmask"
 PARTS = ("shape", "compressed", "bitmask", "row_offsets")
-Progress = Callable[[int, int, str], None]
 
 
 def _raw(t: torch.Tensor) -> np.ndarray:
@@ -138,7 +138,7 @@ def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
                 writer.add({name: t})
             done += 1
             if progress:
-                progress(done, total, name)
+                progress("exporting", done, total, item=name)
         weight_map, shards = writer.close(single_name="model.safetensors")
         if len(shards) > 1:
             idx = {"metadata": {"total_size": writer.total_bytes}, "weight_map": weight_map}
@@ -227,7 +227,7 @@ def import_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
                 writer.add({name: get(name)})
             done += 1
             if progress:
-                progress(done, total, name)
+                progress("importing", done, total, item=name)
         weight_map, shards = writer.close(single_name="model.safetensors")
         if len(shards) > 1:
             idx = {"metadata": {"total_size": writer.total_bytes}, "weight_map": weight_map}

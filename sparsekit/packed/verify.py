@@ -18,8 +18,8 @@ import torch
 from sparsekit.packed import shards as sh
 from sparsekit.packed import tcabme
 from sparsekit.errors import SparsekitError
+from sparsekit.progress import Progress
 
-Progress = Callable[[int, int, str], None]
 
 _DTYPES = {"bitmaps": ("U64",), "values": ("F16", "BF16"), "gtile_offsets": ("I32",),
            "strip_offsets": ("I32",), "shape": ("I64",)}
@@ -127,7 +127,7 @@ def verify_packed(path: str | os.PathLike, progress: Progress | None = None) -> 
         nbytes += info["bytes"]
         done += 1
         if progress:
-            progress(done, total, shard)
+            progress("verifying", done, total, item=shard)
     shard_of = index["weight_map"].__getitem__
     for module, info in index["layers"].items():
         if info.get("packed"):
@@ -150,7 +150,7 @@ def verify_packed(path: str | os.PathLike, progress: Progress | None = None) -> 
                 raise SparsekitError(f"{sh.INDEX_NAME}: index entry for dense weight {key} is missing: re-run `sparsekit encode`")
         done += 1
         if progress:
-            progress(done, total, module)
+            progress("verifying", done, total, item=module)
     return {"ok": True, "path": str(path), "format": tcabme.FORMAT_NAME,
             "format_version": tcabme.FORMAT_VERSION, "shards": len(index["shards"]),
             "tensors": len(index["weight_map"]), "layers": len(index["layers"]),

@@ -1,0 +1,190 @@
+"""The package layout stays honest: stages import only earlier stages, no import cycles, small files,
+and no test or script reaches into a private name of sparsekit.
+
+The stages follow the data: Hugging Face plumbing -> pruning -> packed format -> kernels -> runtime
+-> evaluation -> CLI (see the README's layout table). Imports inside functions count too.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# source folder -> installed package name
+PACKAGES = {"sparsekit": "sparsekit", "cli": "sparsekit.cli", "kernels": "sparsekit.kernels"}
+# module-name prefix -> stage floor (the longest matching prefix wins)
+STAGES = {
+    "sparsekit": 0,              # the package root: __version__ and lazy exports only
+    "sparsekit.errors": 0,
+    "sparsekit.progress": 0,
+    "sparsekit.hf": 0,
+    "sparsekit.pruning": 1,
+    "sparsekit.packed": 2,
+    "sparsekit.kernels": 3,
+    "sparsekit.runtime": 4,
+    "sparsekit.evaluation": 5,
+    "sparsekit.cli": 6,
+}
+MAX_LINES = 400
+LOOP_MAX_LINES = 250
+
+
+def module_files() -> dict[str, Path]:
+    """``{dotted module name: file}`` for every module of the installed package."""
+    out = {}
+    for folder, pkg in PACKAGES.items():
+        for f in sorted((ROOT / folder).rglob("*.py")):
+            rel = f.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([pkg, *parts])] = f
+    return out
+
+
+def _resolve(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(module: str, path: Path, known: set[str]) -> set[str]:
+    """The sparsekit modules that ``module`` imports anywhere in its file."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, is_pkg, node)
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n == "sparsekit" or n.startswith("sparsekit."))
+    found.discard(module)
+    return found
+
+
+def stage_of(module: str) -> int:
+    best = max((p for p in STAGES if module == p or module.startswith(p + ".")), key=len)
+    return STAGES[best]
+
+
+def layering_errors(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a later stage, and modules that import each other (directly or around a cycle)."""
+    errors = [f"{m} (stage {stage_of(m)}) imports {d} (stage {stage_of(d)})"
+              for m, deps in sorted(graph.items()) for d in sorted(deps) if stage_of(d) > stage_of(m)]
+    # cycles: Tarjan's strongly connected components
+    index, low, stack, on, comps = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                comps.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    errors += [f"import cycle: {' <-> '.join(c)}" for c in comps]
+    return errors
+
+
+def package_graph() -> dict[str, set[str]]:
+    files = module_files()
+    known = set(files)
+    # a package's own __init__ importing its submodules is not a cycle of concern; the parent
+    # package node stands for its __init__ only
+    return {m: {d for d in imports_of(m, f, known) if d in known} for m, f in files.items()}
+
+
+def test_checker_catches_a_later_stage_and_a_cycle():
+    bad = {
+        "sparsekit.packed.encoding": {"sparsekit.runtime.loader"},   # format importing the runtime
+        "sparsekit.pruning.api": {"sparsekit.evaluation.ppl"},      # pruning importing evaluation
+        "sparsekit.runtime.loader": {"sparsekit.runtime.swap"},
+        "sparsekit.runtime.swap": {"sparsekit.runtime.loader"},     # two modules importing each other
+        "sparsekit.evaluation.ppl": set(),
+    }
+    errors = layering_errors(bad)
+    assert any("packed.encoding (stage 2) imports sparsekit.runtime.loader" in e for e in errors)
+    assert any("pruning.api (stage 1) imports sparsekit.evaluation.ppl" in e for e in errors)
+    assert any("cycle" in e and "runtime.loader" in e and "runtime.swap" in e for e in errors)
+    assert layering_errors({"sparsekit.runtime.loader": {"sparsekit.hf.models"}, "sparsekit.hf.models": set()}) == []
+
+
+def test_relative_imports_resolve(tmp_path):
+    f = tmp_path / "launch.py"
+    f.write_text("from . import plan\nfrom .compat import x\nfrom ..packed import tcabme\n")
+    known = {"sparsekit.kernels.plan", "sparsekit.kernels.compat", "sparsekit.packed.tcabme"}
+    assert imports_of("sparsekit.kernels.launch", f, known) == known
+
+
+def test_stages_import_only_earlier_stages_and_nothing_imports_each_other():
+    graph = package_graph()
+    assert len(graph) > 30
+    assert layering_errors(graph) == []
+
+
+def test_files_stay_small():
+    too_big = {str(f.relative_to(ROOT)): n for f in (ROOT / "sparsekit").rglob("*.py")
+               if (n := len(f.read_text().splitlines())) > MAX_LINES}
+    assert too_big == {}
+    loop = ROOT / "sparsekit" / "pruning" / "engine.py"
+    assert len(loop.read_text().splitlines()) < LOOP_MAX_LINES
+
+
+def private_reaches(path: Path) -> list[str]:
+    """Private sparsekit names that a test or script imports or reads off a sparsekit module."""
+    tree = ast.parse(path.read_text(), str(path))
+    modules = module_files()
+    aliases: set[str] = set()
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sparsekit"):
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"{path.name}: from {node.module} import {a.name}")
+                if f"{node.module}.{a.name}" in modules:
+                    aliases.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("sparsekit") and a.asname:
+                    aliases.add(a.asname)
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_private_reach_checker_can_fail(tmp_path):
+    f = tmp_path / "s.py"
+    f.write_text("from sparsekit.evaluation import speed\nfrom sparsekit.runtime.loader import _x\nspeed._time_ms(1)\n")
+    assert len(private_reaches(f)) == 2
+
+
+@pytest.mark.parametrize("folder", ["tests", "scripts"])
+def test_tests_and_scripts_use_public_names(folder):
+    found = [r for f in sorted((ROOT / folder).glob("*.py")) for r in private_reaches(f)]
+    assert found == []
