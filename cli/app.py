@@ -4,6 +4,7 @@ from __future__ import annotations
 import typer
 
 from sparsekit import __version__
+from sparsekit.cli import env as env_cmd
 from sparsekit.cli import eval as eval_cmd
 from sparsekit.cli import pack as pack_cmd
 from sparsekit.cli import prune as prune_cmd
@@ -33,6 +34,7 @@ def _root(
 prune_cmd.register(app)
 pack_cmd.register(app)
 eval_cmd.register(app)
+env_cmd.register(app)
 
 
 def main() -> None:

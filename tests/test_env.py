@@ -1,0 +1,82 @@
+"""sparsekit env and the kernel health check: one line saying whether the kernels can run, and the fix."""
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from sparsekit.cli.app import app
+from sparsekit.kernels import health
+
+
+def fake_numba_cuda(monkeypatch, **attrs):
+    """Make ``from numba import cuda`` give a stand-in, whether or not numba.cuda was imported before."""
+    import numba
+
+    ns = types.SimpleNamespace(**attrs)
+    monkeypatch.setitem(sys.modules, "numba.cuda", ns)
+    monkeypatch.setattr(numba, "cuda", ns, raising=False)
+
+
+@pytest.fixture
+def fresh_status():
+    health.kernel_status.cache_clear()
+    yield
+    health.kernel_status.cache_clear()
+
+
+def test_env_json_reports_versions_and_kernels(fresh_status, monkeypatch):
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+    res = CliRunner().invoke(app, ["env", "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["packages"]["torch"] == torch.__version__
+    assert rep["kernels"]["line"].startswith("kernels: ")
+    if not torch.cuda.is_available():
+        assert rep["kernels"]["ok"] is False and "no CUDA GPU" in rep["kernels"]["line"]
+
+
+def test_env_table_prints_the_kernel_line(fresh_status, monkeypatch):
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+    res = CliRunner().invoke(app, ["env"])
+    assert res.exit_code == 0 and "kernels: " in res.stdout and "GPU: " in res.stdout
+
+
+def test_builtin_numba_cuda_target_is_refused_with_the_install_line(fresh_status, monkeypatch):
+    """A GPU, but numba's built-in CUDA target (no numba-cuda): not ok, and the line says what to install."""
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(health, "_numba_cuda_version", lambda: None)
+    fake_numba_cuda(monkeypatch, implementation="Built-in")
+    st = health.kernel_status()
+    assert not st.ok
+    assert 'pip install "sparsekit[gpu]"' in st.line and "numba-cuda[cu13]" in st.fix
+
+
+def test_cuda12_torch_gets_the_cu12_extra(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert 'sparsekit[gpu-cu12]' in health.install_hint() and "numba-cuda[cu12]" in health.install_hint()
+
+
+def test_a_kernel_that_fails_to_compile_is_caught_at_the_check(fresh_status, monkeypatch):
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(health, "_numba_cuda_version", lambda: "0.30.4")
+    fake_numba_cuda(monkeypatch, implementation="NVIDIA", is_available=lambda: True)
+
+    def broken():
+        raise TypeError("Failed in cuda mode pipeline (step: nopython frontend)\nmore lines")
+
+    monkeypatch.setattr(health, "_self_test", broken)
+    st = health.kernel_status()
+    assert not st.ok and "TypeError: Failed in cuda mode pipeline" in st.line and "\n" not in st.line
+
+
+def test_simulator_is_never_reported_usable(fresh_status, monkeypatch):
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
+    assert not health.kernel_status().ok
