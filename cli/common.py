@@ -1,15 +1,17 @@
 """Shared CLI plumbing: one-line errors, JSON output, consoles."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import typer
 from rich.console import Console
 
 from sparsekit.errors import SparsekitError
+from sparsekit.progress import Progress
 
 # Tables and summaries go to stdout; progress bars and notes go to stderr,
 # so that ``--json`` leaves stdout holding exactly one JSON document.
@@ -41,3 +43,24 @@ def emit_json(obj: Any) -> None:
 
 
 JSON_OPTION = typer.Option(False, "--json", help="Print a machine-readable JSON report on stdout instead of tables.")
+
+
+@contextlib.contextmanager
+def progress_bar() -> Iterator[Progress]:
+    """One rich progress bar on stderr, driven by a ``sparsekit.progress.Progress`` callback: the
+    first call adds the bar, later calls move it; its description is the latest stage."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import Progress as Bars
+
+    with Bars(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+              TimeRemainingColumn(), console=err_console) as bars:
+        task = None
+
+        def update(stage: str, done: int, total: int) -> None:
+            nonlocal task
+            if task is None:
+                task = bars.add_task(stage, total=total, completed=done)
+            else:
+                bars.update(task, description=stage, completed=done, total=total)
+
+        yield update

@@ -5,7 +5,8 @@ from typing import Optional
 
 import typer
 
-from sparsekit.cli.common import JSON_OPTION, console, emit_json, err_console, handle_errors
+from sparsekit.cli import render
+from sparsekit.cli.common import JSON_OPTION, console, emit_json, err_console, handle_errors, progress_bar
 
 HELP = (
     "Evaluate a model: perplexity (--ppl, the default) and/or decode/prefill speed against its dense "
@@ -22,13 +23,6 @@ def register(app: typer.Typer) -> None:
     app.command("eval", help=HELP)(eval_cmd)
 
 
-def _progress():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=err_console)
-
-
 def _batch_sizes(text: str) -> tuple[int, ...]:
     from sparsekit.errors import SparsekitError
 
@@ -39,54 +33,6 @@ def _batch_sizes(text: str) -> tuple[int, ...]:
     if not sizes or min(sizes) < 1:
         raise SparsekitError(f"--batch-sizes {text!r} is not a list of positive integers: write e.g. 1,8,16,32")
     return sizes
-
-
-def run_ppl(model_dir: str, *, dataset: str, seqlen: int, max_windows: Optional[int], device: str, dtype: str,
-            progress=None, warn=None) -> dict:
-    """Load ``model_dir`` and measure its perplexity; the report the CLI prints (library-callable)."""
-    import time
-
-    from sparsekit.hf.data import cap_seqlen, eval_text
-    from sparsekit.hf.models import load_model, resolve_device, resolve_dtype, resolve_model
-    from sparsekit.evaluation.ppl import perplexity
-
-    t0 = time.perf_counter()
-    dev = resolve_device(device)
-    torch_dtype = resolve_dtype(None if dtype == "auto" else dtype, dev)
-    location = resolve_model(model_dir)  # a bad DIR fails first ...
-    text = eval_text(dataset)  # ... then a bad --dataset, both before the model is loaded
-    model, tokenizer = load_model(location, device=dev, dtype=torch_dtype)
-    capped = cap_seqlen(model, seqlen)
-    if capped != seqlen and warn is not None:
-        warn(f"--seqlen {seqlen} exceeds the model context: using {capped}")
-    result = perplexity(model, tokenizer, text, seqlen=capped, max_windows=max_windows, device=dev, progress=progress)
-    if result["nonfinite_windows"] and warn is not None:
-        warn(f"{result['nonfinite_windows']} windows gave a non-finite loss (overflow?): try --dtype float32 or bfloat16")
-    return {
-        "model": str(model_dir),
-        "dataset": dataset,
-        "device": str(dev),
-        "dtype": str(torch_dtype).removeprefix("torch."),
-        **result,
-        "elapsed_s": time.perf_counter() - t0,
-    }
-
-
-def ppl_table(report: dict):
-    from rich import box
-    from rich.table import Table
-
-    from pathlib import Path
-
-    t = Table(title=f"Perplexity of {report['model']}", box=box.SIMPLE_HEAD, show_edge=False, padding=0)
-    dataset = str(report["dataset"])
-    if Path(dataset).exists():  # a local file: its name is enough in the table (--json has the full path)
-        dataset = Path(dataset).name
-    for head in ("dataset", "seqlen", "windows", "tokens", "device", "dtype", "nll", "ppl"):
-        t.add_column(head, justify="left" if head == "dataset" else "right", overflow="fold", no_wrap=True)
-    t.add_row(dataset, str(report["seqlen"]), str(report["windows"]), f"{report['tokens']:,}",
-              report["device"], report["dtype"], f"{report['nll']:.4f}", f"{report['ppl']:.3f}")
-    return t
 
 
 @handle_errors
@@ -129,30 +75,28 @@ def eval_cmd(
 
     report: dict = {"model": model_dir}
     if ppl:
-        with _progress() as bars:
-            report["ppl"] = run_ppl(model_dir, dataset=dataset, seqlen=seqlen, max_windows=max_windows,
-                                    device=device, dtype=dtype, progress=bars, warn=warn)
+        from sparsekit.evaluation.ppl import perplexity_report
+
+        with progress_bar() as bars:
+            report["ppl"] = perplexity_report(model_dir, dataset=dataset, seqlen=seqlen, max_windows=max_windows,
+                                              device=device, dtype=dtype, progress=bars, warn=warn)
         if not json_out:
-            console.print(ppl_table(report["ppl"]))
+            console.print(render.ppl_table(report["ppl"]))
     if speed:
-        from sparsekit.hf.models import resolve_dtype, resolve_model
-        from sparsekit.evaluation.speed import measure_speed, plot_speed, speed_table
+        from sparsekit.evaluation.speed import measure_speed
+        from sparsekit.hf.models import local_model_dir, resolve_dtype
 
-        location = resolve_model(model_dir)
-        if not Path(location).is_dir():  # a hub id: the speed runner reads a local directory
-            from huggingface_hub import snapshot_download
-
-            location = snapshot_download(location)
+        location = local_model_dir(model_dir)  # a hub id: the speed runner reads a local directory
         dev = "cuda" if device == "auto" else device
-        with _progress() as bars:
+        with progress_bar() as bars:
             report["speed"] = measure_speed(location, device=dev, batch_sizes=sizes,
                                             dtype=resolve_dtype(None if dtype == "auto" else dtype, "cuda"), progress=bars)
         for note in report["speed"].get("notes", []):
             warn(note)
         if plot:
-            report["speed"]["plot"] = str(plot_speed(report["speed"], plot))
+            report["speed"]["plot"] = str(render.plot_speed(report["speed"], plot))
         if not json_out:
-            console.print(speed_table(report["speed"]))
+            console.print(render.speed_table(report["speed"]))
             if plot:
                 err_console.print(f"[green]wrote[/] {report['speed']['plot']}")
     if json_out:

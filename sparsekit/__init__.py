@@ -14,11 +14,12 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     "SparsekitError": "sparsekit.errors",
-    "prune": "sparsekit.pruning.api",          # prune(model, ..., output) -> report
-    "encode": "sparsekit.packed.encoding",         # encode(pruned_dir, out_dir, ...) -> report
-    "decode": "sparsekit.packed.tcabme",          # decode(TcaBme) -> dense tensor, bit-exact
-    "load_packed": "sparsekit.runtime.loader",  # load_packed(dir, device="cuda") -> HF model
-    "perplexity": "sparsekit.evaluation.ppl",         # perplexity(model, tokenizer, text, ...) -> dict
+    "prune": "sparsekit.pruning.api",            # prune(model, ..., output) -> report
+    "encode": "sparsekit.packed.encoding",       # encode(pruned_dir, out_dir, ...) -> report
+    "decode": "sparsekit.packed.tcabme",         # decode(TcaBme) -> dense tensor, bit-exact
+    "load": "sparsekit.runtime.loader",          # load(dir | hub id | alias, device, dtype) -> (model, tokenizer)
+    "load_packed": "sparsekit.runtime.loader",   # load_packed(dir, device="cuda") -> HF model
+    "perplexity": "sparsekit.evaluation.ppl",    # perplexity(model, tokenizer, text, ...) -> dict
 }
 
 

@@ -25,8 +25,8 @@ def tiny(tmp_path_factory):
 
 
 def test_json_report_matches_the_library(tiny):
-    from sparsekit.hf.models import load_model
     from sparsekit.evaluation.ppl import perplexity
+    from sparsekit.runtime.loader import load
 
     model_dir, text_file = tiny
     res = runner.invoke(app, ["eval", str(model_dir), "--dataset", str(text_file), "--seqlen", "32",
@@ -36,7 +36,7 @@ def test_json_report_matches_the_library(tiny):
     assert set(report) == {"model", "ppl"}  # neither --ppl nor --speed means --ppl
     r = report["ppl"]
     assert r["windows"] == 5 and r["seqlen"] == 32 and r["tokens"] == 160 and r["dtype"] == "float32"
-    model, tok = load_model(str(model_dir))
+    model, tok = load(str(model_dir))
     want = perplexity(model, tok, text_file.read_text(), seqlen=32, max_windows=5)
     assert r["ppl"] == pytest.approx(want["ppl"], rel=1e-6)
 
@@ -129,6 +129,7 @@ def test_pruned_and_packed_dirs_give_the_same_perplexity(tiny, tmp_path):
 
 def test_speed_flags_reach_the_runtime(tiny, tmp_path, monkeypatch):
     """--speed/--batch-sizes/--plot are passed to sparsekit.evaluation.speed; --json carries both reports."""
+    import sparsekit.cli.render as render
     import sparsekit.evaluation.speed as speed
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the runtime itself is faked below
@@ -143,7 +144,7 @@ def test_speed_flags_reach_the_runtime(tiny, tmp_path, monkeypatch):
         return path
 
     monkeypatch.setattr(speed, "measure_speed", fake_measure)
-    monkeypatch.setattr(speed, "plot_speed", fake_plot)
+    monkeypatch.setattr(render, "plot_speed", fake_plot)
     png = tmp_path / "speed.png"
     res = runner.invoke(app, ["eval", str(tiny[0]), "--speed", "--batch-sizes", "1, 4", "--plot", str(png), "--json"])
     assert res.exit_code == 0, res.output

@@ -58,26 +58,34 @@ def test_cuda_without_gpu(tiny_dir):
     assert models.resolve_device("auto").type == "cpu"
 
 
-def test_packed_dir_delegates_to_packed_loader(tmp_path, tiny_dir, monkeypatch):
-    import sparsekit.runtime.loader as pl
+def test_packed_dir_goes_through_the_packed_path_and_cats_once(tmp_path, tiny_dir, monkeypatch):
+    """The one loader: a packed directory opens through the packed path, a dense one through
+    transformers; CATS thresholds are installed once either way; hf's load_model stays dense."""
+    from sparsekit.packed.shards import INDEX_NAME
+    from sparsekit.runtime import loader
 
     packed = tmp_path / "packed"
     packed.mkdir()
     for f in tiny_dir.iterdir():
         if f.suffix in (".json", ".jinja") and f.name != "model.safetensors":
             (packed / f.name).write_bytes(f.read_bytes())
-    (packed / models.PACKED_INDEX).write_text("{}")
-    calls = []
-    sentinel = make_model("llama")
+    (packed / INDEX_NAME).write_text("{}")
+    calls, installs = [], []
 
-    def fake_load_packed(path, device="cuda", dtype=torch.float16):
-        calls.append((str(path), str(device), dtype))
-        return sentinel
+    def fake_read_packed(path, device):
+        calls.append((str(path), device))
+        raise RuntimeError("the packed path")
 
-    monkeypatch.setattr(pl, "load_packed", fake_load_packed)
-    model, tok = models.load_model(str(packed), device="cpu", dtype="bfloat16")
-    assert model is sentinel and calls == [(str(packed), "cpu", torch.bfloat16)]
-    assert tok is not None
+    monkeypatch.setattr(loader, "read_packed", fake_read_packed)
+    monkeypatch.setattr(loader, "install_from_checkpoint", lambda model, path: installs.append(str(path)))
+    with pytest.raises(RuntimeError, match="the packed path"):
+        loader.load(str(packed), device="cpu", dtype="bfloat16")
+    assert calls == [(str(packed), "cpu")] and installs == []
+    model, tok = loader.load(str(tiny_dir), device="cpu", dtype="bfloat16")
+    assert model.dtype == torch.bfloat16 and not model.training and tok is not None
+    assert installs == [str(tiny_dir)]
+    models.load_model(str(tiny_dir))
+    assert installs == [str(tiny_dir)]  # the dense HF loader installs nothing
 
 
 def test_demo_alias_without_the_package(tmp_path, monkeypatch):

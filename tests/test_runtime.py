@@ -92,7 +92,8 @@ def test_decode_dense_is_bit_exact(shape, sparsity):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_sparsify_logits_match_dense_pruned(arch):
-    from sparsekit.runtime.sparse_linear import SparseLinear, densify, sparsify
+    from sparsekit.runtime.sparse_linear import SparseLinear
+    from sparsekit.runtime.swap import densify, sparsify
 
     dense = pruned_tiny(arch)
     sparse = copy.deepcopy(dense)
@@ -108,7 +109,7 @@ def test_sparsify_logits_match_dense_pruned(arch):
 
 
 def test_sparsify_leaves_dense_layers_alone():
-    from sparsekit.runtime.sparse_linear import sparsify
+    from sparsekit.runtime.swap import sparsify
 
     model = tiny_models.make_model("llama")  # nothing pruned: no layer reaches 30% zeros
     assert sparsify(model, min_sparsity=0.3) == []
@@ -136,7 +137,7 @@ def test_no_gpu_notice_said_once(monkeypatch):
 # --- static-cache greedy decoding -------------------------------------------------------------
 def test_static_cache_greedy_matches_hf_generate():
     from sparsekit.runtime.decoder import GreedyDecoder
-    from sparsekit.runtime.sparse_linear import sparsify
+    from sparsekit.runtime.swap import sparsify
 
     model = pruned_tiny("llama")
     sparsify(model)
@@ -157,12 +158,14 @@ def test_compiled_decode_step_matches_and_compiles_once(monkeypatch, fuse):
     """Regional compilation: one compiled decoder layer serves every layer (the packed value
     counts differ per layer), the sparse matmul traces as one op (fullgraph), same tokens;
     with q/k/v and gate/up merged (fuse_projections) the logits stay the same too."""
-    from sparsekit.runtime import decoder as cuda_graph
-    from sparsekit.runtime.decoder import FusedProjection, GreedyDecoder, fuse_projections
-    from sparsekit.runtime.sparse_linear import SparseLinear, sparsify
+    from sparsekit.runtime import decoder
+    from sparsekit.runtime.decoder import GreedyDecoder
+    from sparsekit.runtime.fusion import FusedProjection, equalize_packed_sizes, fuse_projections
+    from sparsekit.runtime.sparse_linear import SparseLinear
+    from sparsekit.runtime.swap import sparsify
 
-    monkeypatch.setattr(cuda_graph, "COMPILE_OPTIONS", {"backend": "aot_eager", "fullgraph": True})
-    monkeypatch.setattr(cuda_graph, "_compiled_layer_call", None)
+    monkeypatch.setattr(decoder, "COMPILE_OPTIONS", {"backend": "aot_eager", "fullgraph": True})
+    decoder.reset_compiled_layer()
     model = pruned_tiny("llama")
     sparsify(model)
     ids = IDS[:, :6]
@@ -175,6 +178,8 @@ def test_compiled_decode_step_matches_and_compiles_once(monkeypatch, fuse):
         assert all(isinstance(m.fused, SparseLinear) for m in fused)
         torch.testing.assert_close(logits(model, IDS), ref_logits, rtol=1e-5, atol=1e-5)
         assert all(m._last is None for m in fused)  # no activations kept after a forward
+    equalize_packed_sizes(model)  # the fusion step's job: the decoder leaves the model as it is
+    sizes = {n: b.shape for n, b in model.named_buffers()}
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     dec = GreedyDecoder(model, batch_size=2, max_len=12, use_graph=False, compile=True)
@@ -182,7 +187,9 @@ def test_compiled_decode_step_matches_and_compiles_once(monkeypatch, fuse):
     assert dec.compile and dec.notes == []
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"  # the stack is restored
+    assert {n: b.shape for n, b in model.named_buffers()} == sizes  # no buffer was re-padded
     torch._dynamo.reset()
+    decoder.reset_compiled_layer()
 
 
 # --- load_packed ------------------------------------------------------------------------------
@@ -254,7 +261,7 @@ def fake_report():
 
 
 def test_plot_speed_writes_png(tmp_path):
-    from sparsekit.evaluation.speed import plot_speed
+    from sparsekit.cli.render import plot_speed
 
     out = plot_speed(fake_report(), tmp_path / "speed.png")
     data = out.read_bytes()
@@ -266,7 +273,7 @@ def test_plot_speed_writes_png(tmp_path):
 def test_speed_table_has_a_row_per_batch():
     from rich.console import Console
 
-    from sparsekit.evaluation.speed import speed_table
+    from sparsekit.cli.render import speed_table
 
     table = speed_table(fake_report())
     assert table.row_count == 4
@@ -288,7 +295,7 @@ def test_measure_speed_without_gpu_is_a_clear_error(tmp_path, monkeypatch):
 @needs_gpu
 def test_cuda_graph_tokens_equal_eager():
     from sparsekit.runtime.decoder import GreedyDecoder
-    from sparsekit.runtime.sparse_linear import sparsify
+    from sparsekit.runtime.swap import sparsify
 
     model = pruned_tiny("llama").to(device="cuda", dtype=torch.float16)
     sparsify(model)

@@ -1,0 +1,3 @@
+"""Evaluation: perplexity (WikiText-2 protocol), prefill/decode speed against the dense twin, CUDA-event timing.
+May import every earlier stage (``hf``, ``pruning``, ``packed``, ``kernels``, ``runtime``, ``errors``, ``progress``); never the CLI.
+"""

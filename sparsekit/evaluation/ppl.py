@@ -10,12 +10,17 @@ per-window losses (the reference code multiplies each by ``seqlen`` and divides 
 from __future__ import annotations
 
 import math
-from typing import Any
+import time
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from sparsekit.errors import SparsekitError
+from sparsekit.hf.data import cap_seqlen, eval_text, tokenize
+from sparsekit.hf.models import resolve_device, resolve_dtype, resolve_model
+from sparsekit.progress import Progress, report
+from sparsekit.runtime.loader import load
 
 
 def window_ids(ids: torch.Tensor, seqlen: int, max_windows: int | None = None) -> torch.Tensor:
@@ -65,16 +70,14 @@ def perplexity(
     seqlen: int = 2048,
     max_windows: int | None = None,
     device: str | torch.device | None = None,
-    progress=None,
+    progress: Progress | None = None,
     batch_size: int | None = None,
 ) -> dict[str, Any]:
     """Perplexity of ``model`` on ``text``: ``dict(ppl, nll, windows, tokens, seqlen, text_tokens)``.
 
     ``device`` defaults to the model's device (the model is not moved); inputs go there.
-    ``progress`` is an optional rich ``Progress``; a task "perplexity" advances per window.
+    ``progress("perplexity", windows done, windows)`` is called before the first batch and after each.
     """
-    from sparsekit.hf.data import tokenize
-
     dev = torch.device(device) if device is not None else _model_device(model)
     ids = tokenize(tokenizer, text)
     windows = window_ids(ids, seqlen, max_windows)
@@ -84,7 +87,7 @@ def perplexity(
 
     was_training = getattr(model, "training", False)
     model.eval()
-    task = progress.add_task("perplexity", total=n) if progress is not None else None
+    report(progress, "perplexity", 0, n)
     nlls = []
     i = 0
     try:
@@ -105,8 +108,7 @@ def perplexity(
                 continue
             nlls.extend(part)
             i += batch.shape[0]
-            if task is not None:
-                progress.advance(task, batch.shape[0])
+            report(progress, "perplexity", i, n)
     finally:
         if was_training:
             model.train()
@@ -123,4 +125,31 @@ def perplexity(
         "seqlen": int(seqlen),
         "text_tokens": int(ids.numel()),
         "nonfinite_windows": bad,
+    }
+
+
+def perplexity_report(model_dir: str, *, dataset: str, seqlen: int, max_windows: Optional[int], device: str = "auto",
+                      dtype: str = "auto", progress: Progress | None = None,
+                      warn: Callable[[str], None] | None = None) -> dict:
+    """Load ``model_dir`` (any model the loader opens) and measure its perplexity on ``dataset``:
+    the report ``sparsekit eval --ppl`` prints. ``warn`` receives the notes (seqlen capped, overflow)."""
+    t0 = time.perf_counter()
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(None if dtype == "auto" else dtype, dev)
+    location = resolve_model(model_dir)  # a bad DIR fails first ...
+    text = eval_text(dataset)  # ... then a bad --dataset, both before the model is loaded
+    model, tokenizer = load(location, device=dev, dtype=torch_dtype)
+    capped = cap_seqlen(model, seqlen)
+    if capped != seqlen and warn is not None:
+        warn(f"--seqlen {seqlen} exceeds the model context: using {capped}")
+    result = perplexity(model, tokenizer, text, seqlen=capped, max_windows=max_windows, device=dev, progress=progress)
+    if result["nonfinite_windows"] and warn is not None:
+        warn(f"{result['nonfinite_windows']} windows gave a non-finite loss (overflow?): try --dtype float32 or bfloat16")
+    return {
+        "model": str(model_dir),
+        "dataset": dataset,
+        "device": str(dev),
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        **result,
+        "elapsed_s": time.perf_counter() - t0,
     }

@@ -16,9 +16,7 @@ never sit on the GPU together. Random prompt tokens (fixed seed); EOS is ignored
 """
 from __future__ import annotations
 
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,53 +25,26 @@ import torch
 from torch import nn
 
 from sparsekit.errors import SparsekitError
+from sparsekit.evaluation.timing import model_bytes, time_ms
+from sparsekit.hf.models import resolve_device
+from sparsekit.packed.shards import is_packed_dir
+from sparsekit.progress import Progress, report
+from sparsekit.runtime.decoder import GreedyDecoder
+from sparsekit.runtime.fusion import prepare_for_decode
+from sparsekit.runtime.loader import load_packed, open_model
+from sparsekit.runtime.sparse_linear import SparseLinear
+from sparsekit.runtime.swap import densify, sparsify
 
 BATCH_SIZES = (1, 8, 16, 32)
 GIB = 2**30
 
 
-def _model_bytes(model: nn.Module) -> int:
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.data_ptr() in seen:
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
-
-
-class _Progress:
-    """Accepts None, a callable(str), or a rich Progress."""
-
-    def __init__(self, progress, total: int):
-        self.progress, self.task = progress, None
-        if progress is not None and hasattr(progress, "add_task"):
-            self.task = progress.add_task("measuring speed", total=total)
-
-    def __call__(self, message: str) -> None:
-        if self.progress is None:
-            return
-        if self.task is not None:
-            self.progress.update(self.task, advance=1, description=message)
-        else:
-            self.progress(message)
-
-
-def _time_ms(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
 def measure_model(model: nn.Module, batch_size: int, *, prompt_len: int = 128, new_tokens: int = 64,
                   repeats: int = 3, cuda_graphs: bool = True, compile: bool = True,
                   seed: int = 0) -> dict[str, Any]:
-    """Prefill/decode speed and peak memory of one model at one batch size (on its CUDA device)."""
-    from sparsekit.runtime.decoder import GreedyDecoder
+    """Prefill/decode speed and peak memory of one model at one batch size (on its CUDA device).
 
+    With ``compile`` the model's packed sizes should be equalized first (``fusion.prepare_for_decode``)."""
     device = next(model.parameters()).device
     vocab = int(getattr(model.config.get_text_config(), "vocab_size", 1000))
     gen = torch.Generator().manual_seed(seed)
@@ -86,7 +57,7 @@ def measure_model(model: nn.Module, batch_size: int, *, prompt_len: int = 128, n
         dec = GreedyDecoder(model, batch_size, prompt_len + new_tokens + 1, use_graph=cuda_graphs,
                             compile=compile)
         dec.prefill(ids)  # warm-up: kernels compile, cache allocates
-        prefill_ms = statistics.median(_time_ms(lambda: dec.prefill(ids)) for _ in range(repeats))
+        prefill_ms = statistics.median(time_ms(lambda: dec.prefill(ids)) for _ in range(repeats))
 
         def decode_loop():
             for _ in range(new_tokens):
@@ -97,7 +68,7 @@ def measure_model(model: nn.Module, batch_size: int, *, prompt_len: int = 128, n
             dec.prefill(ids)
             if cuda_graphs and dec.graph is None:
                 dec.capture()
-            ms = _time_ms(decode_loop)
+            ms = time_ms(decode_loop)
             if r > 0:  # the first loop is a warm-up
                 step_ms.append(ms / new_tokens)
         step_ms = statistics.median(step_ms)
@@ -118,22 +89,14 @@ def measure_model(model: nn.Module, batch_size: int, *, prompt_len: int = 128, n
         torch.cuda.empty_cache()
 
 
-def _load(model_dir, device, dtype, notes: list[str]):
-    from sparsekit.runtime.loader import INDEX_FILE, load_packed
-
+def _open(model_dir, device, dtype, notes: list[str]) -> nn.Module:
+    """The model of ``model_dir`` through the one loader; an unpacked one is encoded in memory."""
     path = Path(model_dir)
-    if (path / INDEX_FILE).exists():
+    if is_packed_dir(path):
         return load_packed(path, device=device, dtype=dtype)
     if not (path / "config.json").exists():
         raise SparsekitError(f"no model at {path}: pass a packed directory (from `sparsekit encode`) or a pruned HF directory")
-    from transformers import AutoModelForCausalLM
-
-    from sparsekit.runtime.cats import install_from_checkpoint
-    from sparsekit.runtime.sparse_linear import sparsify
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    install_from_checkpoint(model, path)  # CATS thresholds from sparsekit.json, if any
-    model = model.to(device).eval()
+    model = open_model(path, device, dtype)
     swapped = sparsify(model, min_sparsity=0.3)
     notes.append(f"{path} is not packed: {len(swapped)} linears with >= 30% zeros were encoded in memory")
     return model
@@ -142,20 +105,18 @@ def _load(model_dir, device, dtype, notes: list[str]):
 def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_len: int = 128,
                   new_tokens: int = 64, repeats: int = 3, cuda_graphs: bool = True,
                   dtype: torch.dtype = torch.float16, fuse_norms: bool = True, compile: bool = True,
-                  fuse_proj: bool = True, progress=None) -> dict[str, Any]:
+                  fuse_proj: bool = True, progress: Progress | None = None) -> dict[str, Any]:
     """Speed report of a packed model and its dense counterpart (see the module docstring).
 
-    ``fuse_norms`` swaps the HF RMSNorm modules for ``cuda_graph.FusedRMSNorm`` (same rounding,
+    ``fuse_norms`` swaps the HF RMSNorm modules for ``fusion.FusedRMSNorm`` (same rounding,
     two launches instead of eight) in both models: decode steps are launch-bound outside the
     matmuls, so this is what lets the matmul speed-up show. ``compile`` goes further: each
     decoder layer of the decode step runs through ``torch.compile`` (see ``sparsekit.runtime.decoder``),
     again in both models; when compiling fails the step runs uncompiled and ``notes`` says so.
-    ``fuse_proj`` merges q/k/v and gate/up into one matmul each (``cuda_graph.fuse_projections``),
-    in both models too.
+    ``fuse_proj`` merges q/k/v and gate/up into one matmul each (``fusion.fuse_projections``),
+    in both models too. ``progress("measuring speed", 0, total)`` comes first, then one call per
+    step done, named after it ("loaded", "packed batch 8", ...).
     """
-    from sparsekit.hf.models import resolve_device
-    from sparsekit.runtime.sparse_linear import SparseLinear, densify
-
     if not torch.cuda.is_available():
         raise SparsekitError("speed measurement needs a CUDA GPU and none is available: run `sparsekit eval --speed` on a GPU machine")
     dev = resolve_device(device)
@@ -167,21 +128,18 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     if prompt_len < 1 or new_tokens < 2 or repeats < 1:
         raise SparsekitError("prompt_len >= 1, new_tokens >= 2 and repeats >= 1 are needed")
     notes: list[str] = []
-    tick = _Progress(progress, 2 * len(batch_sizes) + 1)
+    done, total = 0, 2 * len(batch_sizes) + 1
+
+    def tick(stage: str) -> None:
+        nonlocal done
+        done += 1
+        report(progress, stage, done, total)
+
+    report(progress, "measuring speed", 0, total)
     t0 = time.perf_counter()
-    model = _load(model_dir, dev, dtype, notes)
-    if fuse_norms:
-        from sparsekit.runtime.decoder import fuse_rms_norms
-
-        fuse_rms_norms(model)
-    if fuse_proj:
-        from sparsekit.runtime.decoder import fuse_projections
-
-        fuse_projections(model)
-    if compile:
-        from sparsekit.runtime.decoder import equalize_packed_sizes
-
-        equalize_packed_sizes(model)  # now, before any kernel call, not inside the first decoder
+    model = _open(model_dir, dev, dtype, notes)
+    # equalized now, before any kernel call: one compiled layer then serves the whole stack
+    prepare_for_decode(model, fuse_norms=fuse_norms, fuse_proj=fuse_proj, equalize=compile)
     n_sparse = sum(isinstance(m, SparseLinear) for m in model.modules())
     if n_sparse == 0:
         notes.append("no sparse layers: both columns measure the same dense model")
@@ -206,11 +164,11 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
             tick(f"{label} batch {b}")
         return out
 
-    packed_bytes = _model_bytes(model)
+    packed_bytes = model_bytes(model)
     packed = run_all("packed")
     densify(model)
     torch.cuda.empty_cache()
-    dense_bytes = _model_bytes(model)
+    dense_bytes = model_bytes(model)
     dense = run_all("dense")
     del model
     torch.cuda.empty_cache()
@@ -243,75 +201,3 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
         "elapsed_s": time.perf_counter() - t0,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
-
-
-def _fmt(x, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
-def speed_table(report: dict[str, Any]):
-    """The report as a rich Table (packed / dense / ratio per metric)."""
-    from rich.table import Table
-
-    title = (f"Speed on {report.get('gpu', '?')} ({report.get('dtype', '?')}, prompt {report.get('prompt_len')}, "
-             f"{report.get('new_tokens')} new tokens, CUDA graphs {'on' if report.get('cuda_graphs') else 'off'})")
-    # Packed and dense share a cell ("packed / dense") so the table fits an 80-column terminal.
-    t = Table(title=title)
-    t.add_column("batch", justify="right")
-    for head in ("decode tok/s\npacked / dense", "x", "ms/token\npacked / dense",
-                 "prefill tok/s\npacked / dense", "x", "peak GiB\npacked / dense"):
-        t.add_column(head, justify="right")
-
-    def pair(p, d, key, spec):
-        return f"{_fmt(p.get(key), spec)} / {_fmt(d.get(key), spec)}"
-
-    for row in report["rows"]:
-        p, d, r = row["packed"], row["dense"], row.get("ratio", {})
-        t.add_row(
-            str(row["batch_size"]),
-            pair(p, d, "decode_tok_s", ",.0f"), _fmt(r.get("decode_tok_s"), ".2f"),
-            pair(p, d, "ms_per_token", ".2f"),
-            pair(p, d, "prefill_tok_s", ",.0f"), _fmt(r.get("prefill_tok_s"), ".2f"),
-            pair(p, d, "peak_mem_gib", ".2f"),
-        )
-    return t
-
-
-def plot_speed(report: dict[str, Any], path) -> Path:
-    """PNG of decode and prefill tokens/s against batch size, packed vs dense."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SparsekitError("plotting needs matplotlib: pip install sparsekit[plot]")
-    path = Path(path)
-    if not path.parent.exists():
-        raise SparsekitError(f"cannot write {path}: the folder {path.parent} does not exist")
-    rows = report["rows"]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label in ((axes[0], "decode_tok_s", "decode"), (axes[1], "prefill_tok_s", "prefill")):
-        for which, style in (("packed", "o-"), ("dense", "s--")):
-            pts = [(r["batch_size"], r[which][key]) for r in rows if r[which].get(key) is not None]
-            if pts:
-                ax.plot([b for b, _ in pts], [v for _, v in pts], style, label=which)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([r["batch_size"] for r in rows], [str(r["batch_size"]) for r in rows])
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"{label} tokens/s")
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"{Path(str(report.get('model', ''))).name} on {report.get('gpu', '?')}")
-    fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path

@@ -25,7 +25,6 @@ from sparsekit.errors import SparsekitError
 DEMO_ALIAS = "smollm2-135m"
 DEMO_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO_CACHE_NAME = "smollm2-135m-instruct-q4_1"
-PACKED_INDEX = "tcabme.index.json"
 
 _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -236,15 +235,22 @@ def resolve_model(id_or_path: str | os.PathLike | None = None) -> str:
     return _resolve_hub_id(name)
 
 
-def is_packed(path: str | os.PathLike) -> bool:
-    return (Path(path) / PACKED_INDEX).is_file()
+def local_model_dir(id_or_path: str | os.PathLike | None = None) -> str:
+    """Like ``resolve_model``, but a hub id comes back as the local directory of its downloaded snapshot."""
+    location = resolve_model(id_or_path)
+    if Path(location).is_dir():
+        return location
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(location)
 
 
 def load_tokenizer(id_or_path: str | os.PathLike | None = None):
-    return _load_tokenizer(resolve_model(id_or_path))
+    return open_tokenizer(resolve_model(id_or_path))
 
 
-def _load_tokenizer(location: str):
+def open_tokenizer(location: str | os.PathLike):
+    """The tokenizer of a resolved location (see ``resolve_model``)."""
     from transformers import AutoTokenizer
 
     try:
@@ -253,33 +259,29 @@ def _load_tokenizer(location: str):
         raise SparsekitError(f"could not load a tokenizer from {location}: {type(e).__name__}: {e}") from e
 
 
-def load_model(id_or_path: str | os.PathLike | None = None, device: str | torch.device = "cpu", dtype=None):
-    """Return ``(model, tokenizer)`` in eval mode on ``device`` in ``dtype`` (default fp16 on CUDA, fp32 on CPU).
-
-    A packed TCA-BME directory (holding ``tcabme.index.json``) is loaded through
-    ``sparsekit.runtime.loader.load_packed``, with its packed linears as sparse layers. The CATS
-    thresholds recorded in a directory's ``sparsekit.json`` (``sparsekit prune --method cats``) are
-    installed into its gated MLPs.
-    """
+def open_dense(location: str | os.PathLike, dtype: torch.dtype):
+    """The plain HF causal LM of a resolved location, on the CPU in ``dtype``: no sparsekit
+    metadata is applied (CATS thresholds and packed directories are the runtime loader's job)."""
     from transformers import AutoModelForCausalLM
 
+    try:
+        return AutoModelForCausalLM.from_pretrained(location, dtype=dtype)
+    except Exception as e:
+        raise SparsekitError(f"could not load a causal LM from {location}: {type(e).__name__}: {e}") from e
+
+
+def load_model(id_or_path: str | os.PathLike | None = None, device: str | torch.device = "cpu", dtype=None):
+    """Return the dense ``(model, tokenizer)`` in eval mode on ``device`` in ``dtype`` (default fp16 on
+    CUDA, fp32 on CPU), as transformers loads it: what pruning starts from.
+
+    To run a sparsekit checkpoint (packed directories, CATS thresholds) use ``sparsekit.runtime.loader.load``.
+    """
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     location = resolve_model(id_or_path)
-    tokenizer = _load_tokenizer(location)
-    if is_packed(location):
-        from sparsekit.runtime.loader import load_packed
-
-        model = load_packed(location, device=str(dev), dtype=torch_dtype)
-    else:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(location, dtype=torch_dtype)
-        except Exception as e:
-            raise SparsekitError(f"could not load a causal LM from {location}: {type(e).__name__}: {e}") from e
-        from sparsekit.runtime.cats import install_from_checkpoint
-
-        install_from_checkpoint(model, location)
-        model.to(dev)
+    tokenizer = open_tokenizer(location)
+    model = open_dense(location, torch_dtype)
+    model.to(dev)
     model.eval()
     return model, tokenizer
 

@@ -8,7 +8,7 @@ and ``transformer.h`` (GPT-2) alike.
 from __future__ import annotations
 
 import fnmatch
-from typing import Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -41,15 +41,19 @@ def is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or (bool(Conv1D) and isinstance(module, Conv1D))
 
 
-def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """Return ``(qualified_name, module_list)`` of the decoder stack."""
+def find_decoder_layers(model: nn.Module, is_layer: Optional[Callable[[nn.Module], bool]] = None) -> tuple[str, nn.ModuleList]:
+    """Return ``(qualified_name, module_list)`` of the decoder stack.
+
+    ``is_layer`` says what counts as a linear layer (default ``is_linear``; the runtime adds its
+    packed ``SparseLinear``)."""
+    is_layer = is_layer or is_linear
     best: tuple[str, nn.ModuleList] | None = None
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.ModuleList) or len(mod) == 0:
             continue
         if len({type(c) for c in mod}) != 1:
             continue
-        if not any(is_linear(m) for m in mod[0].modules()):
+        if not any(is_layer(m) for m in mod[0].modules()):
             continue
         if best is None or len(mod) > len(best[1]):
             best = (name, mod)

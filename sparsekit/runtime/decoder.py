@@ -17,7 +17,10 @@ residuals, casts: ~2 ms per step on a 32-layer 7B model even inside a graph, mea
 (regional compilation: every layer sees only its own slice of the cache, so the one compiled
 layer serves all of them and compiles in seconds); Inductor fuses that glue, while the sparse
 matmul stays one opaque op (``sparsekit::tcabme_mm``). If compiling fails the step runs uncompiled
-and ``notes`` says why. ``fuse_rms_norms`` is a cheaper, compile-free partial fix.
+and ``notes`` says why. ``fusion.fuse_rms_norms`` is a cheaper, compile-free partial fix. The decoder
+leaves the model it is given as it is: give ``compile=True`` a model whose packed sizes were
+equalized (``fusion.equalize_packed_sizes`` / ``prepare_for_decode``), else every distinct size
+compiles its own graph.
 
 ``use_graph=False`` (or no GPU) runs the very same step eagerly: the fallback, and the reference
 the graph is checked against (scripts/gpu_check_runtime.py). Prompts in a batch share one length
@@ -25,46 +28,29 @@ the graph is checked against (scripts/gpu_check_runtime.py). Prompts in a batch 
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
 from sparsekit.errors import SparsekitError
+from sparsekit.hf.compat import (LayerView, cache_layer, cache_layers, decode_forward_kwargs, layer_counters,
+                                 make_static_cache)
+from sparsekit.hf.modules import find_decoder_layers, is_linear
+from sparsekit.runtime.sparse_linear import SparseLinear
 
 
-def _make_static_cache(model: nn.Module, max_len: int):
-    from transformers import StaticCache
-
-    try:
-        return StaticCache(config=model.config, max_cache_len=max_len)
-    except TypeError:  # older 4.x signature
-        p = next(model.parameters())
-        return StaticCache(config=model.config, max_batch_size=1, max_cache_len=max_len,
-                           device=p.device, dtype=p.dtype)
-
-
-class _LayerCache:
-    """One layer of a StaticCache, presented to that decoder layer as if it were the whole cache.
-
-    The layer then never indexes the cache by its ``layer_idx``, so one compiled decoder layer
-    serves every layer of the stack (no recompilation per layer index)."""
-
-    is_compileable = True
-
-    def __init__(self, layer):
-        self.layer = layer
-
-    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
-        return self.layer.update(key_states, value_states, *args, **kwargs)
-
-
-def _layer_call(layer, hidden_states, cache_layer, args, kwargs):
-    return layer(hidden_states, *args, past_key_values=_LayerCache(cache_layer), **kwargs)
+def _layer_call(layer, hidden_states, layer_cache, args, kwargs):
+    return layer(hidden_states, *args, past_key_values=LayerView(layer_cache), **kwargs)
 
 
 _compiled_layer_call = None
 COMPILE_OPTIONS: dict = {"backend": "inductor", "fullgraph": False}  # tests use aot_eager + fullgraph
+
+
+def reset_compiled_layer() -> None:
+    """Forget the compiled layer call: the next compiled decode step compiles afresh (after a
+    change of ``COMPILE_OPTIONS`` or of global settings that tracing reads)."""
+    global _compiled_layer_call
+    _compiled_layer_call = None
 
 
 def _get_compiled_layer_call():
@@ -90,62 +76,16 @@ class _CompiledLayer(nn.Module):
         self.idx = idx
 
     def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
-        return _get_compiled_layer_call()(self._inner[0], hidden_states, past_key_values.layers[self.idx],
+        return _get_compiled_layer_call()(self._inner[0], hidden_states, cache_layer(past_key_values, self.idx),
                                           args, kwargs)
 
 
-def equalize_packed_sizes(model: nn.Module) -> float:
-    """Pad the ``values`` buffer of every SparseLinear to the longest one of its shape, in place.
-
-    Layers of one shape then look alike to ``torch.compile`` (a tensor's size is part of what a
-    compiled graph is specialised to), so the one compiled decoder layer serves the whole stack.
-    The padding sits past ``gtile_offsets[-1]`` and is never read. Returns the added fraction of
-    packed bytes (small: layers pruned to one sparsity differ by a fraction of a percent).
-    """
-    from sparsekit.runtime.sparse_linear import SparseLinear
-
-    groups: dict = {}
-    for mod in model.modules():
-        if isinstance(mod, SparseLinear):
-            groups.setdefault((mod.out_features, mod.in_features, mod.values.dtype), []).append(mod)
-    added = total = 0
-    for mods in groups.values():
-        longest = max(m.values.numel() for m in mods)
-        for m in mods:
-            n = m.values.numel()
-            total += n
-            if n < longest:
-                padded = m.values.new_zeros(longest)
-                padded[:n] = m.values
-                m.values = padded
-                added += longest - n
-    if added:
-        from sparsekit.runtime.sparse_linear import release_kernel_caches
-
-        release_kernel_caches()  # else the kernels' cached views keep the unpadded copies alive
-    return added / max(1, total)
-
-
-def decoder_stack(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers: the longest ModuleList of same-class blocks holding a linear layer
-    (``nn.Linear``, ``Conv1D`` or ``SparseLinear``)."""
-    from sparsekit.hf.modules import is_linear
-    from sparsekit.runtime.sparse_linear import SparseLinear
-
-    best = fallback = None
-    for mod in model.modules():
-        if not isinstance(mod, nn.ModuleList) or len(mod) == 0 or len({type(c) for c in mod}) != 1:
-            continue
-        if fallback is None or len(mod) > len(fallback):
-            fallback = mod
-        if not any(is_linear(m) or isinstance(m, SparseLinear) for m in mod[0].modules()):
-            continue
-        if best is None or len(mod) > len(best):
-            best = mod
-    best = best if best is not None else fallback
-    if best is None:
-        raise SparsekitError(f"no decoder layer stack found in {type(model).__name__}: pass compile=False")
-    return best
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder stack (``hf.modules.find_decoder_layers``), its linears packed or not."""
+    try:
+        return find_decoder_layers(model, is_layer=lambda m: is_linear(m) or isinstance(m, SparseLinear))[1]
+    except SparsekitError:
+        raise SparsekitError(f"no decoder layer stack found in {type(model).__name__}: pass compile=False") from None
 
 
 class GreedyDecoder:
@@ -161,20 +101,15 @@ class GreedyDecoder:
             raise SparsekitError("CUDA-graph decoding needs the model on a CUDA GPU: pass use_graph=False")
         self.use_graph = use_graph
         self.batch_size, self.max_len = batch_size, max_len
-        self.cache = _make_static_cache(model, max_len)
+        self.cache = make_static_cache(model, max_len)
         self.ids = torch.zeros((batch_size, 1), dtype=torch.long, device=self.device)
         self.pos = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self._extra = {}
-        params = inspect.signature(model.forward).parameters
-        if "logits_to_keep" in params:
-            self._extra["logits_to_keep"] = 1
-        self._has_cache_position = "cache_position" in params
+        self._extra, self._has_cache_position = decode_forward_kwargs(model)
         self.compile = compile
         self._stack = None
         if compile:
-            self._stack = decoder_stack(model)
-            equalize_packed_sizes(model)
+            self._stack = decoder_layers(model)
             self._wrapped = [_CompiledLayer(layer, i) for i, layer in enumerate(self._stack)]
         self.notes: list[str] = []
         self.length = 0  # tokens in the cache (host-side mirror of self.pos)
@@ -254,14 +189,8 @@ class GreedyDecoder:
     def _snapshot(self) -> list:
         """Copies of the small mutable state a step touches (token, position, cache counters)."""
         saved = [(self.ids, self.ids.clone()), (self.pos, self.pos.clone())]
-        for layer in getattr(self.cache, "layers", []):
-            for key, val in vars(layer).items():
-                if key in ("keys", "values"):
-                    continue
-                if isinstance(val, torch.Tensor):
-                    saved.append((val, val.clone()))
-                elif isinstance(val, int) and not isinstance(val, bool):
-                    saved.append(((layer, key), val))
+        for layer in cache_layers(self.cache):
+            saved += [(t, t.clone()) if v is None else (t, v) for t, v in layer_counters(layer)]
         return saved
 
     @staticmethod
@@ -314,132 +243,3 @@ class GreedyDecoder:
         for _ in range(max_new_tokens - 1):
             toks.append(self.step().clone())
         return torch.cat([input_ids.to(self.device), *toks], dim=1)
-
-
-def greedy_generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int, *,
-                    use_graph: bool | None = None) -> torch.Tensor:
-    """One-shot helper: ``GreedyDecoder(...).generate(...)`` with a cache just large enough."""
-    b, n = input_ids.shape
-    dec = GreedyDecoder(model, b, n + max_new_tokens, use_graph=use_graph)
-    return dec.generate(input_ids, max_new_tokens)
-
-
-class FusedRMSNorm(nn.Module):
-    """RMSNorm as ``weight * rms_norm(x)``: one fused kernel (``F.rms_norm``, fp32 inside) and one
-    multiply, instead of the eight elementwise launches of the HF modules. Same rounding points
-    as the HF Llama/Mistral/Qwen2 norm (normalise in fp32, round to the input dtype, scale)."""
-
-    def __init__(self, weight: nn.Parameter, eps: float):
-        super().__init__()
-        self.weight = weight
-        self.eps = float(eps)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.nn.functional.rms_norm(x, (x.shape[-1],), None, self.eps)
-        return self.weight * y
-
-
-def fuse_rms_norms(model: nn.Module) -> int:
-    """Swap, in place, the HF ``*RMSNorm`` modules of the Llama form (``weight * norm(x)``, eps in
-    ``variance_epsilon``) for ``FusedRMSNorm``; returns how many. Decode steps are launch-bound
-    outside the matmuls, so this shortens every step, dense and sparse alike. Gemma-style norms
-    (``1 + weight``) are left alone."""
-    import inspect as _inspect
-
-    swapped = 0
-    for name, mod in list(model.named_modules()):
-        if not type(mod).__name__.endswith("RMSNorm") or not hasattr(mod, "variance_epsilon"):
-            continue
-        try:
-            src = _inspect.getsource(type(mod).forward)
-        except (OSError, TypeError):
-            continue
-        if "self.weight * hidden_states.to(input_dtype)" not in src:
-            continue  # another formula: keep the original
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, FusedRMSNorm(mod.weight, mod.variance_epsilon))
-        swapped += 1
-    return swapped
-
-
-# fusing projections that read the same input ----------------------------------------------------
-PROJECTION_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-class FusedProjection(nn.Module):
-    """One linear (dense or SparseLinear) computing several projections of the same input at
-    once; ``ProjectionPart`` modules stand in for the original projections and hand out slices."""
-
-    def __init__(self, fused: nn.Module, sizes: list[int]):
-        super().__init__()
-        self.fused = fused
-        self.sizes = list(sizes)
-        self._last: tuple | None = None  # (input, outputs) of the latest call
-
-    def part_output(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        last = self._last
-        if index == 0 or last is None or last[0] is not x:
-            outs = self.fused(x).split(self.sizes, dim=-1)
-            self._last = last = (x, outs)
-        if index == len(self.sizes) - 1:
-            self._last = None  # the last part has been handed out: keep no activations alive
-        return last[1][index]
-
-
-class ProjectionPart(nn.Module):
-    def __init__(self, owner: FusedProjection, index: int, in_features: int, out_features: int):
-        super().__init__()
-        self._owner = (owner,)  # not a submodule: the owner is registered on the parent
-        self.index = index
-        self.in_features, self.out_features = in_features, out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._owner[0].part_output(x, self.index)
-
-
-def _concat_linears(mods: list[nn.Module]) -> nn.Module:
-    """One linear whose outputs are those of ``mods`` stacked (same input features)."""
-    from sparsekit.runtime.sparse_linear import SparseLinear, decode_dense
-    from sparsekit.packed.tcabme import encode
-
-    bias = None
-    if any(m.bias is not None for m in mods):
-        ref = next(m.bias for m in mods if m.bias is not None)
-        bias = torch.cat([m.bias if m.bias is not None else ref.new_zeros(m.out_features) for m in mods])
-    if all(isinstance(m, SparseLinear) for m in mods):
-        weight = torch.cat([decode_dense(m.packed) for m in mods])
-        return SparseLinear(encode(weight.contiguous()), bias)
-    lin = nn.Linear(mods[0].in_features, sum(m.out_features for m in mods), bias=bias is not None, device="meta")
-    lin.weight = nn.Parameter(torch.cat([m.weight.detach() for m in mods]), requires_grad=False)
-    if bias is not None:
-        lin.bias = nn.Parameter(bias.detach(), requires_grad=False)
-    return lin
-
-
-def fuse_projections(model: nn.Module) -> int:
-    """Merge, in place, q/k/v and gate/up projections of each decoder layer into one linear
-    (one SparseLinear when all were packed, re-encoded exactly; one nn.Linear when all were
-    dense). Fewer, larger matmuls per step: fixed per-call costs are paid 4 times per layer
-    instead of 7. Returns how many groups were merged; mixed or odd groups are left alone."""
-    from sparsekit.runtime.sparse_linear import SparseLinear, release_kernel_caches
-
-    merged = 0
-    for parent in list(model.modules()):
-        for names in PROJECTION_GROUPS:
-            mods = [getattr(parent, n, None) for n in names]
-            if any(m is None for m in mods):
-                continue
-            kinds = {type(m) for m in mods}
-            if kinds != {SparseLinear} and kinds != {nn.Linear}:
-                continue
-            if len({m.in_features for m in mods}) != 1:
-                continue
-            owner = FusedProjection(_concat_linears(mods), [m.out_features for m in mods])
-            setattr(parent, "fused_" + "_".join(n.split("_")[0] for n in names), owner)
-            for i, (n, m) in enumerate(zip(names, mods)):
-                setattr(parent, n, ProjectionPart(owner, i, m.in_features, m.out_features))
-            merged += 1
-    if merged:
-        release_kernel_caches()
-    return merged

@@ -1,6 +1,12 @@
-"""Load a packed TCA-BME directory (written by ``sparsekit encode``) as a runnable HF model.
+"""The one loader: any model directory (packed or dense), hub id or the demo alias, as a runnable HF model.
 
-Steps: build the model skeleton from the directory's ``config.json`` with parameters on the meta
+``load(id_or_path, device, dtype)`` resolves the name (``sparsekit.hf.models.resolve_model``), loads
+the tokenizer, and opens the directory: a packed TCA-BME directory (holding
+``tcabme.index.json``, written by ``sparsekit encode``) through the packed path below, anything else
+as a plain HF checkpoint. Either way the CATS thresholds recorded in its ``sparsekit.json``
+(``sparsekit prune --method cats``) are installed, here and nowhere else.
+
+The packed path: build the model skeleton from the directory's ``config.json`` with parameters on the meta
 device (no random weights are allocated or initialised; buffers such as rotary frequencies are
 computed as usual), put a ``SparseLinear`` in place of every packed linear, assign the dense
 tensors (embeddings, norms, ``lm_head``, layers left dense) straight onto ``device`` in ``dtype``,
@@ -15,10 +21,12 @@ import torch
 from torch import nn
 
 from sparsekit.errors import SparsekitError
+from sparsekit.hf import models
+from sparsekit.hf.compat import checkpoint_renamings
 from sparsekit.hf.modules import set_submodule
+from sparsekit.packed.shards import INDEX_NAME, is_packed_dir, read_packed
+from sparsekit.runtime.cats import install_from_checkpoint
 from sparsekit.runtime.sparse_linear import SparseLinear
-
-INDEX_FILE = "tcabme.index.json"
 
 
 def _check_dir(path: Path) -> None:
@@ -26,9 +34,9 @@ def _check_dir(path: Path) -> None:
         raise SparsekitError(f"no packed model at {path}: pass a directory written by `sparsekit encode`")
     if not path.is_dir():
         raise SparsekitError(f"{path} is a file: pass the packed model's directory")
-    if not (path / INDEX_FILE).exists():
+    if not is_packed_dir(path):
         raise SparsekitError(
-            f"{path} is not a packed TCA-BME directory (no {INDEX_FILE}): "
+            f"{path} is not a packed TCA-BME directory (no {INDEX_NAME}): "
             "run `sparsekit encode PRUNED_DIR OUT_DIR` first"
         )
     if not (path / "config.json").exists():
@@ -53,14 +61,7 @@ def _rename_checkpoint_keys(model: nn.Module, state: dict) -> dict:
     unknown = [k for k in state if k not in expected]
     if not unknown:
         return state
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming, rename_source_key
-
-        renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
-        renamed = {key: rename_source_key(key, renamings, [])[0] for key in unknown}
-    except Exception:  # a transformers without these conversion mappings saves the model's names
-        return state
+    renamed = checkpoint_renamings(model, unknown)
     for key, new in renamed.items():
         if new != key and new in expected and new not in state:
             state[new] = state.pop(key)
@@ -84,18 +85,40 @@ def build_skeleton(path: Path, dtype: torch.dtype):
     return model, config
 
 
+def load(id_or_path=None, device="cpu", dtype=None):
+    """``(model, tokenizer)``: any model directory, packed or dense, a hub id or the demo alias, on
+    ``device`` (``auto``/``cpu``/``cuda``) in ``dtype`` (default float16 on CUDA, float32 on CPU), in
+    eval mode, with its CATS thresholds installed. Packed linears run as ``SparseLinear``."""
+    dev = models.resolve_device(device)
+    torch_dtype = models.resolve_dtype(dtype, dev)
+    location = models.resolve_model(id_or_path)
+    tokenizer = models.open_tokenizer(location)
+    return open_model(location, dev, torch_dtype), tokenizer
+
+
+def open_model(location, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The model of a resolved local directory, packed or dense, on ``device`` in eval mode, with
+    the CATS thresholds of its ``sparsekit.json`` installed (the one place they are)."""
+    path = Path(location)
+    model = _open_packed(path, device, dtype) if is_packed_dir(path) else models.open_dense(location, dtype)
+    install_from_checkpoint(model, path)
+    model.to(device)  # the dense checkpoint; for a packed one the buffers built on the CPU (rotary frequencies, ...)
+    model.eval()
+    return model
+
+
 def load_packed(path, device="cuda", dtype: torch.dtype = torch.float16) -> nn.Module:
     """A HF causal LM whose packed linears are ``SparseLinear`` modules, on ``device``, in eval mode.
 
     ``dtype`` applies to the dense tensors (embeddings, norms, biases); the packed values keep
     their stored dtype. The bundled kernels need fp16 activations, so keep the default on a GPU.
     """
-    from sparsekit.hf.models import resolve_device
-    from sparsekit.packed.shards import read_packed
-
     path = Path(path)
     _check_dir(path)
-    dev = resolve_device(device)
+    return open_model(path, models.resolve_device(device), dtype)
+
+
+def _open_packed(path: Path, dev: torch.device, dtype: torch.dtype) -> nn.Module:
     ckpt = read_packed(path, device="cpu")  # raises SparsekitError on a corrupt/missing shard
     model, config = build_skeleton(path, dtype)
 
@@ -137,10 +160,6 @@ def load_packed(path, device="cuda", dtype: torch.dtype = torch.float16) -> nn.M
         shown = ", ".join(unexpected[:4])
         raise SparsekitError(f"{path}: tensors {shown} do not belong to a {type(model).__name__}: "
                              "the shards do not match config.json, re-run `sparsekit encode`")
-    from sparsekit.runtime.cats import install_from_checkpoint
-
-    install_from_checkpoint(model, path)  # CATS thresholds from sparsekit.json, if any
-    model.to(dev)  # the buffers built on the CPU (rotary frequencies, ...)
     gen_cfg = path / "generation_config.json"
     if gen_cfg.exists():
         from transformers import GenerationConfig
@@ -149,5 +168,4 @@ def load_packed(path, device="cuda", dtype: torch.dtype = torch.float16) -> nn.M
             model.generation_config = GenerationConfig.from_pretrained(path)
         except Exception:
             pass  # a broken generation config is not worth refusing the model for
-    model.eval()
     return model

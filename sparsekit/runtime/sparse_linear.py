@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.hf import modules as _layers
+from sparsekit.hf.modules import weight_out_in
 from sparsekit.errors import SparsekitError
 from sparsekit.packed.tcabme import TcaBme, decode, encode
 
@@ -51,7 +51,7 @@ def notice_once(message: str) -> None:
 _KERNEL: Callable | None | bool = None  # None: not looked up yet; False: unavailable
 
 
-def _kernel() -> Callable | None:
+def kernel() -> Callable | None:
     """``sparsekit.kernels.tcabme_matmul`` if the kernels import and a GPU is usable, else None."""
     global _KERNEL
     if _KERNEL is None:
@@ -70,7 +70,7 @@ def _kernel() -> Callable | None:
 @torch.compiler.assume_constant_result
 def kernels_ready() -> bool:
     """Whether the bundled GPU kernel can run (a constant to ``torch.compile``)."""
-    return _kernel() is not None
+    return kernel() is not None
 
 
 @torch.library.custom_op("sparsekit::tcabme_mm", mutates_args=())
@@ -82,8 +82,8 @@ def tcabme_mm(x: torch.Tensor, bitmaps: torch.Tensor, values: torch.Tensor, gtil
     w = TcaBme(bitmaps=bitmaps, values=values, gtile_offsets=gtile_offsets, strip_offsets=strip_offsets,
                shape=(out_features, x.shape[1]))
     if use_kernel:  # the kernel reads values through the offsets: a padded tail is harmless
-        return _kernel()(x, w)
-    w.values = values[: int(gtile_offsets[-1])]  # drop padding added by cuda_graph.equalize_packed_sizes
+        return kernel()(x, w)
+    w.values = values[: int(gtile_offsets[-1])]  # drop padding added by fusion.equalize_packed_sizes
     return F.linear(x, decode(w).to(x.dtype))
 
 
@@ -144,7 +144,7 @@ class SparseLinear(nn.Module):
 
         TCA-BME stores fp16/bf16: an fp32 weight is cast to ``dtype`` (default fp16) first.
         """
-        w = _layers.weight_out_in(module).detach()
+        w = weight_out_in(module).detach()
         if w.dtype not in (torch.float16, torch.bfloat16):
             w = w.to(dtype or torch.float16)
         elif dtype is not None:
@@ -261,53 +261,13 @@ def decode_dense(packed: TcaBme) -> torch.Tensor:
     return x.reshape(gm * 64, gk * 64)[:m, :k]
 
 
-# swapping whole models -------------------------------------------------------------------------
-def sparsify(model: nn.Module, *, min_sparsity: float = 0.3, skip: Iterable[str] = ("lm_head",),
-             dtype: torch.dtype | None = None, progress: Callable[[str], None] | None = None) -> list[str]:
-    """Replace, in place, every linear of the decoder stack whose zero fraction is at least
-    ``min_sparsity`` by a SparseLinear encoded on the layer's device. Returns the swapped names.
-
-    For models already pruned in memory (benchmarks, tests); packed checkpoints use
-    ``sparsekit.runtime.loader.load_packed``.
-    """
-    stack_name, stack = _layers.find_decoder_layers(model)
-    swapped = []
-    for name, mod in _layers.find_linears(stack, prefix=stack_name, skip=skip).items():
-        w = _layers.weight_out_in(mod)
-        zero_frac = 1.0 - float(torch.count_nonzero(w)) / max(1, w.numel())
-        if zero_frac < min_sparsity:
-            continue
-        _layers.set_submodule(model, name, SparseLinear.from_linear(mod, dtype=dtype))
-        del mod, w
-        swapped.append(name)
-        if progress is not None:
-            progress(name)
-    return swapped
-
-
 def release_kernel_caches() -> None:
     """Drop the bundled kernels' cached device views of packed weights.
 
     Those views keep their tensors alive; call this after packed weights are replaced or freed
-    (``densify``, ``cuda_graph.equalize_packed_sizes``) so the memory really goes back."""
+    (``swap.densify``, ``fusion.equalize_packed_sizes``) so the memory really goes back."""
     try:
         from sparsekit.kernels.launch import clear_caches
     except Exception:  # noqa: BLE001 - numba missing or broken: nothing is cached
         return
     clear_caches()
-
-
-def densify(model: nn.Module, dtype: torch.dtype | None = None) -> list[str]:
-    """Replace, in place, every SparseLinear by the equivalent ``nn.Linear`` (decoded weight).
-
-    ``dtype`` defaults to the dtype of the model's dense parameters (embeddings, norms).
-    """
-    if dtype is None:
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-    names = [n for n, m in model.named_modules() if isinstance(m, SparseLinear)]
-    for name in names:
-        sl = model.get_submodule(name)
-        _layers.set_submodule(model, name, sl.to_linear(dtype))
-        del sl
-    release_kernel_caches()
-    return names

@@ -1,0 +1,97 @@
+"""What ``sparsekit eval`` shows: the perplexity and speed tables (rich) and the speed plot (matplotlib)."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from sparsekit.errors import SparsekitError
+
+
+def ppl_table(report: dict):
+    """The perplexity report as a rich Table (one row)."""
+    from rich import box
+    from rich.table import Table
+
+    t = Table(title=f"Perplexity of {report['model']}", box=box.SIMPLE_HEAD, show_edge=False, padding=0)
+    dataset = str(report["dataset"])
+    if Path(dataset).exists():  # a local file: its name is enough in the table (--json has the full path)
+        dataset = Path(dataset).name
+    for head in ("dataset", "seqlen", "windows", "tokens", "device", "dtype", "nll", "ppl"):
+        t.add_column(head, justify="left" if head == "dataset" else "right", overflow="fold", no_wrap=True)
+    t.add_row(dataset, str(report["seqlen"]), str(report["windows"]), f"{report['tokens']:,}",
+              report["device"], report["dtype"], f"{report['nll']:.4f}", f"{report['ppl']:.3f}")
+    return t
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def speed_table(report: dict[str, Any]):
+    """The report as a rich Table (packed / dense / ratio per metric)."""
+    from rich.table import Table
+
+    title = (f"Speed on {report.get('gpu', '?')} ({report.get('dtype', '?')}, prompt {report.get('prompt_len')}, "
+             f"{report.get('new_tokens')} new tokens, CUDA graphs {'on' if report.get('cuda_graphs') else 'off'})")
+    # Packed and dense share a cell ("packed / dense") so the table fits an 80-column terminal.
+    t = Table(title=title)
+    t.add_column("batch", justify="right")
+    for head in ("decode tok/s\npacked / dense", "x", "ms/token\npacked / dense",
+                 "prefill tok/s\npacked / dense", "x", "peak GiB\npacked / dense"):
+        t.add_column(head, justify="right")
+
+    def pair(p, d, key, spec):
+        return f"{_fmt(p.get(key), spec)} / {_fmt(d.get(key), spec)}"
+
+    for row in report["rows"]:
+        p, d, r = row["packed"], row["dense"], row.get("ratio", {})
+        t.add_row(
+            str(row["batch_size"]),
+            pair(p, d, "decode_tok_s", ",.0f"), _fmt(r.get("decode_tok_s"), ".2f"),
+            pair(p, d, "ms_per_token", ".2f"),
+            pair(p, d, "prefill_tok_s", ",.0f"), _fmt(r.get("prefill_tok_s"), ".2f"),
+            pair(p, d, "peak_mem_gib", ".2f"),
+        )
+    return t
+
+
+def plot_speed(report: dict[str, Any], path) -> Path:
+    """PNG of decode and prefill tokens/s against batch size, packed vs dense."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SparsekitError("plotting needs matplotlib: pip install sparsekit[plot]")
+    path = Path(path)
+    if not path.parent.exists():
+        raise SparsekitError(f"cannot write {path}: the folder {path.parent} does not exist")
+    rows = report["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, label in ((axes[0], "decode_tok_s", "decode"), (axes[1], "prefill_tok_s", "prefill")):
+        for which, style in (("packed", "o-"), ("dense", "s--")):
+            pts = [(r["batch_size"], r[which][key]) for r in rows if r[which].get(key) is not None]
+            if pts:
+                ax.plot([b for b, _ in pts], [v for _, v in pts], style, label=which)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r["batch_size"] for r in rows], [str(r["batch_size"]) for r in rows])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("tokens/s")
+        ax.set_title(f"{label} tokens/s")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{Path(str(report.get('model', ''))).name} on {report.get('gpu', '?')}")
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path

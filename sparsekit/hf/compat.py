@@ -1,0 +1,108 @@
+"""Every place sparsekit reaches past transformers' public API, in one module.
+
+Checked against transformers 5.23.0 (the CPU test box) and 5.17 (the GPU image); the StaticCache
+fallback keeps the 4.x constructor working. When a transformers upgrade breaks something, it
+should break here:
+
+* ``checkpoint_renamings``: the load-time key renamings (``transformers.conversion_mapping``,
+  ``transformers.core_model_loading``; GPT-NeoX saves ``embed_out.weight`` for its ``lm_head``).
+* ``make_static_cache``, ``LayerView``, ``cache_layers``, ``cache_layer``, ``layer_counters``: the per-layer
+  objects of a ``StaticCache`` (``cache.layers[i]``, each with ``update(key, value, ...)``,
+  ``keys``/``values`` tensors and a few counters).
+* ``decode_forward_kwargs``: which optional arguments a model's ``forward`` takes.
+* ``is_llama_rms_norm``: recognising the Llama-form RMSNorm by its source and ``variance_epsilon``.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+
+# ----------------------------------------------------------------------------- checkpoint keys
+def checkpoint_renamings(model: nn.Module, keys) -> dict[str, str]:
+    """``{checkpoint key: model key}`` for the keys transformers renames on load (empty when this
+    transformers has no conversion mappings: then checkpoints hold the model's own names)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+        renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
+        return {key: rename_source_key(key, renamings, [])[0] for key in keys}
+    except Exception:  # a transformers without these conversion mappings saves the model's names
+        return {}
+
+
+# ----------------------------------------------------------------------------- the static KV cache
+def make_static_cache(model: nn.Module, max_len: int):
+    """A ``transformers.StaticCache`` for ``model`` holding ``max_len`` positions."""
+    from transformers import StaticCache
+
+    try:
+        return StaticCache(config=model.config, max_cache_len=max_len)
+    except TypeError:  # older 4.x signature
+        p = next(model.parameters())
+        return StaticCache(config=model.config, max_batch_size=1, max_cache_len=max_len,
+                           device=p.device, dtype=p.dtype)
+
+
+def cache_layers(cache) -> list:
+    """The per-layer objects of a cache (empty for a cache without them)."""
+    return list(getattr(cache, "layers", []))
+
+
+def cache_layer(cache, idx: int):
+    """The object of layer ``idx`` of a cache."""
+    return cache.layers[idx]
+
+
+class LayerView:
+    """One layer of a StaticCache, presented to that decoder layer as if it were the whole cache.
+
+    The layer then never indexes the cache by its ``layer_idx``, so one compiled decoder layer
+    serves every layer of the stack (no recompilation per layer index)."""
+
+    is_compileable = True
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def update(self, key_states, value_states, layer_idx=None, *args, **kwargs):
+        return self.layer.update(key_states, value_states, *args, **kwargs)
+
+
+def layer_counters(layer) -> list[tuple]:
+    """The small mutable state of a cache layer, other than its key/value tensors:
+    ``(tensor, None)`` for tensors, ``((layer, attribute), value)`` for integers."""
+    out = []
+    for key, val in vars(layer).items():
+        if key in ("keys", "values"):
+            continue
+        if isinstance(val, torch.Tensor):
+            out.append((val, None))
+        elif isinstance(val, int) and not isinstance(val, bool):
+            out.append(((layer, key), val))
+    return out
+
+
+# ----------------------------------------------------------------------------- forward signatures
+def decode_forward_kwargs(model: nn.Module) -> tuple[dict, bool]:
+    """``(extra kwargs, takes cache_position)`` for a one-token decode call of ``model.forward``:
+    ``logits_to_keep=1`` where the model accepts it (only the last position's logits)."""
+    params = inspect.signature(model.forward).parameters
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+    return extra, "cache_position" in params
+
+
+# ----------------------------------------------------------------------------- norms
+def is_llama_rms_norm(module: nn.Module) -> bool:
+    """An HF ``*RMSNorm`` of the Llama form (``weight * norm(x)``, eps in ``variance_epsilon``);
+    Gemma-style norms (``1 + weight``) are not."""
+    if not type(module).__name__.endswith("RMSNorm") or not hasattr(module, "variance_epsilon"):
+        return False
+    try:
+        src = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return "self.weight * hidden_states.to(input_dtype)" in src
