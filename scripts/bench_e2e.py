@@ -76,9 +76,9 @@ class FreeLinear(torch.nn.Module):
 
 def overhead_probe(model, batches, kw, skip_hf: bool = False) -> dict:
     """Decode step time with every decoder linear made free, norms as HF wrote them and fused."""
-    from sparsekit.runtime.decoder import fuse_rms_norms
-    from sparsekit.hf.modules import find_decoder_layers, find_linears
     from sparsekit.evaluation.speed import measure_model
+    from sparsekit.hf.modules import find_decoder_layers, find_linears
+    from sparsekit.runtime.fusion import fuse_rms_norms
 
     stack_name, stack = find_decoder_layers(model)
     saved = find_linears(stack, prefix=stack_name)
@@ -142,9 +142,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA GPU: bench_e2e runs on a GPU machine", file=sys.stderr)
         return 2
-    from sparsekit.runtime.decoder import equalize_packed_sizes, fuse_projections, fuse_rms_norms
-    from sparsekit.runtime.sparse_linear import SparseLinear, _kernel, densify, sparsify
-    from sparsekit.evaluation.speed import _model_bytes, measure_model
+    from sparsekit.evaluation.speed import measure_model
+    from sparsekit.evaluation.timing import model_bytes
+    from sparsekit.runtime.fusion import equalize_packed_sizes, fuse_projections, fuse_rms_norms
+    from sparsekit.runtime.sparse_linear import SparseLinear, kernel
+    from sparsekit.runtime.swap import densify, sparsify
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     graphs = not args.eager
@@ -152,13 +154,13 @@ def main() -> int:
     kw = dict(prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats, cuda_graphs=graphs,
               compile=compile_)
     gpu = torch.cuda.get_device_name()
-    print(f"GPU {gpu}; torch {torch.__version__}; kernel available: {_kernel() is not None}", flush=True)
+    print(f"GPU {gpu}; torch {torch.__version__}; kernel available: {kernel() is not None}", flush=True)
 
     t0 = time.perf_counter()
     model = build_model(args.layers, args.hidden, args.intermediate, args.heads, args.vocab)
     prune_(model, args.sparsity)
     torch.cuda.synchronize()
-    print(f"built + pruned in {time.perf_counter() - t0:.1f} s; weights {_model_bytes(model) / 2**30:.2f} GiB", flush=True)
+    print(f"built + pruned in {time.perf_counter() - t0:.1f} s; weights {model_bytes(model) / 2**30:.2f} GiB", flush=True)
 
     gen = torch.Generator().manual_seed(1)
     probe = torch.randint(0, args.vocab, (2, 100), generator=gen).cuda()
@@ -181,7 +183,7 @@ def main() -> int:
             print(f"{label} b={b:3d}: {res[b]}", flush=True)
         return res
 
-    sizes = {"dense": _model_bytes(model) / 2**30}
+    sizes = {"dense": model_bytes(model) / 2**30}
     overhead = (overhead_probe(model, [b for b in batches if b in (1, 16)] or batches[:1], kw, skip_hf=True)
                 if args.overhead else None)
     if not args.hf_norms:
@@ -200,7 +202,7 @@ def main() -> int:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     enc_s = time.perf_counter() - t0
-    sizes["sparse"] = _model_bytes(model) / 2**30
+    sizes["sparse"] = model_bytes(model) / 2**30
     print(f"encoded {len(swapped)} linears in {enc_s:.1f} s; weights {sizes['sparse']:.2f} GiB", flush=True)
     check_logits("sparse")
     if args.fuse_proj in ("off", "both"):
@@ -231,7 +233,7 @@ def main() -> int:
         "command": "python scripts/bench_e2e.py " + " ".join(sys.argv[1:]),
         "shape": {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
                   "heads": args.heads, "vocab": args.vocab},
-        "sparsity": args.sparsity, "cuda_graphs": graphs, "kernel": _kernel() is not None,
+        "sparsity": args.sparsity, "cuda_graphs": graphs, "kernel": kernel() is not None,
         "weights_gib": sizes, "encode_s": enc_s, "fused_norms": not args.hf_norms, "compile": compile_,
         "fuse_proj": args.fuse_proj, "overhead_ms": overhead, "logits_rel_err": errs, "rows": rows,
         "dense_above": SparseLinear.dense_above,

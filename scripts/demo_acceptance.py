@@ -103,9 +103,10 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from sparsekit.hf.data import eval_text
-    from sparsekit.hf.models import load_model, resolve_model
     from sparsekit.evaluation.ppl import perplexity
+    from sparsekit.hf.data import eval_text
+    from sparsekit.hf.models import resolve_model
+    from sparsekit.runtime.loader import load
     from sparsekit.pruning.api import prune
     from transformers.utils import logging as hf_logging
 
@@ -121,7 +122,7 @@ def main() -> int:
     dense_weights = load_weights(demo)
 
     def ppl_of(path) -> dict:
-        model, tok = load_model(str(path), device=args.device)
+        model, tok = load(str(path), device=args.device)
         r = perplexity(model, tok, text, seqlen=args.eval_seqlen, max_windows=args.max_windows)
         del model
         if torch.cuda.is_available():

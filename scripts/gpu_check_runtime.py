@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -25,8 +24,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparsekit.runtime.sparse_linear import SparseLinear, decode_dense, sparsify
+from sparsekit.evaluation.timing import time_ms as cuda_time_ms
 from sparsekit.packed.tcabme import decode, encode
+from sparsekit.runtime.sparse_linear import SparseLinear, decode_dense, kernel as sparse_kernel
+from sparsekit.runtime.swap import sparsify
 
 FAIL = []
 
@@ -116,11 +117,12 @@ def check_correctness(results: dict) -> None:
         check(bool(torch.isfinite(y).all()) and e < 1e-2, f"SparseLinear N={n}: rel err vs float64 {e:.2e}")
 
     # CUDA graphs vs eager: same greedy tokens
-    from sparsekit.runtime.sparse_linear import _kernel
+    from sparsekit.runtime.fusion import equalize_packed_sizes
 
+    equalize_packed_sizes(packed)  # what a compiled decoder expects (one compiled layer for the stack)
     prompt = torch.randint(0, 8000, (4, 12), generator=gen).cuda()
     for label, m in (("packed", packed), ("dense", dense)):
-        if label == "packed" and _kernel() is None:
+        if label == "packed" and sparse_kernel() is None:
             print("note: no bundled kernel, the reference path cannot be captured: packed graph check skipped")
             continue
         toks = {}
@@ -149,8 +151,9 @@ def check_measure_speed(results: dict, out_dir: Path | None) -> None:
     """The `sparsekit eval --speed` library path on a small packed model: report, table, plot."""
     from rich.console import Console
 
+    from sparsekit.cli.render import plot_speed, speed_table
+    from sparsekit.evaluation.speed import measure_speed
     from sparsekit.packed.encoding import encode as pack_dir
-    from sparsekit.evaluation.speed import measure_speed, plot_speed, speed_table
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -166,24 +169,12 @@ def check_measure_speed(results: dict, out_dir: Path | None) -> None:
         results["measure_speed_smoke"] = rep
 
 
-def time_ms(fn, reps=20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
+def time_ms(fn) -> float:
+    return cuda_time_ms(fn, repeats=20, warmup=1)
 
 
 def measure_threshold(results: dict) -> None:
-    from sparsekit.runtime.sparse_linear import _kernel
-
-    kernel = _kernel()
+    kernel = sparse_kernel()
     if kernel is None:
         print("note: no bundled kernel: threshold not measured", flush=True)
         return

@@ -36,7 +36,7 @@ def group_of(name: str) -> str:
 
 
 def step_ms(dec, ids, loops: int = 5, steps: int = 32) -> float:
-    from sparsekit.evaluation.speed import _time_ms
+    from sparsekit.evaluation.timing import time_ms
 
     def replays():
         for _ in range(steps):
@@ -45,7 +45,7 @@ def step_ms(dec, ids, loops: int = 5, steps: int = 32) -> float:
     times = []
     for _ in range(loops):
         dec.prefill(ids)   # the cache has room for new_tokens steps after each prefill
-        times.append(_time_ms(replays) / steps)
+        times.append(time_ms(replays) / steps)
     return statistics.median(times)
 
 
@@ -146,8 +146,9 @@ def main() -> int:
         return 2
     from bench_e2e import build_model, prune_
 
-    from sparsekit.runtime.decoder import equalize_packed_sizes, fuse_projections, fuse_rms_norms
-    from sparsekit.runtime.sparse_linear import densify, sparsify
+    from sparsekit.runtime.decoder import reset_compiled_layer
+    from sparsekit.runtime.fusion import equalize_packed_sizes, fuse_projections, fuse_rms_norms
+    from sparsekit.runtime.swap import densify, sparsify
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     import torch._inductor.config as inductor_config
@@ -163,12 +164,10 @@ def main() -> int:
     out = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "runs": []}
 
     def run(label):
-        import sparsekit.runtime.decoder as cg
-
         for attn in args.attn.split(","):
             for b in batches:
                 torch._dynamo.reset()          # the attention backend is chosen when a layer is traced
-                cg._compiled_layer_call = None
+                reset_compiled_layer()
                 try:
                     with attention_mode(attn):
                         r = profile_step(model, b, args.prompt_len, args.new_tokens)
