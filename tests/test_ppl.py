@@ -135,3 +135,13 @@ def test_out_of_memory_halves_the_batch(tiny):
     assert got["windows"] == want["windows"] and got["ppl"] == pytest.approx(want["ppl"], rel=1e-6)
     with pytest.raises(SparsekitError, match="out of GPU memory"):
         perplexity(_OomAbove(model, 0), tok, text, seqlen=SEQLEN, batch_size=4)
+
+
+def test_progress_is_the_one_callback_shape(tiny):
+    """``progress(stage, done, total)``: 0 first, then after each batch, ending at the window count."""
+    model, tok = tiny
+    calls = []
+    r = perplexity(model, tok, corpus(seed=1), seqlen=SEQLEN, max_windows=5, batch_size=2,
+                   progress=lambda *a: calls.append(a))
+    assert calls == [("perplexity", 0, 5), ("perplexity", 2, 5), ("perplexity", 4, 5), ("perplexity", 5, 5)]
+    assert r["windows"] == 5

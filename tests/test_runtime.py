@@ -336,3 +336,17 @@ def test_load_packed_gpt_neox_renamed_lm_head(tmp_path):
     model = load_packed(tmp_path / "packed", device="cpu", dtype=torch.float32)
     ids = IDS % dense.config.vocab_size
     torch.testing.assert_close(logits(model, ids), logits(dense, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_model_bytes_counts_tied_weights_once_and_sparsify_reports_progress():
+    from sparsekit.evaluation.timing import model_bytes
+    from sparsekit.runtime.swap import sparsify
+
+    lin = nn.Linear(8, 4, bias=False)
+    tied = nn.ModuleDict({"a": lin, "b": lin})
+    assert model_bytes(tied) == 8 * 4 * 4
+    model = pruned_tiny("llama")
+    calls = []
+    swapped = sparsify(model, progress=lambda *a: calls.append(a))
+    assert calls[-1] == ("sparsify", len(calls), len(calls)) and len(swapped) == len(calls)
+
