@@ -89,7 +89,8 @@ class _Bars:
     def __exit__(self, *exc):
         return self.progress.__exit__(*exc)
 
-    def update(self, stage: str, done: int, total: int) -> None:
+    def update(self, stage: str, done: int, total: int, item: str = "") -> None:
+        """A ``sparsekit.progress.Progress``: one bar per stage (``item`` is not shown)."""
         if stage not in self.tasks:
             self.tasks[stage] = self.progress.add_task(self.LABELS.get(stage, stage), total=total)
         self.progress.update(self.tasks[stage], completed=done, total=total)

@@ -61,14 +61,14 @@ def build_model(shape: str, dtype=torch.float16, seed: int = 0):
 def run_one(shape: str, method: str, pattern: str, nsamples: int, seqlen: int, device: str, batch_size=None,
             overlap: bool = True) -> dict:
     from sparsekit.pruning.engine import prune_model
-    from sparsekit.pruning.methods import needs_stats
+    from sparsekit.pruning.methods import get_method
     from sparsekit.pruning.patterns import Pattern
 
     t0 = time.perf_counter()
     model = build_model(shape)
     t_build = time.perf_counter() - t0
     vocab = model.config.vocab_size
-    calib = torch.randint(0, vocab, (nsamples, seqlen), generator=torch.Generator().manual_seed(0)) if needs_stats(method) else None
+    calib = torch.randint(0, vocab, (nsamples, seqlen), generator=torch.Generator().manual_seed(0)) if get_method(method).needs_stats else None
     warnings: list[str] = []
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -159,6 +159,37 @@ def test_layer_thresholds_measured_on_thresholded_inputs(workdir):
     for r in report["cats"].values():
         assert r["exact"] and abs(r["activation_sparsity"] - 0.5) < 1e-3
 
+    # the engine leaves the model as it was: no threshold hook, no CatsActivation, the dense outputs
+    for i in range(3):
+        act = model.model.layers[i].mlp.act_fn
+        assert not isinstance(act, rcats.CatsActivation) and not act._forward_hooks
+    dense, _ = load_model(str(workdir / "tiny"))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, dense(input_ids=ids).logits, rtol=0, atol=0)
+    # the reported thresholds, installed by the runtime, give the activation sparsity the engine measured
+    rcats.install_thresholds(model, th)
+    assert all(float(model.get_submodule(n).act_fn.threshold) == pytest.approx(t) for n, t in th.items())
+    assert activation_sparsity(model, ids, th) == pytest.approx({n: r["activation_sparsity"] for n, r in
+                                                                 report["cats"].items()}, abs=1e-12)
+
+
+def activation_sparsity(model, ids, names) -> dict[str, float]:
+    """The fraction of zeros in each named MLP's ``act_fn`` output over one forward of ``ids``."""
+    counts = {n: [0, 0] for n in names}
+
+    def count(name):
+        def hook(module, inputs, output):
+            counts[name][0] += int((output == 0).sum())
+            counts[name][1] += output.numel()
+        return hook
+
+    hooks = [model.get_submodule(n).act_fn.register_forward_hook(count(n)) for n in names]
+    with torch.no_grad():
+        model(input_ids=ids.to(next(model.parameters()).device), use_cache=False)
+    for h in hooks:
+        h.remove()
+    return {n: z / t for n, (z, t) in counts.items()}
+
 
 def test_prune_writes_thresholds_and_the_loader_installs_them(workdir, cats_dir):
     from safetensors.torch import load_file
@@ -256,7 +287,7 @@ def test_cats_recipe_and_help():
     from sparsekit.pruning.recipes import resolve_settings
 
     s = resolve_settings(Path(__file__).resolve().parents[1] / "recipes" / "cats-unstructured50.yaml")
-    assert (s["method"], s["pattern"], s["sparsity"]) == ("cats", "unstructured", 0.5)
+    assert (s.method, s.pattern, s.sparsity) == ("cats", "unstructured", 0.5)
     with pytest.raises(SparsekitError, match="does not apply"):
         resolve_settings(None, method="cats", pattern="4:8")
     res = runner.invoke(app, ["prune", "--help"])
@@ -283,6 +314,12 @@ def test_cuda_engine_matches_cpu_and_leaves_the_model_on_the_cpu(workdir):
         assert abs(rg["cats"][name]["activation_sparsity"] - 0.5) < 1e-2
     assert all(t.device.type == "cpu" for t in list(gpu.parameters()) + list(gpu.buffers()))
     assert all(torch.equal(v, gpu.state_dict()[k]) for k, v in before.items())
+    for name in rg["cats"]:  # the model is left as it was: the thresholds were hooks, removed
+        act = gpu.get_submodule(name).act_fn
+        assert not isinstance(act, rcats.CatsActivation) and not act._forward_hooks
+    rcats.install_thresholds(gpu, {n: r["threshold"] for n, r in rg["cats"].items()})
+    got = activation_sparsity(gpu, ids, rg["cats"])  # on the CPU, with the thresholds calibrated on CUDA
+    assert all(abs(got[n] - 0.5) < 1e-2 for n in got)
     for name in rg["cats"]:
         assert float(gpu.get_submodule(name).act_fn.threshold) == pytest.approx(rg["cats"][name]["threshold"])
 

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from sparsekit.pruning import engine
+from sparsekit.pruning.capture import capture_inputs
 from sparsekit.hf import modules as L
 from sparsekit.errors import SparsekitError
 from sparsekit.pruning.methods import prune_weight
 from sparsekit.pruning.patterns import Pattern
-from sparsekit.pruning.stats import InputStats
+from sparsekit.pruning.stats import InputStats, StatsCollector
 from tiny_models import ARCHS, make_model
 
 UNSTRUCTURED = Pattern.parse("unstructured")
@@ -105,12 +106,36 @@ def test_wanda_stats_come_from_the_pruned_previous_layers():
     assert any(not torch.equal(got[n] == 0, naive[n] == 0) for n in layer2)
 
 
+def test_engine_asks_the_method_object_not_its_name():
+    """A method the engine has never heard of, given as an object, runs through the same loop."""
+    from sparsekit.pruning.methods import Method, Observes, PruneResult
+    from sparsekit.pruning.methods.wanda import wanda_mask
+
+    class Renamed(Method):
+        name = "not-wanda"
+        observes = Observes.INPUT_COLUMNS
+
+        def prune(self, weight, sparsity, pattern, stats, *, blocksize, percdamp, warn):
+            keep = wanda_mask(weight, stats.col_sq_sum, sparsity, pattern)
+            return PruneResult(weight.detach().masked_fill(~keep, 0), keep)
+
+    ids = _ids()
+    ref, model = make_model("llama"), make_model("llama")
+    engine.prune_model(ref, ids, method="wanda", sparsity=0.5, pattern=UNSTRUCTURED, batch_size=4)
+    rep = engine.prune_model(model, ids, method=Renamed(), sparsity=0.5, pattern=UNSTRUCTURED, batch_size=4)
+    a, b = _linear_weights(ref), _linear_weights(model)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert list(rep["per_layer"][0]["phases"]) == ["load", "stats", "prune", "recompute", "offload"]
+    assert list(rep["per_layer"][-1]["phases"]) == ["load", "stats", "prune", "offload"]  # no next layer
+    assert {r["info"]["method"] for r in rep["layers"].values()} == {"not-wanda"}
+
+
 def test_stats_shared_by_linears_reading_the_same_tensor():
     model = make_model("llama")
     layer = L.find_decoder_layers(model)[1][0]
     linears = L.find_linears(layer)
-    col = engine.StatsCollector(linears, hessian=True, device=torch.device("cpu"))
-    acts = engine.capture_inputs(model, _ids(n=4), torch.device("cpu"), batch_size=2)
+    col = StatsCollector(linears, hessian=True, device=torch.device("cpu"))
+    acts = capture_inputs(model, _ids(n=4), torch.device("cpu"), batch_size=2)
     with torch.no_grad():
         for i, ((a, b), args, kwargs) in enumerate(zip(acts.spans, acts.args, acts.kwargs)):
             layer(acts.hidden[a:b], *args, **kwargs)

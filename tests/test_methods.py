@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sparsekit.errors import SparsekitError
-from sparsekit.pruning.methods import METHODS, WEIGHT_METHODS, PruneResult, needs_calibration, needs_hessian, needs_stats, prune_weight
+from sparsekit.pruning.methods import METHODS, WEIGHT_METHODS, Method, Observes, PruneResult, get_method, prune_weight
 from sparsekit.pruning.patterns import n_pruned
 from sparsekit.pruning.methods.sparsegpt import inverse_hessian_cholesky
 from sparsekit.pruning.stats import InputStats
@@ -61,12 +61,16 @@ def test_input_stats_match_direct_computation():
 
 def test_method_registry():
     assert WEIGHT_METHODS == ("magnitude", "wanda", "sparsegpt")
-    assert METHODS == WEIGHT_METHODS + ("cats",)
-    assert [needs_stats(m) for m in METHODS] == [False, True, True, False]
-    assert [needs_hessian(m) for m in METHODS] == [False, False, True, False]
-    assert [needs_calibration(m) for m in METHODS] == [False, True, True, True]
+    assert tuple(METHODS) == WEIGHT_METHODS + ("cats",)
+    assert all(isinstance(m, Method) and m.name == name and get_method(name) is m for name, m in METHODS.items())
+    assert [m.needs_stats for m in METHODS.values()] == [False, True, True, False]
+    assert [m.needs_hessian for m in METHODS.values()] == [False, False, True, False]
+    assert [m.needs_calibration for m in METHODS.values()] == [False, True, True, True]
+    assert [m.changes_weights for m in METHODS.values()] == [True, True, True, False]
+    assert [m.observes for m in METHODS.values()] == [Observes.NOTHING, Observes.INPUT_COLUMNS, Observes.HESSIAN,
+                                                      Observes.GATED_MLP_ACTIVATIONS]
     with pytest.raises(SparsekitError, match="unknown pruning method"):
-        needs_stats("obc")
+        get_method("obc")
     with pytest.raises(SparsekitError, match="changes no weight"):  # CATS thresholds activations
         prune_weight(torch.randn(8, 8), "cats", 0.5, "unstructured")
 
@@ -277,7 +281,7 @@ def test_dtype_is_preserved_and_input_untouched(method, dtype):
     before = w.clone()
     st = stats_for(realistic_inputs(128, 32, seed=41))
     for pattern, s in (("unstructured", 0.6), ("2:4", None), ("hybrid:16", 0.25)):
-        res = prune_weight(w, method, s, pattern, st if needs_stats(method) else None)
+        res = prune_weight(w, method, s, pattern, st if get_method(method).needs_stats else None)
         assert res.weight.dtype == dtype and res.mask.dtype == torch.bool and res.weight.shape == w.shape
         assert ((res.weight == 0) | res.mask).all() and (res.weight[~res.mask] == 0).all()
         assert res.info["method"] == method and res.info["pattern"] == pattern
@@ -373,7 +377,7 @@ def _staged_vs_eager(device: str):
     gives what the eager sweep gives, for every pattern, a short last block, and a second weight of
     the same shape (the cached buffers/graph reused with other numbers)."""
     from sparsekit.pruning.patterns import Pattern
-    from sparsekit.pruning.methods.sparsegpt import _GRAPH_CACHE, clear_graph_cache, sparsegpt_prune
+    from sparsekit.pruning.methods.sparsegpt import GRAPH_CACHE, clear_graph_cache, sparsegpt_prune
 
     clear_graph_cache()
     cases = [("unstructured", 0.5, 16), ("unstructured", 0.3, 128), ("2:4", 0.5, 16), ("4:8", 0.5, 24), ("hybrid:8", 0.25, 16)]
@@ -392,9 +396,9 @@ def _staged_vs_eager(device: str):
             torch.testing.assert_close(gw, ew, rtol=1e-6, atol=1e-6)
             assert ginfo["loss"] == pytest.approx(einfo["loss"], rel=1e-6)
             assert ((gw == 0) == ~gkeep).all()
-    shapes = {key[:2] for key in _GRAPH_CACHE}
+    shapes = {key[:2] for key in GRAPH_CACHE}
     assert {(16, 16), (16, 8), (16, 24)} <= shapes  # one entry per block shape, reused across blocks
-    return list(_GRAPH_CACHE.values())
+    return list(GRAPH_CACHE.values())
 
 
 def test_staged_sweep_matches_eager_on_cpu():

@@ -145,14 +145,14 @@ def test_skip_pattern_matching_nothing_is_warned(workdir):
 
 
 def test_default_output_names_differ_when_settings_differ():
-    from sparsekit.pruning.api import _default_output
+    from sparsekit.pruning.api import default_output
 
-    names = {_default_output("m", "wanda", p, sp).name for p, sp in [
+    names = {default_output("m", "wanda", p, sp).name for p, sp in [
         ("unstructured", 0.5), ("unstructured", 0.333), ("unstructured", 0.334), ("2:4", 0.5), ("4:8", 0.5),
         ("hybrid", 0.25), ("hybrid", 0.5), ("hybrid:32", 0.25)]}
     assert len(names) == 8  # hybrid 0.25 vs 0.5 used to share out/m-wanda-hybrid
-    assert _default_output("org/m/", "wanda", "unstructured", 0.5) == Path("out/m-wanda-50")
-    assert _default_output("m", "sparsegpt", "2:4", 0.5) == Path("out/m-sparsegpt-2of4")
+    assert default_output("org/m/", "wanda", "unstructured", 0.5) == Path("out/m-wanda-50")
+    assert default_output("m", "sparsegpt", "2:4", 0.5) == Path("out/m-sparsegpt-2of4")
 
 
 def test_half_checkpoint_is_saved_in_its_own_dtype(tmp_path, workdir):

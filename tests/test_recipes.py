@@ -9,6 +9,7 @@ import pytest
 from sparsekit.errors import SparsekitError
 from sparsekit.pruning.methods import METHODS
 from sparsekit.pruning.recipes import DEFAULTS, load_recipe, resolve_settings
+from sparsekit.pruning.settings import PruneSettings
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 PATTERN_OF_TAG = {"unstructured50": ("unstructured", 0.5), "2of4": ("2:4", 0.5), "4of8": ("4:8", 0.5),
@@ -24,9 +25,9 @@ def test_shipped_recipes_cover_every_method_and_pattern():
 def test_shipped_recipe_is_valid_and_named_after_its_content(path):
     s = resolve_settings(path)
     method, tag = path.stem.split("-", 1)
-    assert s["method"] == method
-    assert (s["pattern"], s["sparsity"]) == PATTERN_OF_TAG[tag]
-    assert "lm_head" in s["skip"]
+    assert s.method == method
+    assert (s.pattern, s.sparsity) == PATTERN_OF_TAG[tag]
+    assert "lm_head" in s.skip
 
 
 def _write(tmp_path, text):
@@ -39,30 +40,30 @@ def test_flags_override_the_recipe_and_recipe_overrides_defaults(tmp_path):
     p = _write(tmp_path, 'method: sparsegpt\npattern: "4:8"\ncalibration: {nsamples: 16, seed: 3}\n'
                          "skip: [lm_head, '*.down_proj']\nsparsegpt: {damp: 0.05}\n")
     s = resolve_settings(p)
-    assert (s["method"], s["pattern"], s["nsamples"], s["seed"], s["damp"]) == ("sparsegpt", "4:8", 16, 3, 0.05)
-    assert s["seqlen"] == DEFAULTS["seqlen"] and s["skip"] == ["lm_head", "*.down_proj"]
+    assert (s.method, s.pattern, s.nsamples, s.seed, s.damp) == ("sparsegpt", "4:8", 16, 3, 0.05)
+    assert s.seqlen == DEFAULTS["seqlen"] and s.skip == ["lm_head", "*.down_proj"]
     s = resolve_settings(p, method="wanda", pattern="unstructured", sparsity=0.7, nsamples=8, skip=["lm_head"])
-    assert (s["method"], s["pattern"], s["sparsity"], s["nsamples"], s["seed"]) == ("wanda", "unstructured", 0.7, 8, 3)
-    assert s["skip"] == ["lm_head"]
-    assert resolve_settings(p, seed=None)["seed"] == 3  # None means "not given"
+    assert (s.method, s.pattern, s.sparsity, s.nsamples, s.seed) == ("wanda", "unstructured", 0.7, 8, 3)
+    assert s.skip == ["lm_head"]
+    assert resolve_settings(p, seed=None).seed == 3  # None means "not given"
 
 
 def test_pattern_flag_nm_over_a_recipe_with_a_sparsity(tmp_path):
     p = _write(tmp_path, 'method: magnitude\npattern: "hybrid:64"\nsparsity: 0.25\n')
     s = resolve_settings(p, pattern="2:4")  # was: "2:4 fixes the sparsity at 0.5, got 0.25: drop --sparsity"
-    assert (s["pattern"], s["sparsity"]) == ("2:4", 0.5)
-    assert resolve_settings(p, pattern="unstructured")["sparsity"] == 0.25  # a valid recipe value is kept
+    assert (s.pattern, s.sparsity) == ("2:4", 0.5)
+    assert resolve_settings(p, pattern="unstructured").sparsity == 0.25  # a valid recipe value is kept
     with pytest.raises(SparsekitError, match="fixes the sparsity"):
         resolve_settings(p, pattern="2:4", sparsity=0.3)  # an explicit conflicting flag is still an error
 
 
 def test_null_dataset_in_a_recipe_means_the_default(tmp_path):
-    assert resolve_settings(_write(tmp_path, "calibration: {dataset: null}\n"))["dataset"] == "wikitext2"
+    assert resolve_settings(_write(tmp_path, "calibration: {dataset: null}\n")).dataset == "wikitext2"
 
 
 def test_skip_given_as_one_string_is_one_pattern():
-    assert resolve_settings(skip="lm_head")["skip"] == ["lm_head"]  # was ['l', 'm', '_', ...]
-    assert resolve_settings(skip=("lm_head", "*.0.*"))["skip"] == ["lm_head", "*.0.*"]
+    assert resolve_settings(skip="lm_head").skip == ["lm_head"]  # was ['l', 'm', '_', ...]
+    assert resolve_settings(skip=("lm_head", "*.0.*")).skip == ["lm_head", "*.0.*"]
 
 
 @pytest.mark.parametrize("text,match", [
@@ -91,7 +92,17 @@ def test_missing_recipe_file():
 
 def test_skip_adds_to_the_lm_head_exclusion():
     """--skip '*.q_proj' must not silently start pruning lm_head (or fail on a tied head)."""
-    assert resolve_settings(skip=["*.q_proj"])["skip"] == ["lm_head", "*.q_proj"]
-    assert resolve_settings(skip=[])["skip"] == ["lm_head"]
-    assert resolve_settings(skip=["*.q_proj"], prune_lm_head=True)["skip"] == ["*.q_proj"]
-    assert resolve_settings(prune_lm_head=True)["skip"] == []
+    assert resolve_settings(skip=["*.q_proj"]).skip == ["lm_head", "*.q_proj"]
+    assert resolve_settings(skip=[]).skip == ["lm_head"]
+    assert resolve_settings(skip=["*.q_proj"], prune_lm_head=True).skip == ["*.q_proj"]
+    assert resolve_settings(prune_lm_head=True).skip == []
+
+
+def test_settings_are_typed_and_report_in_the_defaults_order(tmp_path):
+    s = resolve_settings()
+    assert isinstance(s, PruneSettings) and s.recipe is None
+    assert s.as_dict() == {**DEFAULTS, "sparsity": 0.5}  # the report's "settings": no recipe key without one
+    assert list(s.as_dict()) == list(DEFAULTS)
+    p = _write(tmp_path, "method: magnitude\n")
+    d = resolve_settings(p).as_dict()
+    assert list(d) == [*DEFAULTS, "recipe"] and d["recipe"] == str(p) and d["method"] == "magnitude"

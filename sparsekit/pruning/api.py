@@ -1,8 +1,8 @@
 """``prune()``: the library API behind ``sparsekit prune``.
 
-Resolve the settings (defaults < recipe < arguments), check the output path, load the model on
-the CPU, draw the calibration windows, run the layer-sequential engine, save the checkpoint and
-return a report.
+Resolve the settings (defaults < recipe < arguments, a ``PruneSettings``), check the output path,
+load the model on the CPU, let the method check it, draw the calibration windows if the method
+needs them, run the layer-sequential engine, save the checkpoint and return a report.
 """
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from sparsekit.errors import SparsekitError
+from sparsekit.progress import Progress
 
 
-def _default_output(model: str, method: str, pattern: str, sparsity: float) -> Path:
+def default_output(model: str, method: str, pattern: str, sparsity: float) -> Path:
+    """``out/<model>-<method>-<tag>``: the output directory when none is given."""
     name = Path(str(model).rstrip("/")).name or "model"
     pct = f"{sparsity * 100:.4g}".replace(".", "p")  # 0.333 -> 33p3, not 33 (0.334 would collide)
     if pattern == "unstructured":
@@ -73,7 +75,7 @@ def prune(
     damp: float | None = None,
     recipe: str | Path | None = None,
     batch_size: int | None = None,
-    progress: Callable[[str, int, int], None] | None = None,
+    progress: Progress | None = None,
     warn: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Prune ``model`` and write the result to ``output``; returns the report (``sparsekit.json``
@@ -90,9 +92,11 @@ def prune(
     ``sparsekit.json`` records them under ``cats`` (``load_model`` installs them); ``skip`` patterns
     also name MLPs to leave dense.
     """
-    from sparsekit.hf import checkpoint; from sparsekit.pruning import engine
+    from sparsekit.hf import checkpoint
     from sparsekit.hf.atomic import check_output_dir
-    from sparsekit.hf.models import load_model, model_context, resolve_device, resolve_dtype
+    from sparsekit.hf.models import load_model, model_context, resolve_device, resolve_dtype, resolve_model
+    from sparsekit.pruning import engine
+    from sparsekit.pruning.methods import METHODS
     from sparsekit.pruning.patterns import Pattern
     from sparsekit.pruning.recipes import resolve_settings
 
@@ -102,46 +106,39 @@ def prune(
                          blocksize=blocksize, damp=damp)
     if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1):
         raise SparsekitError(f"batch size must be a positive number of windows, got {batch_size!r}: drop --batch-size for the default")
-    out = Path(output) if output is not None else _default_output(model, s["method"], s["pattern"], s["sparsity"])
+    out = Path(output) if output is not None else default_output(model, s.method, s.pattern, s.sparsity)
     check_output_dir(out, overwrite)  # before anything expensive
     _check_output_location(out)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-
-    from sparsekit.pruning.methods import needs_calibration
-
-    from sparsekit.hf.models import resolve_model
+    meth = METHODS[s.method]
 
     location = resolve_model(model)
     net, tokenizer = load_model(location, device="cpu", dtype=torch_dtype)
-    is_cats = s["method"] == "cats"
-    if is_cats:
-        from sparsekit.pruning.methods.cats import require_gated_mlps
-
-        require_gated_mlps(net, skip=s["skip"])  # before the calibration data is read
-    _warn_unmatched_skip(net, s["skip"], warn, mlps=is_cats)
+    meth.check_model(net, s.skip)  # before the calibration data is read
+    _warn_unmatched_skip(meth.skip_targets(net), s.skip, warn)
     calib_ids = None
     calibration: dict[str, Any]
-    if needs_calibration(s["method"]):
+    if meth.needs_calibration:
         from sparsekit.hf.data import calibration_windows
 
         ctx = model_context(net)
-        if ctx is not None and s["seqlen"] > ctx:
-            warn(f"seqlen {s['seqlen']} exceeds the model context {ctx}: using {ctx}")
-            s["seqlen"] = ctx
-        calib_ids = calibration_windows(s["dataset"], tokenizer, nsamples=s["nsamples"], seqlen=s["seqlen"], seed=s["seed"])
-        calibration = {"dataset": s["dataset"], "nsamples": int(calib_ids.shape[0]),
-                       "seqlen": int(calib_ids.shape[1]), "seed": s["seed"]}
+        if ctx is not None and s.seqlen > ctx:
+            warn(f"seqlen {s.seqlen} exceeds the model context {ctx}: using {ctx}")
+            s.seqlen = ctx
+        calib_ids = calibration_windows(s.dataset, tokenizer, nsamples=s.nsamples, seqlen=s.seqlen, seed=s.seed)
+        calibration = {"dataset": s.dataset, "nsamples": int(calib_ids.shape[0]),
+                       "seqlen": int(calib_ids.shape[1]), "seed": s.seed}
     else:
         calibration = {"dataset": None, "nsamples": 0, "seqlen": None, "seed": None}
 
     report = engine.prune_model(
-        net, calib_ids, method=s["method"], sparsity=s["sparsity"], pattern=Pattern.parse(s["pattern"]),
-        skip=s["skip"], device=dev, blocksize=s["blocksize"], percdamp=s["damp"], batch_size=batch_size,
-        progress=progress, warn=warn, seed=s["seed"],
+        net, calib_ids, method=meth, sparsity=s.sparsity, pattern=Pattern.parse(s.pattern),
+        skip=s.skip, device=dev, blocksize=s.blocksize, percdamp=s.damp, batch_size=batch_size,
+        progress=progress, warn=warn, seed=s.seed,
     )
-    if not report["layers"] and not is_cats:
-        raise SparsekitError(f"no linear layer was pruned: the skip patterns {s['skip']} exclude them all")
+    if not report["layers"] and meth.changes_weights:
+        raise SparsekitError(f"no linear layer was pruned: the skip patterns {s.skip} exclude them all")
     save_dtype = _checkpoint_dtype(location)
     if save_dtype in _half_dtypes() and save_dtype != torch_dtype:
         net.to(save_dtype)
@@ -150,9 +147,9 @@ def prune(
         save_dtype = torch_dtype
     elapsed = time.perf_counter() - t0
     meta = checkpoint.build_metadata(
-        model=str(model), method=s["method"], pattern=s["pattern"], sparsity=s["sparsity"],
-        calibration=calibration, skip=s["skip"], layers=report["layers"], elapsed_s=elapsed,
-        cats=cats_metadata(report["cats"], s["sparsity"]) if is_cats else None,
+        model=str(model), method=s.method, pattern=s.pattern, sparsity=s.sparsity,
+        calibration=calibration, skip=s.skip, layers=report["layers"], elapsed_s=elapsed,
+        **meth.metadata(report, s.sparsity),
     )
     checkpoint.save_pruned(net, tokenizer, out, meta, overwrite=overwrite)
     return {
@@ -161,7 +158,7 @@ def prune(
         "device": str(dev),
         "dtype": str(torch_dtype).removeprefix("torch."),
         "saved_dtype": str(save_dtype).removeprefix("torch."),
-        "settings": {k: v for k, v in s.items()},
+        "settings": s.as_dict(),
         "prune_seconds": report["seconds"],
         "capture_seconds": report["capture_seconds"],
         "peak_mem_bytes": report["peak_mem_bytes"],
@@ -172,29 +169,11 @@ def prune(
     }
 
 
-def cats_metadata(mlps: dict[str, dict], sparsity: float) -> dict[str, Any]:
-    """The ``cats`` entry of ``sparsekit.json``: per-MLP thresholds and measured activation sparsity."""
-    from sparsekit.pruning.methods.cats import SAMPLE_SIZE
-
-    n = len(mlps)
-    return {
-        "target": float(sparsity),
-        "quantile": f"torch.quantile of |act(gate(x))| over the calibration tokens: all of them, or a seeded "
-                    f"uniform sample of {SAMPLE_SIZE} per MLP when there are more",
-        "activation_sparsity": sum(r["activation_sparsity"] for r in mlps.values()) / n if n else 0.0,
-        "mlps": {name: {"threshold": float(r["threshold"]), "activation_sparsity": float(r["activation_sparsity"]),
-                        "samples": int(r["samples"]), "exact": bool(r["exact"])} for name, r in mlps.items()},
-    }
-
-
-def _warn_unmatched_skip(model, skip: list[str], warn: Callable[[str], None], mlps: bool = False) -> None:
-    """A --skip pattern that names no linear layer (nor, with ``mlps``, gated MLP) is most likely a
+def _warn_unmatched_skip(names: list[str], skip: list[str], warn: Callable[[str], None]) -> None:
+    """A --skip pattern that names none of ``names`` (the method's ``skip_targets``) is most likely a
     typo: say so before the work."""
-    from sparsekit.hf.modules import find_gated_mlps, find_linears, matches_skip
+    from sparsekit.hf.modules import matches_skip
 
-    names = list(find_linears(model))
-    if mlps:
-        names += list(find_gated_mlps(model))
     for pat in skip:
         if not any(matches_skip(n, [pat]) for n in names):
             warn(f"--skip pattern {pat!r} matches no linear layer of this model (e.g. {names[0] if names else '-'}): "

@@ -9,7 +9,8 @@ A recipe is a small YAML file::
     skip: [lm_head]
     sparsegpt: {blocksize: 128, damp: 0.01}   # optional
 
-``description`` is free text. Any other key is an error.
+``description`` is free text. Any other key is an error. :func:`resolve_settings` returns a
+validated ``PruneSettings``.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsekit.errors import SparsekitError
+from sparsekit.pruning.settings import PruneSettings
 
 DEFAULTS: dict[str, Any] = {
     "method": "wanda",
@@ -87,7 +89,7 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
     return out
 
 
-def resolve_settings(recipe: str | Path | None = None, **overrides: Any) -> dict[str, Any]:
+def resolve_settings(recipe: str | Path | None = None, **overrides: Any) -> PruneSettings:
     """Defaults, then the recipe, then every override that is not None; validated."""
     settings = dict(DEFAULTS)
     settings["skip"] = list(DEFAULTS["skip"])
@@ -110,7 +112,8 @@ def resolve_settings(recipe: str | Path | None = None, **overrides: Any) -> dict
     return validate(settings)
 
 
-def validate(s: dict[str, Any]) -> dict[str, Any]:
+def validate(s: dict[str, Any]) -> PruneSettings:
+    """Check and normalize raw settings (``DEFAULTS``' keys, plus ``recipe``) into ``PruneSettings``."""
     from sparsekit.pruning.methods import METHODS
     from sparsekit.pruning.patterns import Pattern
 
@@ -118,10 +121,9 @@ def validate(s: dict[str, Any]) -> dict[str, Any]:
     s["method"] = str(s["method"]).lower()
     if s["method"] not in METHODS:
         raise SparsekitError(f"unknown method {s['method']!r}: choose one of {', '.join(METHODS)}")
+    method = METHODS[s["method"]]
     pattern = Pattern.parse(str(s["pattern"]))
-    if s["method"] == "cats" and not pattern.is_unstructured:
-        raise SparsekitError(f"cats zeroes gate activations, not weights, so pattern {pattern} does not apply: "
-                             "use --pattern unstructured (the default) with --sparsity")
+    method.check_pattern(pattern)
     s["sparsity"] = pattern.resolve_sparsity(s["sparsity"])  # None -> the pattern's default
     s["pattern"] = str(pattern)
     for key, lo in (("nsamples", 1), ("seqlen", 8), ("blocksize", 1)):
@@ -143,11 +145,11 @@ def validate(s: dict[str, Any]) -> dict[str, Any]:
     s["skip"] = [str(p) for p in s["skip"]]
     # --skip adds to the default: lm_head stays excluded unless pruning it is asked for by name.
     s["prune_lm_head"] = bool(s.get("prune_lm_head", False))
-    if s["prune_lm_head"] and s["method"] == "cats":
-        raise SparsekitError("cats changes no weight, so there is no lm_head to prune: drop --prune-lm-head")
+    if s["prune_lm_head"] and not method.changes_weights:
+        raise SparsekitError(f"{method.name} changes no weight, so there is no lm_head to prune: drop --prune-lm-head")
     if s["prune_lm_head"]:
         s["skip"] = [p for p in s["skip"] if p != "lm_head"]
     elif "lm_head" not in s["skip"]:
         s["skip"] = ["lm_head", *s["skip"]]
     s["dataset"] = DEFAULTS["dataset"] if s["dataset"] is None else str(s["dataset"])  # was 'None', a hub id
-    return s
+    return PruneSettings(**s)

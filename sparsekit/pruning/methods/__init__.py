@@ -1,56 +1,43 @@
-"""One entry point for the pruning methods: ``prune_weight(weight, method, sparsity, pattern, stats)``.
+"""The pruning methods of ``sparsekit prune``: the table ``METHODS`` and ``prune_weight``.
 
-The model plumbing (which layers, where the statistics come from) lives in ``sparsekit.pruning.engine``;
-here is only the math on a single [out, in] weight matrix, on the weight's device.
-
-``METHODS`` lists every method of ``sparsekit prune``; ``WEIGHT_METHODS`` those that prune weights.
-CATS (``sparsekit.pruning.methods.cats``) changes no weight: it thresholds the gate activations of gated MLPs.
+Each method is a ``Method`` (``base.py``) in its own file: magnitude, wanda, sparsegpt prune weights;
+cats changes none (it thresholds the gate activations of gated MLPs). ``METHODS`` maps each name
+to its instance (adding a method: a new file and one line here); ``WEIGHT_METHODS`` names those that
+prune weights. ``prune_weight`` is the math on a single [out, in] weight matrix, on the weight's
+device; the model plumbing (which layers, where the statistics come from) is ``sparsekit.pruning.engine``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from sparsekit.errors import SparsekitError
-from sparsekit.pruning.patterns import Pattern
+from sparsekit.pruning.methods.base import Method, Observes, PruneResult
+from sparsekit.pruning.methods.cats import Cats
+from sparsekit.pruning.methods.magnitude import Magnitude
+from sparsekit.pruning.methods.sparsegpt import SparseGPT
+from sparsekit.pruning.methods.wanda import Wanda
+from sparsekit.pruning.patterns import Pattern, tile_sums
 
-WEIGHT_METHODS = ("magnitude", "wanda", "sparsegpt")
-METHODS = WEIGHT_METHODS + ("cats",)
+METHODS: dict[str, Method] = {m.name: m for m in (Magnitude(), Wanda(), SparseGPT(), Cats())}
+WEIGHT_METHODS = tuple(name for name, m in METHODS.items() if m.changes_weights)
+
+__all__ = ["METHODS", "WEIGHT_METHODS", "Method", "Observes", "PruneResult", "get_method", "prune_weight"]
 
 
-@dataclass
-class PruneResult:
-    weight: torch.Tensor  # pruned weight [out, in], in the input dtype
-    mask: torch.Tensor  # bool keep-mask [out, in]
-    info: dict = field(default_factory=dict)
-
-
-def _check_method(method: str) -> str:
+def get_method(method: "str | Method") -> Method:
+    """The ``Method`` called ``method`` (a ``Method`` is returned as it is)."""
+    if isinstance(method, Method):
+        return method
     if method not in METHODS:
         raise SparsekitError(f"unknown pruning method '{method}': use one of {', '.join(METHODS)}")
-    return method
-
-
-def needs_calibration(method: str) -> bool:
-    """Whether the method runs calibration data through the model (all but magnitude)."""
-    return _check_method(method) != "magnitude"
-
-
-def needs_stats(method: str) -> bool:
-    """Whether the method needs calibration statistics (an ``InputStats``)."""
-    return _check_method(method) in ("wanda", "sparsegpt")
-
-
-def needs_hessian(method: str) -> bool:
-    """Whether the statistics must include the Hessian (``InputStats(..., hessian=True)``)."""
-    return _check_method(method) == "sparsegpt"
+    return METHODS[method]
 
 
 def prune_weight(
     weight: torch.Tensor,
-    method: str,
+    method: "str | Method",
     sparsity: "float | None",
     pattern: "Pattern | str",
     stats=None,
@@ -65,44 +52,25 @@ def prune_weight(
     fraction of zeros in the returned weight) and method extras (SparseGPT: ``damp``, ``dead``,
     ``loss``, ``blocksize``; hybrid: ``sparse_tiles``, ``tiles``).
     """
-    if _check_method(method) not in WEIGHT_METHODS:
-        raise SparsekitError(f"method '{method}' changes no weight: it runs on whole models (sparsekit.prune(..., method='{method}'))")
+    m = get_method(method)
+    if not m.changes_weights:
+        raise SparsekitError(f"method '{m.name}' changes no weight: it runs on whole models (sparsekit.prune(..., method='{m.name}'))")
     pattern = Pattern.parse(pattern)
     s = pattern.resolve_sparsity(sparsity)
     if weight.dim() != 2:
         raise SparsekitError(f"expected a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
     out_f, in_f = weight.shape
     pattern.check_shape(out_f, in_f)
-    if needs_stats(method) and stats is None:
-        raise SparsekitError(f"method '{method}' needs calibration statistics: pass stats=InputStats(...)")
+    if m.needs_stats and stats is None:
+        raise SparsekitError(f"method '{m.name}' needs calibration statistics: pass stats=InputStats(...)")
 
-    info: dict = {"method": method, "pattern": str(pattern), "target": s}
-    if method == "sparsegpt":
-        from sparsekit.pruning.methods.sparsegpt import sparsegpt_prune
-
-        if getattr(stats, "hessian", None) is None:
-            raise SparsekitError("sparsegpt needs the input Hessian: gather stats with InputStats(..., hessian=True)")
-        new_w, keep, extra = sparsegpt_prune(
-            weight, stats.hessian, s, pattern, blocksize=blocksize, percdamp=percdamp, warn=warn
-        )
-        info.update(extra)
-    else:
-        if method == "magnitude":
-            from sparsekit.pruning.methods.magnitude import magnitude_mask
-
-            keep = magnitude_mask(weight, s, pattern)
-        else:
-            from sparsekit.pruning.methods.wanda import wanda_mask
-
-            keep = wanda_mask(weight, stats.col_sq_sum, s, pattern)
-        new_w = weight.detach().masked_fill(~keep, 0)
-    new_w = new_w.to(weight.dtype)
+    res = m.prune(weight, s, pattern, stats, blocksize=blocksize, percdamp=percdamp, warn=warn)
+    info: dict = {"method": m.name, "pattern": str(pattern), "target": s, **res.info}
+    new_w, keep = res.weight.to(weight.dtype), res.mask
     if pattern.is_hybrid:
         t = pattern.tile
         info["tiles"] = (out_f // t) * (in_f // t)
         if "sparse_tiles" not in info:
-            from sparsekit.pruning.patterns import tile_sums
-
             info["sparse_tiles"] = int((tile_sums((~keep).float(), t) > 0).sum().item())
     info["sparsity"] = float((new_w == 0).sum().item()) / max(1, new_w.numel())
     return PruneResult(new_w, keep, info)

@@ -15,21 +15,24 @@ values), or every value, and so the exact quantile, when there are no more than 
 values the fraction of ``|a|`` below ``t`` is off by sqrt(k (1 - k) / 2**20) ~ 5e-4 (one standard
 error) at most k.
 
-Here are the math and the module; the calibration pass (one decoder layer at a time) is in
-``sparsekit.pruning.engine``. Installing thresholds on a loaded model: :func:`install_thresholds`, or
-:func:`install_from_checkpoint` with the ``sparsekit.json`` that ``sparsekit prune --method cats``
-wrote.
+Here are the math and the method: :class:`Cats` calibrates one decoder layer at a time on the
+activations the engine (``sparsekit.pruning.engine``) hands over. While a layer is calibrated, forward
+hooks on its MLPs' ``act_fn`` apply :func:`threshold_activation`, the function that the run-time module
+(``sparsekit.runtime.cats.CatsActivation``, which installs the thresholds of ``sparsekit.json`` on a
+loaded model) calls too; the hooks are removed once the layer is done, so the pruned model is left
+as it was.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import contextlib
+import zlib
 
 import torch
-from torch import nn  # noqa: F401
+from torch import nn
 
 from sparsekit.errors import SparsekitError
-from sparsekit.hf.modules import GATED_MLP_PARTS, find_gated_mlps, is_gated_mlp  # noqa: F401 (re-exported)
+from sparsekit.hf.modules import find_gated_mlps, find_linears, weight_out_in
+from sparsekit.pruning.methods.base import Method, Observes
 
 SAMPLE_SIZE = 2**20
 
@@ -94,3 +97,98 @@ def require_gated_mlps(model: nn.Module, skip=()) -> dict[str, nn.Module]:
             f"and there is none {what} ({type(model).__name__}): use --method wanda or sparsegpt"
         )
     return mlps
+
+
+def cats_metadata(mlps: dict[str, dict], sparsity: float) -> dict:
+    """The ``cats`` entry of ``sparsekit.json``: per-MLP thresholds and measured activation sparsity."""
+    n = len(mlps)
+    return {
+        "target": float(sparsity),
+        "quantile": f"torch.quantile of |act(gate(x))| over the calibration tokens: all of them, or a seeded "
+                    f"uniform sample of {SAMPLE_SIZE} per MLP when there are more",
+        "activation_sparsity": sum(r["activation_sparsity"] for r in mlps.values()) / n if n else 0.0,
+        "mlps": {name: {"threshold": float(r["threshold"]), "activation_sparsity": float(r["activation_sparsity"]),
+                        "samples": int(r["samples"]), "exact": bool(r["exact"])} for name, r in mlps.items()},
+    }
+
+
+def name_seed(name: str) -> int:
+    """A stable small integer for a module name (Python's hash() changes between runs)."""
+    return zlib.crc32(name.encode())
+
+
+@contextlib.contextmanager
+def act_hooks(mlps: dict[str, nn.Module], make_hook):
+    """Forward hooks ``make_hook(name)`` on each gated MLP's ``act_fn`` for the duration of the block."""
+    handles = [mlp.act_fn.register_forward_hook(make_hook(name)) for name, mlp in mlps.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+class Cats(Method):
+    """CATS as a method: no weight changes; a threshold per gated MLP, calibrated layer by layer.
+
+    For each decoder layer: hooks on the gated MLPs' ``act_fn`` sample ``|act(gate(x))|``; each MLP
+    gets its threshold (the target-sparsity quantile of the sample); a second pass through the
+    thresholded layer counts the activation sparsity reached and (but for the last layer) writes
+    the next layer's inputs. So the thresholds of layer i are measured with layers < i thresholded.
+    """
+
+    name = "cats"
+    observes = Observes.GATED_MLP_ACTIVATIONS
+    changes_weights = False
+    report_key = "cats"
+    progress_stage = "thresholds"
+
+    def check_pattern(self, pattern) -> None:
+        if not pattern.is_unstructured:
+            raise SparsekitError(f"cats zeroes gate activations, not weights, so pattern {pattern} does not apply: "
+                                 "use --pattern unstructured (the default) with --sparsity")
+
+    def check_model(self, model: nn.Module, skip) -> None:
+        require_gated_mlps(model, skip=skip)
+
+    def skip_targets(self, model: nn.Module) -> list[str]:
+        return list(find_linears(model)) + list(find_gated_mlps(model))
+
+    def metadata(self, report: dict, sparsity: float) -> dict:
+        return {"cats": cats_metadata(report["cats"], sparsity)}
+
+    def calibrate_layer(self, layer, prefix, acts, *, sparsity, skip, seed, sample_size, write):
+        mlps = find_gated_mlps(layer, prefix=prefix, skip=skip)
+        tokens = acts.hidden.shape[0] * acts.hidden.shape[1]
+        samples = {}
+        for name, mlp in mlps.items():
+            width = weight_out_in(mlp.gate_proj).shape[0]
+            samples[name] = ActivationSample(tokens * width, sample_size or SAMPLE_SIZE,
+                                             seed=seed * 1_000_003 + name_seed(name))
+        with act_hooks(mlps, lambda name: lambda module, inputs, output: samples[name].add(output.abs())):
+            acts.run(layer, write=False)  # no TF32 here: the thresholds must fit the model as it runs
+        report, thresholds = {}, {}
+        for name in mlps:
+            t = samples[name].threshold(sparsity)
+            # as CatsActivation's buffer: an fp32 scalar on the layer's device
+            thresholds[name] = torch.as_tensor(t, dtype=torch.float32).to(acts.hidden.device)
+            report[name] = {"threshold": t, "samples": len(samples[name].values()), "exact": samples[name].exact}
+        del samples
+
+        zeros = {name: [0, 0] for name in mlps}  # [zeros (a device tensor once counted), values]
+
+        def thresholded(name):
+            return lambda module, inputs, output: threshold_activation(output, thresholds[name])
+
+        def counter(name):
+            def hook(module, inputs, output):
+                zeros[name][0] = zeros[name][0] + (output == 0).sum()
+                zeros[name][1] += output.numel()
+            return hook
+
+        # the threshold hooks first: a forward hook's return value is what the hooks after it see
+        with act_hooks(mlps, thresholded), act_hooks(mlps, counter):
+            acts.run(layer, write=write)  # with write: the thresholded layer's outputs, next layer's inputs
+        for name, (z, n) in zeros.items():
+            report[name]["activation_sparsity"] = int(z) / n if n else 0.0
+        return report

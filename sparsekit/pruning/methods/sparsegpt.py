@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from sparsekit.errors import SparsekitError
+from sparsekit.pruning.methods.base import Method, Observes, PruneResult
 from sparsekit.pruning.patterns import Pattern, expand_tiles, hybrid_sparse_tiles, n_pruned
 
 MAX_DAMP_RETRIES = 7  # percdamp grows x10 per retry: 1% -> 1e5 % of the mean diagonal
@@ -183,7 +184,7 @@ class _StagedSweep:
 
 
 _STREAMS: dict = {}
-_GRAPH_CACHE: "OrderedDict[tuple, _StagedSweep]" = OrderedDict()
+GRAPH_CACHE: "OrderedDict[tuple, _StagedSweep]" = OrderedDict()  # (rows, count, m, n_keep, hybrid, dtype, device)
 GRAPH_CACHE_SIZE = 16  # block shapes kept (a Llama-like model has 2-6); each holds ~5 blocks of buffers
 
 
@@ -199,18 +200,18 @@ def _staged_sweep(rows: int, count: int, m: int, n_keep: int, hybrid: bool, dtyp
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (rows, count, m, n_keep, hybrid, dtype, device)
-    st = _GRAPH_CACHE.get(key)
+    st = GRAPH_CACHE.get(key)
     if st is None:
-        st = _GRAPH_CACHE[key] = _StagedSweep(rows, count, m, n_keep, hybrid, dtype, device)
-        while len(_GRAPH_CACHE) > GRAPH_CACHE_SIZE:
-            _GRAPH_CACHE.popitem(last=False)
-    _GRAPH_CACHE.move_to_end(key)
+        st = GRAPH_CACHE[key] = _StagedSweep(rows, count, m, n_keep, hybrid, dtype, device)
+        while len(GRAPH_CACHE) > GRAPH_CACHE_SIZE:
+            GRAPH_CACHE.popitem(last=False)
+    GRAPH_CACHE.move_to_end(key)
     return st
 
 
 def clear_graph_cache() -> None:
     """Drop the cached CUDA graphs and their buffers (frees their GPU memory)."""
-    _GRAPH_CACHE.clear()
+    GRAPH_CACHE.clear()
     _STREAMS.clear()
 
 
@@ -319,3 +320,15 @@ def sparsegpt_prune(
     if n_dead:
         keep[:, dead] = False
     return Wt.t().contiguous(), keep.contiguous(), info
+
+
+class SparseGPT(Method):
+    name = "sparsegpt"
+    observes = Observes.HESSIAN
+
+    def prune(self, weight, sparsity, pattern, stats, *, blocksize, percdamp, warn) -> PruneResult:
+        if getattr(stats, "hessian", None) is None:
+            raise SparsekitError("sparsegpt needs the input Hessian: gather stats with InputStats(..., hessian=True)")
+        new_w, keep, info = sparsegpt_prune(weight, stats.hessian, sparsity, pattern, blocksize=blocksize,
+                                            percdamp=percdamp, warn=warn)
+        return PruneResult(new_w, keep, info)

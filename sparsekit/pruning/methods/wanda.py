@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sparsekit.errors import SparsekitError
+from sparsekit.pruning.methods.base import Method, Observes, PruneResult
 from sparsekit.pruning.patterns import Pattern, select_mask
 
 
@@ -21,3 +22,12 @@ def wanda_scores(weight: torch.Tensor, col_sq_sum: torch.Tensor) -> torch.Tensor
 def wanda_mask(weight: torch.Tensor, col_sq_sum: torch.Tensor, sparsity: float, pattern: Pattern) -> torch.Tensor:
     """Keep-mask [out, in] for ``weight`` [out, in] at a resolved ``sparsity``."""
     return select_mask(wanda_scores(weight, col_sq_sum), pattern, sparsity, group="row")
+
+
+class Wanda(Method):
+    name = "wanda"
+    observes = Observes.INPUT_COLUMNS
+
+    def prune(self, weight, sparsity, pattern, stats, *, blocksize, percdamp, warn) -> PruneResult:
+        keep = wanda_mask(weight, stats.col_sq_sum, sparsity, pattern)
+        return PruneResult(weight.detach().masked_fill(~keep, 0), keep)

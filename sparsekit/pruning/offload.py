@@ -1,0 +1,116 @@
+"""Moving decoder layers to the device and back, one at a time (on CUDA, in the background)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class LayerMover:
+    """Moves decoder layers to the device and back.
+
+    On CUDA (``overlap``), a worker thread copies the next layer in on a side stream while the
+    current one computes, and copies each pruned layer's tensors back into its original CPU
+    tensors in the background; :meth:`finish` waits for those copies. Elsewhere it is a plain
+    ``layer.to(device)`` / ``layer.to("cpu")``. As a context manager it finishes on exit.
+    """
+
+    def __init__(self, layers: nn.ModuleList, device: torch.device, overlap: bool):
+        self.layers, self.device = layers, device
+        self.overlap = overlap and device.type == "cuda"
+        self.pending: dict[int, object] = {}
+        self.offloads: list = []
+        self.cpu: dict[int, list] = {}
+        if self.overlap:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsekit-mover")
+            self.stream = torch.cuda.Stream(device)
+
+    @staticmethod
+    def _slots(layer: nn.Module):
+        for mod in layer.modules():
+            for key, t in mod._parameters.items():
+                if t is not None:
+                    yield mod, "p", key, t
+            for key, t in mod._buffers.items():
+                if t is not None:
+                    yield mod, "b", key, t
+
+    def _copy_in(self, idx: int):
+        slots = list(self._slots(self.layers[idx]))
+        with torch.cuda.stream(self.stream):
+            gpu = [(t.data if kind == "p" else t).to(self.device, non_blocking=True) for _, kind, _, t in slots]
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return slots, gpu, ev
+
+    def prefetch(self, idx: int) -> None:
+        if self.overlap and 0 <= idx < len(self.layers) and idx not in self.pending:
+            self.pending[idx] = self.pool.submit(self._copy_in, idx)
+
+    def load(self, idx: int) -> nn.Module:
+        layer = self.layers[idx]
+        if not self.overlap:
+            return layer.to(self.device)
+        self.prefetch(idx)
+        slots, gpu, ev = self.pending.pop(idx).result()
+        main = torch.cuda.current_stream(self.device)
+        main.wait_event(ev)
+        originals = []
+        for (mod, kind, key, t), g in zip(slots, gpu):
+            g.record_stream(main)  # allocated on the side stream, used and freed on the main one
+            if kind == "p":
+                originals.append(t.data)
+                t.data = g
+            else:
+                originals.append(t)
+                mod._buffers[key] = g
+        self.cpu[idx] = (slots, originals)
+        return layer
+
+    def offload(self, idx: int) -> None:
+        layer = self.layers[idx]
+        if not self.overlap:
+            layer.to("cpu")
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        gpu = []
+        slots, originals = self.cpu.pop(idx)
+        for (mod, kind, key, t), cpu in zip(slots, originals):  # the tensors that load() moved in
+            gpu.append((t.data if kind == "p" else mod._buffers[key], cpu))
+            if kind == "p":
+                t.data = cpu  # the CPU tensor receives the device values below
+            else:
+                mod._buffers[key] = cpu
+        for mod, kind, key, t in list(self._slots(layer)):  # made on the device meanwhile
+            if t.device.type != "cpu":
+                if kind == "p":
+                    t.data = t.data.to("cpu")
+                else:
+                    mod._buffers[key] = t.to("cpu")
+
+        def copy_out():
+            self.stream.wait_event(done)
+            with torch.cuda.stream(self.stream):
+                for g, cpu in gpu:
+                    cpu.copy_(g)  # pageable destination: returns once the copy is complete
+            self.stream.synchronize()
+
+        self.offloads.append(self.pool.submit(copy_out))
+
+    def __enter__(self) -> "LayerMover":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        if self.overlap:
+            for f in self.offloads:
+                f.result()
+            self.offloads.clear()
+            for f in self.pending.values():
+                f.result()
+            self.pending.clear()
+            self.pool.shutdown()

@@ -1,0 +1,33 @@
+"""``PruneSettings``: the resolved, validated settings of one ``sparsekit prune`` run.
+
+Built by ``sparsekit.pruning.recipes.resolve_settings`` (defaults < recipe < arguments); the report's
+``settings`` entry is :meth:`PruneSettings.as_dict`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass
+class PruneSettings:
+    method: str  # a name of sparsekit.pruning.methods.METHODS
+    pattern: str  # canonical pattern text: unstructured, N:M, hybrid[:T]
+    sparsity: float  # resolved: the pattern's default when none was given
+    dataset: str  # calibration text
+    nsamples: int  # calibration windows
+    seqlen: int  # tokens per window (prune() caps it to the model context)
+    seed: int
+    skip: list[str]  # module-name patterns left dense (lm_head included unless prune_lm_head)
+    prune_lm_head: bool
+    blocksize: int  # SparseGPT column block size
+    damp: float  # SparseGPT dampening, fraction of the mean Hessian diagonal
+    recipe: str | None = None  # the recipe file, if one was used
+
+    def as_dict(self) -> dict[str, Any]:
+        """The settings as a plain dict, in field order; ``recipe`` only when one was used."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        if out["recipe"] is None:
+            del out["recipe"]
+        out["skip"] = list(out["skip"])
+        return out
