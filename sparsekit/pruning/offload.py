@@ -83,7 +83,7 @@ class LayerMover:
                 t.data = cpu  # the CPU tensor receives the device values below
             else:
                 mod._buffers[key] = cpu
-        for mod, kind, key, t in list(self._slots(layer)):  # made on the device meanwhile
+        for mod, kind, key, t in list(self._slots(layer)):  # made on the device meanwhile (a cache the layer built)
             if t.device.type != "cpu":
                 if kind == "p":
                     t.data = t.data.to("cpu")

@@ -155,7 +155,7 @@ class Cats(Method):
         return list(find_linears(model)) + list(find_gated_mlps(model))
 
     def metadata(self, report: dict, sparsity: float) -> dict:
-        return {"cats": cats_metadata(report["cats"], sparsity)}
+        return {"cats": cats_metadata(report[self.report_key], sparsity)}
 
     def calibrate_layer(self, layer, prefix, acts, *, sparsity, skip, seed, sample_size, write):
         mlps = find_gated_mlps(layer, prefix=prefix, skip=skip)
