@@ -27,12 +27,12 @@ from numba import cuda
 
 from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, decode_pair, f2h, fence_proxy_async, h2f, lds32,
                           mbar_expect, mbar_init, mbar_wait, mma, shfl_up, shfl_xor, smem_base, syncwarp)
+from .common import XROW
 
 THREADS = 128          # 4 warps: the 4 strips of a GroupTile row
 KPER_MAX = 128         # GroupTiles along K per block (offsets staged in shared memory)
 _GOFFS = KPER_MAX + 1
 _SOFFS = 4 * KPER_MAX
-XROW = 18              # uint64 per staged X row: 16 + 2 pad (144 B), conflict-free 4-byte B loads
 BM_WORDS = 64          # uint64 bitmaps per GroupTile
 
 _KERNELS: dict = {}

@@ -32,8 +32,8 @@ from numba import cuda
 
 from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, f2h, mma, ptr_of, shfl_idx, syncwarp
 from ._warp_intrinsics import byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_counts, sts64b
+from .common import XROW
 
-XROW = 18        # uint64 per staged X row (144 B: conflict-free B-fragment loads)
 BMW = 16         # uint64 bitmaps per strip
 WBW = 32         # uint64 per warp: (half-bitmap word, value offset) table of the step being decoded
 MAX_STEPS = 32   # steps per warp (one per lane holds its offsets)

@@ -1,0 +1,285 @@
+"""The device primitives of ``_intrinsics`` for the GPU: inline PTX / LLVM IR.
+
+``mma`` is one ``mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32`` (inline PTX through
+``numba.cuda.extending.intrinsic`` + llvmlite ``InlineAsm``), ``h2f`` / ``f2h`` single ``cvt``
+instructions, ``shfl_*`` / ``syncwarp`` the warp intrinsics, ``bulk_copy`` / ``mbar_*`` Hopper bulk
+copies completing on mbarriers, ``cp_wait*`` ``cp.async.wait_group``. Importing this module needs no
+GPU (nothing compiles until a kernel does); what the simulator cannot cover (PTX syntax, register
+constraints) ``scripts/gpu_check_kernels.py`` checks on the device. Same public names and
+signatures as ``_intrinsics_sim`` (checked by tests/test_kernels_layout.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import cuda
+from numba.cuda.extending import intrinsic
+
+from .compat_numba import cuda_typing
+
+__all__ = ["bulk_copy", "cp_wait0", "cp_wait1", "cp_wait2", "decode_pair", "f2h", "fence_proxy_async", "h2f",
+           "lds32", "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up",
+           "shfl_xor", "smem_base", "syncwarp"]
+
+types, cgutils = cuda_typing()
+
+_i16, _i32, _f32 = ir.IntType(16), ir.IntType(32), ir.FloatType()
+
+
+@intrinsic
+def _mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    u, f = types.uint32, types.float32
+    sig = types.UniTuple(f, 4)(u, u, u, u, u, u, f, f, f, f)
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.LiteralStructType([_f32] * 4), [_i32] * 6 + [_f32] * 4)
+        asm = ir.InlineAsm(
+            fnty,
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+            "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};",
+            "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+        )
+        res = builder.call(asm, args)
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+
+    return sig, codegen
+
+
+@intrinsic
+def _h2f(typingctx, bits):
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, sig, args):
+        h = builder.trunc(args[0], _i16)
+        asm = ir.InlineAsm(ir.FunctionType(_f32, [_i16]), "cvt.f32.f16 $0, $1;", "=f,h")
+        return builder.call(asm, [h])
+
+    return sig, codegen
+
+
+@intrinsic
+def _f2h(typingctx, x):
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, sig, args):
+        asm = ir.InlineAsm(ir.FunctionType(_i16, [_f32]), "cvt.rn.f16.f32 $0, $1;", "=h,f")
+        return builder.call(asm, [args[0]])
+
+    return sig, codegen
+
+
+_i8p = ir.IntType(8).as_pointer()
+
+
+def _smem_addr(builder, ptr):
+    """32-bit shared-window address of a generic pointer into shared memory (cvta.to.shared)."""
+    sp = builder.addrspacecast(builder.bitcast(ptr, _i8p), ir.IntType(8).as_pointer(addrspace=3))
+    return builder.ptrtoint(sp, _i32)
+
+
+def _asm_stmt(text):
+    @intrinsic
+    def _stmt(typingctx):
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []), text, "~{memory}", side_effect=True)
+            builder.call(asm, [])
+            return context.get_dummy_value()
+
+        return types.void(), codegen
+
+    return _stmt
+
+
+@intrinsic
+def _smem_base(typingctx, arr, i):
+    sig = types.uint32(arr, types.int64)
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        return _smem_addr(builder, ptr)
+
+    return sig, codegen
+
+
+@intrinsic
+def _lds32(typingctx, addr):
+    sig = types.uint32(types.uint32)
+
+    def codegen(context, builder, sig, args):
+        asm = ir.InlineAsm(ir.FunctionType(_i32, [_i32]), "ld.shared.u32 $0, [$1];", "=r,r")
+        return builder.call(asm, [args[0]])
+
+    return sig, codegen
+
+
+# SMBD decode of one lane's A-fragment register: value index = offset + popc(word & lmask);
+# two 16-bit shared loads (value i, value i+1); a 2-bit code (bit0, bit1 set?) picks a byte
+# permutation from a 4-entry table (PRMT), so the register is (v_i, v_i+1), (v_i, 0),
+# (0, v_i) or (0, 0) without branches.
+_DECODE_PTX = """{
+    .reg .u32 w, b, t, i, a, f, s, k, c, sel;
+    mov.b64 {w, b}, $1;
+    and.b32 t, w, $2;
+    popc.b32 t, t;
+    add.u32 i, b, t;
+    mad.lo.u32 a, i, 2, $4;
+    ld.shared.u16 f, [a];
+    ld.shared.u16 s, [a+2];
+    bfe.u32 k, w, $3, 2;
+    mad.lo.u32 c, k, 34, 16;
+    prmt.b32 sel, 0x22102222, 0x54101022, c;
+    prmt.b32 $0, f, s, sel;
+}"""
+
+
+@intrinsic
+def _decode_pair(typingctx, e, lmask, pos, vbase):
+    u = types.uint32
+    sig = u(types.uint64, u, u, u)
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(_i32, [ir.IntType(64), _i32, _i32, _i32])
+        asm = ir.InlineAsm(fnty, _DECODE_PTX, "=r,l,r,r,r")
+        return builder.call(asm, args)
+
+    return sig, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def smem_base(arr, i):
+    return _smem_base(arr, i)
+
+
+@cuda.jit(device=True, inline=True)
+def lds32(d32, base, woff):
+    return _lds32(np.uint32(base + np.uint32(woff) * np.uint32(4)))
+
+
+@cuda.jit(device=True, inline=True)
+def decode_pair(d32, e, lmask, pos, vbase):
+    return _decode_pair(np.uint64(e), np.uint32(lmask), np.uint32(pos), np.uint32(vbase))
+
+
+def _asm_fn2(text, constraints, ret=False):
+    """An intrinsic running ``text`` on two uint32 operands (optionally returning a uint32)."""
+    @intrinsic
+    def _fn(typingctx, a, b):
+        u = types.uint32
+        sig = (u if ret else types.void)(u, u)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(_i32 if ret else ir.VoidType(), [_i32, _i32])
+            out = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), args)
+            return out if ret else context.get_dummy_value()
+
+        return sig, codegen
+
+    return _fn
+
+
+_mbar_init = _asm_fn2("mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}")
+_mbar_expect = _asm_fn2("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}")
+_mbar_try = _asm_fn2("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; "
+                     "selp.u32 $0, 1, 0, p; }", "=r,r,r,~{memory}", ret=True)
+fence_proxy_async = _asm_stmt("fence.proxy.async.shared::cta;")
+_fence_mbar_init = _asm_stmt("fence.mbarrier_init.release.cluster;")
+
+
+@intrinsic
+def _bulk(typingctx, dst_addr, src, si, nbytes, mbar_addr):
+    u = types.uint32
+    sig = types.void(u, src, types.int64, u, u)
+
+    def codegen(context, builder, sig, args):
+        sty = sig.args[1]
+        ary = context.make_array(sty)(context, builder, args[1])
+        sp = cgutils.get_item_pointer(context, builder, sty, ary, [args[2]], wraparound=False)
+        asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i8p, _i32, _i32]),
+                           "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                           "[$0], [$1], $2, [$3];", "r,l,r,r,~{memory}", side_effect=True)
+        builder.call(asm, [args[0], builder.bitcast(sp, _i8p), args[3], args[4]])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def mbar_init(mbar, i, count):
+    _mbar_init(_smem_base(mbar, i), np.uint32(count))
+    _fence_mbar_init()
+
+
+@cuda.jit(device=True, inline=True)
+def mbar_expect(mbar, i, nbytes):
+    _mbar_expect(_smem_base(mbar, i), np.uint32(nbytes))
+
+
+@cuda.jit(device=True, inline=True)
+def mbar_wait(mbar, i, parity):
+    a = _smem_base(mbar, i)
+    while _mbar_try(a, np.uint32(parity)) == 0:
+        pass
+
+
+@cuda.jit(device=True, inline=True)
+def bulk_copy(dst, di, src, si, nbytes, mbar, mi):
+    _bulk(_smem_base(dst, di), src, si, np.uint32(nbytes), _smem_base(mbar, mi))
+
+
+cp_wait0 = _asm_stmt("cp.async.wait_group 0;")
+cp_wait1 = _asm_stmt("cp.async.wait_group 1;")
+cp_wait2 = _asm_stmt("cp.async.wait_group 2;")
+
+
+@intrinsic
+def _ptr_of(typingctx, arr):
+    sig = types.uint64(arr)
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        return builder.ptrtoint(ary.data, ir.IntType(64))
+
+    return sig, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def ptr_of(arr):
+    return _ptr_of(arr)
+
+
+@cuda.jit(device=True, inline=True)
+def shfl_idx(scr, tid, val, src_lane):
+    return np.uint32(cuda.shfl_sync(0xFFFFFFFF, np.int32(val), np.int32(src_lane)))
+
+
+@cuda.jit(device=True, inline=True)
+def mma(scr, tid, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    return _mma(np.uint32(a0), np.uint32(a1), np.uint32(a2), np.uint32(a3), np.uint32(b0),
+                np.uint32(b1), np.float32(c0), np.float32(c1), np.float32(c2), np.float32(c3))
+
+
+@cuda.jit(device=True, inline=True)
+def h2f(bits):
+    return _h2f(np.uint32(bits))
+
+
+@cuda.jit(device=True, inline=True)
+def f2h(x):
+    return _f2h(np.float32(x))
+
+
+@cuda.jit(device=True, inline=True)
+def syncwarp():
+    cuda.syncwarp(0xFFFFFFFF)
+
+
+@cuda.jit(device=True, inline=True)
+def shfl_up(scr, tid, val, delta):
+    return np.uint32(cuda.shfl_up_sync(0xFFFFFFFF, np.int32(val), np.int32(delta)))
+
+
+@cuda.jit(device=True, inline=True)
+def shfl_xor(scr, tid, val, mask):
+    return cuda.shfl_xor_sync(0xFFFFFFFF, np.float32(val), np.int32(mask))

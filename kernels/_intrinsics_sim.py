@@ -1,0 +1,169 @@
+"""The device primitives of ``_intrinsics`` as plain Python, for numba's CUDA simulator.
+
+Under ``NUMBA_ENABLE_CUDASIM=1`` there is no PTX and the simulator has no warp shuffles, so warp
+exchanges go through a per-block shared scratch array and ``syncthreads`` (every kernel calls them
+uniformly across the block, which the emulation requires), and ``mma`` computes exactly the
+fragment contract of m16n8k16 (each lane publishes its A/B registers, then computes its own four C
+elements from everyone's). Same public names and signatures as ``_intrinsics_ptx`` (checked by
+tests/test_kernels_layout.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .compat_numba import sim_syncthreads
+
+__all__ = ["bulk_copy", "cp_wait0", "cp_wait1", "cp_wait2", "decode_pair", "f2h", "fence_proxy_async", "h2f",
+           "lds32", "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up",
+           "shfl_xor", "smem_base", "syncwarp"]
+
+
+def _f16(bits) -> float:
+    return float(np.array([int(bits) & 0xFFFF], dtype=np.uint16).view(np.float16)[0])
+
+
+def h2f(bits):
+    """fp16 bit pattern (low 16 bits of ``bits``) -> float32."""
+    return np.float32(_f16(bits))
+
+
+def f2h(x):
+    """float32 -> fp16 bit pattern (round to nearest even), as uint16."""
+    return np.array([x], dtype=np.float32).astype(np.float16).view(np.uint16)[0]
+
+
+def syncwarp():
+    sim_syncthreads()
+
+
+def mbar_init(mbar, i, count):
+    pass
+
+
+def mbar_expect(mbar, i, nbytes):
+    pass
+
+
+def mbar_wait(mbar, i, parity):
+    pass
+
+
+def fence_proxy_async():
+    pass
+
+
+def bulk_copy(dst, di, src, si, nbytes, mbar, mi):
+    """dst[di:di+nbytes/8] = src[si:...] (uint64 views): one TMA bulk copy on the GPU."""
+    for k in range(nbytes // 8):
+        dst[di + k] = np.int64(src[si + k]).view(np.uint64)
+
+
+def smem_base(arr, i):
+    """Shared-memory "address" of uint64 element ``i`` (simulator: its uint32 word index)."""
+    return 2 * i
+
+
+def lds32(d32, base, woff):
+    """The uint32 word ``woff`` words past ``base`` (a ``smem_base`` address)."""
+    return np.uint32(d32[base + woff])
+
+
+def decode_pair(d32, e, lmask, pos, vbase):
+    """SMBD: this lane's A-fragment register from its half-bitmap entry ``e``.
+
+    ``e`` = bitmap half-word (low 32 bits) | value offset of that half-word (high 32 bits).
+    The lane's two elements are bits ``pos`` and ``pos + 1`` of the word; the first set one is
+    value ``offset + popc(word & lmask)``; the register holds (low, high) = (element 0,
+    element 1), zeros for unset bits.
+    """
+    e = int(e)
+    w = e & 0xFFFFFFFF
+    idx = (e >> 32) + bin(w & int(lmask)).count("1")
+    a = vbase + (idx >> 1)
+    pair = (int(d32[a]) | (int(d32[a + 1]) << 32)) >> (16 * (idx & 1))
+    return _select_pair(w, pos, pair & 0xFFFF, (pair >> 16) & 0xFFFF)
+
+
+def _select_pair(w, pos, first, second):
+    """The A register of the lane's elements at bits ``pos``, ``pos + 1`` of ``w``: the set ones
+    take the next values in order (``first``, then ``second``), the unset ones are zero."""
+    b0, b1 = (int(w) >> int(pos)) & 1, (int(w) >> (int(pos) + 1)) & 1
+    if b0 and b1:
+        return np.uint32(first | (second << 16))
+    if b0:
+        return np.uint32(first)
+    if b1:
+        return np.uint32(first << 16)
+    return np.uint32(0)
+
+
+def cp_wait0():
+    pass
+
+
+cp_wait1 = cp_wait2 = cp_wait0
+
+
+def ptr_of(arr):
+    """Raw device address of ``arr``'s data (simulator: 0; offsets index the array)."""
+    return 0
+
+
+def shfl_idx(scr, tid, val, src_lane):
+    """Warp broadcast of lane ``src_lane``'s uint32 (GPU: shfl.sync.idx)."""
+    scr[tid] = val
+    sim_syncthreads()
+    out = scr[(tid & ~31) + int(src_lane)]
+    sim_syncthreads()
+    return type(val)(out)
+
+
+def shfl_up(scr, tid, val, delta):
+    """Warp shuffle-up of a uint32 (GPU: shfl.sync.up)."""
+    lane = tid & 31
+    scr[tid] = val
+    sim_syncthreads()
+    out = scr[tid - delta] if lane >= delta else scr[tid]
+    sim_syncthreads()
+    return type(val)(out)
+
+
+def shfl_xor(scr, tid, val, mask):
+    """Butterfly shuffle of a float32 (GPU: shfl.sync.bfly)."""
+    scr[tid] = val
+    sim_syncthreads()
+    out = scr[tid ^ mask]
+    sim_syncthreads()
+    return type(val)(out)
+
+
+def _half_pair(word):
+    w = int(word)
+    return _f16(w & 0xFFFF), _f16(w >> 16)
+
+
+def mma(scr, tid, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+    """D = A(16x16, row) * B(16x8, col) + C with the m16n8k16 register layout (fp32 math)."""
+    base = (tid >> 5) * 32 * 6
+    lane = tid & 31
+    for j, r in enumerate((a0, a1, a2, a3, b0, b1)):
+        scr[base + lane * 6 + j] = np.uint32(r)
+    sim_syncthreads()
+    gid, tig = lane >> 2, lane & 3
+    out = [c0, c1, c2, c3]
+    for oi in range(4):
+        row = gid + 8 * (oi >> 1)
+        col = 2 * tig + (oi & 1)
+        acc = 0.0
+        for k in range(16):
+            # A[row][k]: lane (row%8)*4 + (k%8)//2, register (row>=8) + 2*(k>=8), half k%2
+            al = (row & 7) * 4 + ((k & 7) >> 1)
+            areg = (row >> 3) + 2 * (k >> 3)
+            a = _half_pair(scr[base + al * 6 + areg])[k & 1]
+            # B[k][col]: lane col*4 + (k%8)//2, register (k>=8), half k%2
+            bl = col * 4 + ((k & 7) >> 1)
+            b = _half_pair(scr[base + bl * 6 + 4 + (k >> 3)])[k & 1]
+            acc += a * b
+        out[oi] = np.float32(out[oi] + np.float32(acc))
+    sim_syncthreads()
+    return out[0], out[1], out[2], out[3]

@@ -1,0 +1,123 @@
+"""Every reach into numba / numba-cuda / cuda-core internals the kernels make, in one place.
+
+Checked against: numba 0.68 with numba-cuda 0.30.4 and cuda-core (the GPU image), and numba 0.68.1
+with its bundled CUDA target (the CPU/CI image, simulator only). Each reach is guarded: on a numba
+where it fails, the caller keeps numba's own (slower or more limited) path; nothing here changes
+what a kernel computes. What reaches in:
+
+- ``numpy.row_stack`` restored (numba-cuda 0.30.4 still calls it; numpy 2.5 removed it);
+- ``silence_low_occupancy_warnings``: both numba's and numba-cuda's config copies;
+- ``cuda_typing``: numba-cuda >= 0.20 carries its own ``types`` / ``cgutils``, the bundled target uses
+  numba.core's;
+- ``sim_syncthreads``: the simulator's per-thread kernel context (``_get_kernel_context``);
+- ``opt_in_smem``: ``Dispatcher._compile_for_args`` + the code library's ``CUfunction`` +
+  ``cuKernelSetAttribute`` (dynamic shared memory past 48 KB);
+- ``fast_entry`` / ``launch_direct`` / ``flat``: numba's kernel argument packing (checked once per
+  kernel against ``_Kernel._prepare_args``) and a direct ``cuda.core.launch`` of the compiled kernel.
+
+Importing this module imports numpy only; numba is imported on first use.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy
+
+if not hasattr(numpy, "row_stack"):
+    numpy.row_stack = numpy.vstack
+
+_cfgs: dict = {}          # (blocks, threads, dynamic shared bytes) -> cuda.core LaunchConfig
+_sim_context = None
+
+
+def silence_low_occupancy_warnings() -> None:
+    """Turn off numba's "grid size N will likely result in GPU under-utilization" warning (split-K
+    grids for small layers are deliberately small; it would fire on every such launch)."""
+    from numba import config as numba_config
+
+    numba_config.CUDA_LOW_OCCUPANCY_WARNINGS = False
+    try:  # numba-cuda (the separate package) reads its own copy of the config
+        from numba.cuda.core import config as numba_cuda_config
+
+        numba_cuda_config.CUDA_LOW_OCCUPANCY_WARNINGS = False
+    except ImportError:
+        pass
+
+
+def cuda_typing():
+    """(types, cgutils) for ``numba.cuda.extending.intrinsic`` code generation."""
+    try:  # numba-cuda >= 0.20 carries its own type system
+        from numba.cuda import cgutils, types
+    except ImportError:  # the CUDA target bundled with numba
+        from numba.core import cgutils, types
+    return types, cgutils
+
+
+def sim_syncthreads() -> None:
+    """``cuda.syncthreads()`` of the simulated thread running this call (simulator only)."""
+    global _sim_context
+    if _sim_context is None:
+        from numba.cuda.simulator.kernel import _get_kernel_context
+
+        _sim_context = _get_kernel_context
+    _sim_context().syncthreads()
+
+
+def opt_in_smem(kern, args, nbytes: int) -> bool:
+    """Let ``kern`` (compiled for ``args``) take up to ``nbytes`` of dynamic shared memory; False
+    where this numba cannot (the caller stays under 48 KB)."""
+    try:
+        from numba.cuda.cudadrv.driver import binding, driver
+
+        k = kern._compile_for_args(*args)
+        cufunc = k._codelibrary.get_cufunc()
+        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
+        return True
+    except Exception:  # noqa: BLE001 - an older numba: stay under 48 KB
+        return False
+
+
+def flat(ptr: int, size: int, itemsize: int) -> list:
+    """A 1-D contiguous device array as numba passes it to a kernel: meminfo, parent, item count,
+    item size, data pointer, shape, strides."""
+    return [0, 0, size, itemsize, ptr, size, itemsize]
+
+
+def fast_entry(kern, args):
+    """The cuda.core kernel behind ``kern`` if launching it directly passes exactly the arguments
+    numba's own launch would (checked once per kernel against numba's argument packing); else None.
+    ``args``: numba device arrays (1-D, contiguous) first, then int64 scalars.
+
+    numba's launch (type checks, a device-array wrapper per tensor) costs ~0.3 ms per call from
+    Python, 25x this kernel at decode shapes; it matters wherever the product is not replayed
+    from a CUDA graph (prefill, eager decode).
+    """
+    try:
+        ck = kern._compile_for_args(*args)
+        ref: list = []
+        for t, v in zip(ck.argument_types, args):
+            ck._prepare_args(t, v, 0, [], ref)
+        mine: list = []
+        for a in args:
+            if hasattr(a, "device_ctypes_pointer"):
+                mine += flat(a.device_ctypes_pointer.value or 0, a.size, a.dtype.itemsize)
+            else:
+                mine.append(ctypes.c_int64(a))
+        same = [getattr(a, "value", a) for a in ref] == [getattr(a, "value", a) for a in mine]
+        return ck._codelibrary.get_cufunc().kernel if same else None
+    except Exception:  # noqa: BLE001 - another numba: keep its own launch
+        return None
+
+
+def launch_direct(ck, blocks: int, threads: int, dyn: int, stream, flat_args, scalars) -> None:
+    """Launch the cuda.core kernel ``ck`` with numba's argument packing: ``flat_args`` (the arrays,
+    see ``flat``) then ``scalars`` as int64."""
+    from cuda.core import LaunchConfig
+    from cuda.core import launch as cc_launch
+
+    key = (blocks, threads, dyn)
+    cfg = _cfgs.get(key)
+    if cfg is None:
+        cfg = _cfgs[key] = LaunchConfig(grid=blocks, block=threads, shmem_size=dyn)
+    cc_launch(stream, cfg, ck, *flat_args, *[ctypes.c_int64(s) for s in scalars])
