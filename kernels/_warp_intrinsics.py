@@ -15,7 +15,7 @@ GPU: ``_warp_intrinsics_ptx``; simulator: ``_warp_intrinsics_sim`` (same names a
 """
 from __future__ import annotations
 
-from .common import SIM, XROW_BYTES  # noqa: F401 - re-exported
+from .common import SIM
 
 if SIM:
     from ._warp_intrinsics_sim import *  # noqa: F401,F403

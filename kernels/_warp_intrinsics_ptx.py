@@ -12,7 +12,7 @@ from numba import cuda
 from numba.cuda.extending import intrinsic
 
 from ._intrinsics_ptx import smem_base
-from .common import XROW_BYTES
+from .plan import XROW_BYTES
 from .compat_numba import cuda_typing
 
 __all__ = ["byte_addr", "decode_at", "lds128b", "lds32b", "make_step_issue", "scan_counts", "sts64b"]

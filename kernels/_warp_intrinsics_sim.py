@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._intrinsics_sim import _select_pair, shfl_idx
-from .common import XROW_BYTES
+from .plan import XROW_BYTES
 from .compat_numba import sim_syncthreads
 
 __all__ = ["byte_addr", "decode_at", "lds128b", "lds32b", "make_step_issue", "scan_counts", "sts64b"]

@@ -33,7 +33,7 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
     the simulator (slow; tests only). ``tuning`` (``splits``, ``cuda_core_max_n``) is for benchmarks.
     """
     from . import launch
-    from ._intrinsics import SIM
+    from .common import SIM
 
     if x.dim() != 2:
         raise ValueError(f"tcabme_matmul expects x of shape [N, K], got {tuple(x.shape)}")

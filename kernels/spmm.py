@@ -27,10 +27,9 @@ from numba import cuda
 
 from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, decode_pair, f2h, fence_proxy_async, h2f, lds32,
                           mbar_expect, mbar_init, mbar_wait, mma, shfl_up, shfl_xor, smem_base, syncwarp)
-from .common import XROW
+from .plan import KPER_MAX, XROW
 
 THREADS = 128          # 4 warps: the 4 strips of a GroupTile row
-KPER_MAX = 128         # GroupTiles along K per block (offsets staged in shared memory)
 _GOFFS = KPER_MAX + 1
 _SOFFS = 4 * KPER_MAX
 BM_WORDS = 64          # uint64 bitmaps per GroupTile
@@ -44,6 +43,11 @@ _SIM_U32 = np.dtype(np.uint32) if SIM else np.uint32
 def slot_words(vcap: int, nt: int) -> int:
     """uint64 words of one pipeline stage: values (vcap) + bitmaps + X rows."""
     return vcap + BM_WORDS + nt * XROW
+
+
+def compiled_kernels() -> dict:
+    """The kernels built so far, by their ``get_kernel`` key (for resource reports)."""
+    return dict(_KERNELS)
 
 
 def get_kernel(nt: int, use_mma: bool, stages: int):

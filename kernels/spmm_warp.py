@@ -32,14 +32,10 @@ from numba import cuda
 
 from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, f2h, mma, ptr_of, shfl_idx, syncwarp
 from ._warp_intrinsics import byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_counts, sts64b
-from .common import XROW
-
-BMW = 16         # uint64 bitmaps per strip
-WBW = 32         # uint64 per warp: (half-bitmap word, value offset) table of the step being decoded
-MAX_STEPS = 32   # steps per warp (one per lane holds its offsets)
-MAX_WARPS = 32
-MAX_N = 64
-DENSE_CHUNKS = 129   # 16-byte value chunks a strip can need: 1024 values + a misaligned start
+from .plan import BMW, DENSE_CHUNKS, MAX_N, MAX_STEPS, MAX_WARPS, WBW, XROW  # noqa: F401 - layout sizes
+from .plan import warp_max_registers as max_registers
+from .plan import warp_slot_words as slot_words  # noqa: F401 - the kernel's stage layout
+from .plan import warp_smem_bytes as smem_bytes  # noqa: F401
 
 _KERNELS: dict = {}
 ROT = 1     # blocks start their K loop at different steps (blockIdx mod steps), see _build
@@ -49,21 +45,9 @@ _SIM_U32 = np.dtype(np.uint32) if SIM else np.uint32
 _SIM_F32 = np.dtype(np.float32) if SIM else np.float32
 
 
-def slot_words(vch: int, n: int, r: int = 1) -> int:
-    """uint64 words of one stage: values (``vch`` 16-byte chunks) + ``r`` strips' bitmaps + X rows."""
-    return 2 * vch + r * BMW + n * XROW
-
-
-def smem_bytes(nw: int, vch: int, n: int, stages: int, r: int = 1) -> int:
-    """Dynamic shared bytes of a block: each warp's ring of ``stages`` slots and its table."""
-    return nw * (stages * slot_words(vch, n, r) + r * WBW) * 8
-
-
-def max_registers(n: int, r: int = 1) -> int:
-    """Register cap per thread (64 keeps 2+ blocks of 8-16 warps on an SM at decode sizes)."""
-    if r == 4:
-        return 128
-    return 64 if n <= 16 and r == 1 else (96 if n <= 16 else 128)
+def compiled_kernels() -> dict:
+    """The kernels built so far, by their ``get_kernel`` key (for resource reports)."""
+    return dict(_KERNELS)
 
 
 def get_kernel(n: int, stages: int, cmax: int, r: int = 1, maxreg: int | None = None):

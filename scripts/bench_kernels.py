@@ -14,94 +14,29 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _kernels_common import (copies_for, floats_arg, ints_arg, random_pruned, shapes_arg,  # noqa: E402
+                             time_calls, weight_copies)
+
+from sparsekit.evaluation.timing import time_ms  # noqa: E402
+
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096),
           (576, 576), (192, 576), (1536, 576), (576, 1536)]
 NS = [1, 8, 16, 32, 64]
 SPARSITIES = [0.4, 0.5, 0.6, 0.7]
-L2_ROTATE_BYTES = 200 * 2**20
 
 
 def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in bytes/s (read + write), median of 20."""
     a = torch.empty(2**28, dtype=torch.uint8, device="cuda")   # 256 MiB
     b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    times = []
-    for _ in range(20):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        b.copy_(a)
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) / 1e3)
-    return 2 * a.numel() / statistics.median(times)
-
-
-def time_calls(calls, reps: int = 15, graph: bool = True) -> tuple[float, str]:
-    """Median microseconds per call over ``reps`` replays of all ``calls`` (graph, else eager)."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    mode = "graph"
-    run = None
-    if graph:
-        try:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for c in calls:
-                    c()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for c in calls:
-                    c()
-            run = g.replay
-        except Exception:  # noqa: BLE001 - not capturable: time eagerly
-            torch.cuda.synchronize()
-            run = None
-    if run is None:
-        mode = "eager"
-
-        def run():
-            for c in calls:
-                c()
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        run()
-        e1.record()
-        e1.synchronize()
-        times.append(e0.elapsed_time(e1) * 1e3 / len(calls))
-    return statistics.median(times), mode
-
-
-def copies_for(nbytes: int) -> int:
-    return max(4, math.ceil(L2_ROTATE_BYTES / max(nbytes, 1)))
-
-
-def weight_copies(p) -> list:
-    """``copies_for`` independent copies of the packed weight ``p`` (rotated so L2 cannot hold them)."""
-    return [type(p)(bitmaps=p.bitmaps.clone(), values=p.values.clone(), gtile_offsets=p.gtile_offsets.clone(),
-                    strip_offsets=p.strip_offsets.clone(), shape=p.shape) for _ in range(copies_for(p.nbytes))]
-
-
-def random_pruned(m, k, sparsity, gen):
-    w = torch.randn(m, k, device="cuda", generator=gen).half()
-    w[torch.rand(m, k, device="cuda", generator=gen) < sparsity] = 0
-    return w
+    return 2 * a.numel() / (time_ms(lambda: b.copy_(a), repeats=20, warmup=3) / 1e3)
 
 
 def prune_24(w):
@@ -243,13 +178,9 @@ def main() -> int:
         with open(args.render) as f:
             print(compact_table(json.load(f)["rows"]))
         return 0
-    shapes = SHAPES
-    if args.shapes:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    elif args.quick:
-        shapes = [SHAPES[0], SHAPES[4], SHAPES[6]]
-    ns = [int(v) for v in args.ns.split(",")] if args.ns else NS
-    sps = [float(v) for v in args.sparsities.split(",")] if args.sparsities else SPARSITIES
+    shapes = shapes_arg(args.shapes) or ([SHAPES[0], SHAPES[4], SHAPES[6]] if args.quick else SHAPES)
+    ns = ints_arg(args.ns) or NS
+    sps = floats_arg(args.sparsities) or SPARSITIES
     bw, rows = bench(shapes, ns, sps, args.tune)
     meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                 torch=torch.__version__, copy_bw_TBps=bw / 1e12, command=" ".join(sys.argv))

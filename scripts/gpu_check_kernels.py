@@ -18,17 +18,14 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _kernels_common import floats_arg, ints_arg, random_pruned, shapes_arg  # noqa: E402
+
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096),
           (576, 576), (192, 576), (1536, 576), (576, 1536),
           (100, 72), (200, 130), (1000, 333), (64, 4160)]
 NS = [1, 2, 8, 16, 17, 32, 64, 65, 100]
 SPARSITIES = [0.4, 0.5, 0.7]
-
-
-def random_pruned(m, k, sparsity, device, gen):
-    w = torch.randn(m, k, device=device, generator=gen).half()
-    w[torch.rand(m, k, device=device, generator=gen) < sparsity] = 0
-    return w
 
 
 def rel_err(y, ref):
@@ -72,7 +69,7 @@ def check(quick: bool, shapes=None, ns=None, sparsities=None) -> int:
     t0 = time.time()
     for (m, k) in shapes:
         for sp in (sparsities or SPARSITIES):
-            w = random_pruned(m, k, sp, dev, gen)
+            w = random_pruned(m, k, sp, gen, dev)
             p = encode(w)
             for n in (ns or NS):
                 x = torch.randn(n, k, device=dev, generator=gen).half()
@@ -110,7 +107,7 @@ def check(quick: bool, shapes=None, ns=None, sparsities=None) -> int:
         print(f"  {m}x{k}: {cases} cases so far, {len(failures)} failures, worst rel err {worst:.2e}, "
               f"{time.time() - t0:.0f}s", flush=True)
     # CUDA graph capture of several launches, replayed on fresh inputs.
-    w = random_pruned(1536, 576, 0.5, dev, gen)
+    w = random_pruned(1536, 576, 0.5, gen, dev)
     p = encode(w)
     for n in (1, 16, 40):
         x = torch.randn(n, 576, device=dev, generator=gen).half()
@@ -131,7 +128,7 @@ def check(quick: bool, shapes=None, ns=None, sparsities=None) -> int:
                 failures.append(("graph", n, e))
                 print(f"FAIL graph n={n}: rel err {e}", flush=True)
     from sparsekit.kernels import spmm, spmm_warp
-    for key, kern in sorted(spmm._KERNELS.items()) + sorted(spmm_warp._KERNELS.items()):
+    for key, kern in sorted(spmm.compiled_kernels().items()) + sorted(spmm_warp.compiled_kernels().items()):
         try:
             print(f"kernel nt={key[0]} mma={key[1]}: regs {kern.get_regs_per_thread()}, "
                   f"smem {kern.get_shared_mem_per_block()} B, local {kern.get_local_mem_per_thread()} B")
@@ -148,7 +145,7 @@ def profile_case(m: int, k: int, n: int, sparsity: float, calls: int = 20) -> in
     from sparsekit.packed.tcabme import encode
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    p = encode(random_pruned(m, k, sparsity, "cuda", gen))
+    p = encode(random_pruned(m, k, sparsity, gen, "cuda"))
     x = torch.randn(n, k, device="cuda", generator=gen).half()
     for _ in range(calls):
         tcabme_matmul(x, p)
@@ -170,10 +167,7 @@ def main() -> int:
         return profile_case(int(m), int(k), int(n), float(sp))
     if args.probe:
         probe()
-    shapes = [tuple(int(v) for v in sh.split("x")) for sh in args.shapes.split(",")] if args.shapes else None
-    ns = [int(v) for v in args.ns.split(",")] if args.ns else None
-    sps = [float(v) for v in args.sparsities.split(",")] if args.sparsities else None
-    return check(args.quick, shapes, ns, sps)
+    return check(args.quick, shapes_arg(args.shapes), ints_arg(args.ns), floats_arg(args.sparsities))
 
 
 if __name__ == "__main__":

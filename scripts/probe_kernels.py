@@ -17,27 +17,20 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import random_pruned, time_calls, weight_copies  # noqa: E402
+from _kernels_common import ints_arg, random_pruned, shapes_arg, time_calls, weight_copies  # noqa: E402
+
+from sparsekit.evaluation.timing import time_ms  # noqa: E402
 
 
 def read_bandwidth() -> float:
+    """Read-only bandwidth in bytes/s (``torch.sum`` over 1 GiB), median of 10."""
     a = torch.ones(2**29, dtype=torch.float16, device="cuda")   # 1 GiB
-    ts = []
-    for i in range(12):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        a.sum()
-        e1.record()
-        e1.synchronize()
-        if i > 1:
-            ts.append(e0.elapsed_time(e1) / 1e3)
-    return a.numel() * 2 / statistics.median(ts)
+    return a.numel() * 2 / (time_ms(a.sum, repeats=10, warmup=2) / 1e3)
 
 
 def main() -> int:
@@ -54,12 +47,11 @@ def main() -> int:
 
     print(f"{torch.cuda.get_device_name()}: read bandwidth {read_bandwidth() / 1e12:.2f} TB/s", flush=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for shape in a.shapes.split(","):
-        m, k = map(int, shape.split("x"))
+    for m, k in shapes_arg(a.shapes):
         p = encode(random_pruned(m, k, a.sparsity, gen))
         pcs = weight_copies(p)
         npk = len(pcs)
-        for n in map(int, a.ns.split(",")):
+        for n in ints_arg(a.ns):
             x = torch.randn(n, k, device="cuda", generator=gen).half()
             ys = [torch.empty(n, m, device="cuda", dtype=torch.float16) for _ in range(npk)]
             for plan in a.plans.split(","):
@@ -68,10 +60,10 @@ def main() -> int:
                 if mt:
                     kw = dict(strips=int(mt[1]), warps=int(mt[2]), stages=int(mt[3]),
                               regs=int(mt[4]) if mt[4] else None)
-                for rot in map(int, a.rot.split(",")):
+                for rot in ints_arg(a.rot):
                     spmm_warp.ROT = rot
                     out = []
-                    for probe in map(int, a.modes.split(",")):
+                    for probe in ints_arg(a.modes):
                         spmm_warp.PROBE = probe
                         t = time_calls([lambda i=i: tcabme_matmul(x, pcs[i], out=ys[i], **kw) for i in range(npk)])[0]
                         out.append(f"{('full', 'stream', 'l2hot')[probe]} {t:.1f} us ({p.nbytes / t / 1e3:.0f} GB/s)")

@@ -1,6 +1,6 @@
 """Sweep spmm_warp's launch plan (strips per warp-step x warps per block x stages) against the default.
 
-For each shape, token count and sparsity: the default plan (``kernels.launch.warp_plan``), then
+For each shape, token count and sparsity: the default plan (``kernels.plan.warp_plan``), then
 every configuration of the grid, each timed like bench_kernels.py (CUDA-graph replays over >= 4
 rotated weight copies, median microseconds per call), and the best one. Correctness is
 gpu_check_kernels.py's job; run it on any plan this sweep leads to.
@@ -18,18 +18,18 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kernels import random_pruned, time_calls, weight_copies  # noqa: E402
+from _kernels_common import ints_arg, random_pruned, shapes_arg, time_calls, weight_copies  # noqa: E402
 
 
 def plan_of(m: int, k: int, n: int, p, strips=None, warps=None, stages=None) -> tuple[int, int, int]:
     """(strips, warps, stages) the launcher would use (after its register and shared-memory caps)."""
-    from sparsekit.kernels import launch
+    from sparsekit.kernels import launch, plan
 
     gm, gk = p.grid
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    r = strips or launch.warp_strips(m, gk, n, sms)
-    vch = launch._strip_chunks(p, r)
-    w, s, _ = launch.warp_plan(m, gk, n, vch, warps, stages, r, sms)
+    r = strips or plan.warp_strips(m, gk, n, sms)
+    vch = plan.strip_chunks(p, r)
+    w, s, _ = plan.warp_plan(m, gk, n, vch, warps, stages, r, sms, launch.smem_limit())
     return r, w, s
 
 
@@ -92,9 +92,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("tune_kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
-    ints = lambda s: [int(v) for v in s.split(",")]  # noqa: E731
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    rows = sweep(shapes, ints(a.ns), a.sparsity, ints(a.strips), ints(a.warps), ints(a.stages), ints(a.regs))
+    rows = sweep(shapes_arg(a.shapes), ints_arg(a.ns), a.sparsity, ints_arg(a.strips), ints_arg(a.warps),
+                 ints_arg(a.stages), ints_arg(a.regs))
     path = os.path.join(a.out, f"tune_{int(a.sparsity * 100)}.json")
     with open(path, "w") as f:
         json.dump(dict(gpu=torch.cuda.get_device_name(), rows=rows), f, indent=1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sparsekit.kernels import kernels_available, reference_matmul, tcabme_matmul
-from sparsekit.kernels._intrinsics import SIM
+from sparsekit.kernels.common import SIM
 from sparsekit.packed.tcabme import encode
 
 DEV = "cpu" if SIM else "cuda"
