@@ -48,6 +48,8 @@ def eval_cmd(
     dtype: str = typer.Option("auto", "--dtype", help="auto (float16 on CUDA, float32 on CPU) | float16 | bfloat16 | float32"),
     batch_sizes: str = typer.Option("1,8,16,32", "--batch-sizes", help="Batch sizes for --speed, comma-separated."),
     plot: Optional[str] = typer.Option(None, "--plot", help="With --speed: write a PNG of tokens/s against batch size."),
+    prefer: str = typer.Option("speed", "--prefer", help="With --speed: speed (layers run in their fastest form, measured at load; "
+                               "keeps dense copies where dense wins) | memory (packed weights only)."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     from transformers.utils import logging as hf_logging
@@ -61,6 +63,8 @@ def eval_cmd(
     if plot and not speed:
         raise SparsekitError("--plot draws the speed measurement: add --speed")
     sizes = _batch_sizes(batch_sizes)
+    if prefer not in ("speed", "memory"):
+        raise SparsekitError(f"--prefer {prefer!r} is not one of speed, memory")
     if speed:  # fail before a long perplexity run, not after it
         import torch
         from pathlib import Path
@@ -90,7 +94,8 @@ def eval_cmd(
         dev = "cuda" if device == "auto" else device
         with progress_bar() as bars:
             report["speed"] = measure_speed(location, device=dev, batch_sizes=sizes,
-                                            dtype=resolve_dtype(None if dtype == "auto" else dtype, "cuda"), progress=bars)
+                                            dtype=resolve_dtype(None if dtype == "auto" else dtype, "cuda"), prefer=prefer,
+                                            progress=bars)
         for note in report["speed"].get("notes", []):
             warn(note)
         if plot:

@@ -54,6 +54,18 @@ def speed_table(report: dict[str, Any]):
             pair(p, d, "prefill_tok_s", ",.0f"), _fmt(r.get("prefill_tok_s"), ".2f"),
             pair(p, d, "peak_mem_gib", ".2f"),
         )
+    w = report.get("weights_gib") or {}
+    plan = report.get("dispatch") or {}
+    if w:
+        copies = plan.get("dense_copy_bytes", 0) / 2**30
+        caption = (f"weights: packed {w.get('packed', 0):.3f} GiB"
+                   + (f" (of which {copies:.3f} dense copies)" if copies else "")
+                   + f", dense {w.get('dense', 0):.3f} GiB")
+        if plan.get("groups"):
+            dense_layers = len(plan.get("dense_layers", {}))
+            caption += (f"; prefer {plan.get('prefer')}: {dense_layers} of {report.get('sparse_layers', 0)} sparse layers "
+                        "run dense (--json: per-shape timings)")
+        t.caption = caption
     return t
 
 

@@ -32,6 +32,7 @@ from sparsekit.progress import Progress, report
 from sparsekit.runtime.decoder import GreedyDecoder
 from sparsekit.runtime.fusion import prepare_for_decode
 from sparsekit.runtime.loader import load_packed, open_model
+from sparsekit.runtime.dispatch import TOKEN_COUNTS, plan_dispatch
 from sparsekit.runtime.sparse_linear import SparseLinear
 from sparsekit.runtime.swap import densify, sparsify
 
@@ -105,7 +106,8 @@ def _open(model_dir, device, dtype, notes: list[str]) -> nn.Module:
 def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_len: int = 128,
                   new_tokens: int = 64, repeats: int = 3, cuda_graphs: bool = True,
                   dtype: torch.dtype = torch.float16, fuse_norms: bool = True, compile: bool = True,
-                  fuse_proj: bool = True, progress: Progress | None = None) -> dict[str, Any]:
+                  fuse_proj: bool = True, prefer: str = "speed",
+                  progress: Progress | None = None) -> dict[str, Any]:
     """Speed report of a packed model and its dense counterpart (see the module docstring).
 
     ``fuse_norms`` swaps the HF RMSNorm modules for ``fusion.FusedRMSNorm`` (same rounding,
@@ -114,7 +116,9 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     decoder layer of the decode step runs through ``torch.compile`` (see ``sparsekit.runtime.decoder``),
     again in both models; when compiling fails the step runs uncompiled and ``notes`` says so.
     ``fuse_proj`` merges q/k/v and gate/up into one matmul each (``fusion.fuse_projections``),
-    in both models too. ``progress("measuring speed", 0, total)`` comes first, then one call per
+    in both models too. ``prefer`` (``"speed"`` or ``"memory"``) goes to
+    ``runtime.dispatch.plan_dispatch``, which times each group of sparse layers against cuBLAS at
+    load and runs each in its faster form (the report's ``dispatch``). ``progress("measuring speed", 0, total)`` comes first, then one call per
     step done, named after it ("loaded", "packed batch 8", ...).
     """
     if not torch.cuda.is_available():
@@ -143,6 +147,15 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     n_sparse = sum(isinstance(m, SparseLinear) for m in model.modules())
     if n_sparse == 0:
         notes.append("no sparse layers: both columns measure the same dense model")
+    counts = sorted(set(TOKEN_COUNTS) | set(batch_sizes))
+    dispatch = plan_dispatch(model, prefer=prefer, token_counts=counts)
+    if dispatch["dense_layers"]:
+        reasons = sorted(set(dispatch["dense_layers"].values()))
+        notes.append(f"{len(dispatch['dense_layers'])} of {n_sparse} sparse layers run dense, where they are "
+                     f"faster: {'; '.join(reasons)}")
+    if dispatch["dense_copy_bytes"]:
+        notes.append(f"dense copies kept for token counts above each layer's crossover: "
+                     f"{dispatch['dense_copy_bytes'] / GIB:.3f} GiB (--prefer memory keeps none)")
     tick("loaded")
     kw = dict(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, compile=compile)
 
@@ -195,6 +208,7 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
         "fused_projections": fuse_proj,
         "compiled": all(r.get("compiled", False) for d in (packed, dense) for r in d.values()),
         "sparse_layers": n_sparse,
+        "dispatch": dispatch,
         "weights_gib": {"packed": packed_bytes / GIB, "dense": dense_bytes / GIB},
         "rows": rows,
         "notes": notes,

@@ -26,7 +26,7 @@ from sparsekit.hf.compat import checkpoint_renamings
 from sparsekit.hf.modules import set_submodule
 from sparsekit.packed.shards import INDEX_NAME, is_packed_dir, read_packed
 from sparsekit.runtime.cats import install_from_checkpoint
-from sparsekit.runtime.sparse_linear import SparseLinear
+from sparsekit.runtime.sparse_linear import SparseLinear, kernel
 
 
 def _check_dir(path: Path) -> None:
@@ -104,6 +104,8 @@ def open_model(location, device: torch.device, dtype: torch.dtype) -> nn.Module:
     install_from_checkpoint(model, path)
     model.to(device)  # the dense checkpoint; for a packed one the buffers built on the CPU (rotary frequencies, ...)
     model.eval()
+    if device.type == "cuda" and any(isinstance(m, SparseLinear) for m in model.modules()):
+        kernel()  # the kernels' load-time check: on failure one notice now, the reference path later
     return model
 
 

@@ -5,6 +5,8 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
 * CUDA, fp16, ``N <= SparseLinear.dense_above`` -> the bundled kernel
   ``sparsekit.kernels.tcabme_matmul`` (decode steps; launched on torch's current stream, so a
   CUDA graph can capture it).
+* CUDA, ``N > dense_above`` with a kept dense copy (``runtime.dispatch``, ``prefer="speed"``) ->
+  ``F.linear`` on that copy.
 * CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (the
   decode kernel ``sparsekit.kernels.decode``), then ``F.linear`` (cuBLAS). The threshold is measured by ``scripts/gpu_check_runtime.py`` (kernel
   vs decode + cuBLAS per N) and recorded in docs/benchmarks.md ("End to end"); override it with
@@ -52,18 +54,26 @@ _KERNEL: Callable | None | bool = None  # None: not looked up yet; False: unavai
 
 
 def kernel() -> Callable | None:
-    """``sparsekit.kernels.tcabme_matmul`` if the kernels import and a GPU is usable, else None."""
+    """``sparsekit.kernels.tcabme_matmul`` if the kernels pass their load-time check
+    (``sparsekit.kernels.health.kernel_status``: a GPU, numba-cuda, one small product compiled, run and
+    checked), else None, with one notice saying why and what to install. The loader calls this when it
+    puts sparse layers on a GPU, so a kernel that cannot compile is found then, never mid-forward."""
     global _KERNEL
     if _KERNEL is None:
         try:
-            from sparsekit.kernels import kernels_available, tcabme_matmul
+            from sparsekit.kernels.health import kernel_status
 
-            _KERNEL = tcabme_matmul if kernels_available() else False
-        except Exception as e:  # kernels not built / numba-cuda missing: keep running, say so once
+            status = kernel_status()
+            if status.ok:
+                from sparsekit.kernels import tcabme_matmul
+
+                _KERNEL = tcabme_matmul
+            else:
+                _KERNEL = False
+                notice_once(f"sparse GPU kernels unavailable ({status.line}): sparse layers run the reference path")
+        except Exception as e:  # kernels not importable: keep running, say so once
             notice_once(f"sparse GPU kernels unavailable ({type(e).__name__}: {e}): sparse layers run the reference path")
             _KERNEL = False
-        if _KERNEL is False:
-            notice_once("sparse GPU kernels unavailable: sparse layers run the reference path")
     return _KERNEL or None
 
 
@@ -124,6 +134,8 @@ class SparseLinear(nn.Module):
             self.bias = None
         self.nnz = packed.nnz
         self.n_values = int(packed.values.numel())  # the buffer may be padded past this later
+        # a dense copy of the weight for token counts above dense_above (runtime.dispatch, prefer="speed")
+        self.register_buffer("dense_copy", None, persistent=False)
         self._packed: TcaBme | None = None
         self._packed_src: torch.Tensor | None = None
 
@@ -195,6 +207,21 @@ class SparseLinear(nn.Module):
             lin.bias = nn.Parameter(b if dtype is None else b.to(dtype), requires_grad=False)
         return lin
 
+    def keep_dense_copy(self) -> None:
+        """Keep the decoded fp16 weight beside the packed one: above ``dense_above`` tokens the layer
+        then runs cuBLAS on it directly instead of decoding first (faster; costs the dense bytes)."""
+        if self.dense_copy is None:
+            self.dense_copy = self.dense_weight(torch.float16).contiguous()
+
+    def dense_copy_bytes(self) -> int:
+        return 0 if self.dense_copy is None else self.dense_copy.numel() * self.dense_copy.element_size()
+
+    def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[N, K] @ W^T + b`` through the sparse kernel whatever N is (CUDA, fp16; for measurements)."""
+        y = tcabme_mm(x.contiguous(), self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets,
+                      self.out_features, True)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
     @property
     def sparsity(self) -> float:
         return 1.0 - self.nnz / max(1, self.out_features * self.in_features)
@@ -213,6 +240,8 @@ class SparseLinear(nn.Module):
                     and kernels_ready()):
                 y = tcabme_mm(x2.contiguous(), self.bitmaps, self.values, self.gtile_offsets,
                               self.strip_offsets, self.out_features, True)
+            elif self.dense_copy is not None and x2.dtype == self.dense_copy.dtype:  # kept by dispatch
+                y = F.linear(x2, self.dense_copy)
             elif torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
                 # inside a compiled / captured step (no kernel, or a batch above dense_above):
                 # the sync-free decode, which reads through the offsets (padding-proof)

@@ -1,0 +1,135 @@
+"""Run every linear in the form that is fastest for it, chosen from measurements at load time.
+
+The sparse kernel beats cuBLAS on large weights at small token counts, and loses on small weights
+(where a call is launch and latency bound for both) and at large token counts. So, per group of
+layers with the same shape and about the same sparsity, :func:`plan_dispatch` times the sparse
+kernel and cuBLAS on the decoded weights at each token count in ``token_counts``, replaying CUDA
+graphs of the whole group (several weight copies, so the timings are not L2-hot), and keeps the
+sparse kernel up to the largest token count where it wins at that count and every smaller one.
+
+``prefer="speed"`` (the default): a group that never wins runs dense (its layers become plain
+``nn.Linear``), and the others keep a dense copy of their weight for the token counts above their
+crossover (prefill included), so no layer runs slower than dense; that costs memory, which the
+report gives. ``prefer="memory"``: nothing changes (packed weights only; above ``dense_above`` tokens
+a layer decodes its weight with one kernel and runs cuBLAS): the report still shows where dense would win.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sparsekit.errors import SparsekitError
+from sparsekit.hf.modules import set_submodule
+from sparsekit.progress import Progress, report
+from sparsekit.runtime.sparse_linear import SparseLinear, kernels_ready
+
+TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+MARGIN = 0.02        # the kernel must be at least this much faster to be chosen (noise guard)
+COPIES = 6           # layers of a group timed per graph (more than the L2 holds at 7B sizes)
+PREFER = ("speed", "memory")
+
+
+def _group_key(m: SparseLinear) -> tuple:
+    return (m.out_features, m.in_features, round(m.sparsity, 1), m.bias is not None)
+
+
+def _graph_ms(fn, reps: int = 20) -> float:
+    """Median milliseconds of one replay of a CUDA graph of ``fn`` (after an eager warm-up)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del g
+    return statistics.median(times)
+
+
+def _time_group(layers: list[SparseLinear], n: int) -> tuple[float, float]:
+    """(sparse ms, dense ms) of one pass over ``layers`` at ``n`` tokens."""
+    dev = layers[0].values.device
+    x = torch.randn(n, layers[0].in_features, device=dev, dtype=torch.float16)
+    dense = [m.dense_weight(torch.float16) for m in layers]
+    sparse_ms = _graph_ms(lambda: [m.kernel_forward(x) for m in layers])
+    dense_ms = _graph_ms(lambda: [F.linear(x, w) for w in dense])
+    del dense
+    return sparse_ms, dense_ms
+
+
+def crossover(rows: list[dict], margin: float = MARGIN) -> int:
+    """The largest token count ``n`` such that the sparse kernel beats dense by ``margin`` at ``n`` and at
+    every smaller measured count (0 when it loses at the smallest). ``rows``: ``{n, sparse_ms, dense_ms}``
+    in increasing ``n``."""
+    best = 0
+    for r in rows:
+        if not r["sparse_ms"] < r["dense_ms"] * (1 - margin):
+            break
+        best = r["n"]
+    return best
+
+
+def _usable(mods: list[SparseLinear]) -> bool:
+    return mods[0].values.is_cuda and kernels_ready()
+
+
+def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN_COUNTS,
+                  progress: Progress | None = None) -> dict[str, Any]:
+    """Measure and set, for every ``SparseLinear`` of ``model`` (on a CUDA GPU), the largest token count
+    that runs the sparse kernel; apply ``prefer`` above it (see the module docstring). Returns a report:
+    per group the timings and the choice, the layers that run dense and why, and the bytes of the
+    dense copies kept."""
+    if prefer not in PREFER:
+        raise SparsekitError(f"prefer must be one of {', '.join(PREFER)}, got {prefer!r}")
+    names = {name: m for name, m in model.named_modules() if isinstance(m, SparseLinear)}
+    groups: dict[tuple, list[str]] = {}
+    for name, m in names.items():
+        groups.setdefault(_group_key(m), []).append(name)
+    out: dict[str, Any] = {"prefer": prefer, "token_counts": list(token_counts), "groups": [],
+                           "dense_layers": {}, "dense_copy_bytes": 0}
+    if not names:
+        return out
+    if not _usable(list(names.values())):
+        out["skipped"] = "no usable GPU kernels: the sparse layers keep the reference path"
+        return out
+    counts = sorted(int(n) for n in token_counts)
+    for gi, (key, members) in enumerate(groups.items()):
+        mods = [names[n] for n in members]
+        timed = mods[:COPIES]
+        rows = []
+        for n in counts:
+            s_ms, d_ms = _time_group(timed, n)
+            rows.append({"n": n, "sparse_ms": s_ms / len(timed), "dense_ms": d_ms / len(timed),
+                         "speedup": d_ms / s_ms if s_ms > 0 else None})
+        max_n = crossover(rows)
+        entry = {"shape": [key[0], key[1]], "sparsity": key[2], "layers": len(members), "sparse_max_n": max_n,
+                 "timings": rows}
+        if max_n == 0 and prefer == "speed":
+            entry["form"] = "dense"
+            why = f"the sparse kernel is slower at every token count ({rows[0]['speedup']:.2f}x cuBLAS at N={counts[0]})"
+            for name in members:
+                set_submodule(model, name, names[name].to_linear(torch.float16))
+                out["dense_layers"][name] = why
+        elif prefer == "speed":
+            entry["form"] = f"sparse up to N={max_n}, dense copy above"
+            for m in mods:
+                m.dense_above = max_n
+                m.keep_dense_copy()
+                out["dense_copy_bytes"] += m.dense_copy_bytes()
+        else:  # memory: packed only; above its default threshold a layer decodes, then runs cuBLAS
+            entry["form"] = f"sparse (kernel up to N={mods[0].dense_above}, decode + cuBLAS above)"
+        out["groups"].append(entry)
+        report(progress, "dispatch", gi + 1, len(groups))
+    torch.cuda.empty_cache()
+    return out

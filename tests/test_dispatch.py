@@ -1,0 +1,84 @@
+"""runtime.dispatch: the per-group choice between the sparse kernel and dense, from timings."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sparsekit.errors import SparsekitError
+from sparsekit.runtime import dispatch
+from sparsekit.runtime.sparse_linear import SparseLinear
+
+
+def rows(pairs):
+    return [{"n": n, "sparse_ms": s, "dense_ms": d} for n, s, d in pairs]
+
+
+def test_crossover_is_the_last_count_of_the_first_winning_run():
+    assert dispatch.crossover(rows([(1, 5, 10), (8, 6, 10), (16, 9, 10), (32, 12, 10), (64, 5, 10)])) == 16
+    assert dispatch.crossover(rows([(1, 11, 10), (8, 5, 10)])) == 0          # loses at N=1: never sparse
+    assert dispatch.crossover(rows([(1, 9.9, 10)])) == 0                     # within the noise margin
+    assert dispatch.crossover(rows([(1, 5, 10), (2, 5, 10)])) == 2
+
+
+def sparse_model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def lin(o, i):
+        m = nn.Linear(i, o, bias=False)
+        w = torch.randn(o, i, generator=g)
+        m.weight.data = torch.where(torch.rand(o, i, generator=g) < 0.5, torch.zeros_like(w), w)
+        return SparseLinear.from_linear(m)
+
+    return nn.ModuleDict({"a": lin(64, 128), "b": lin(64, 128), "c": lin(128, 64)})
+
+
+def fake_timings(monkeypatch, table):
+    """``table[(out, in)] = [(n, sparse_ms, dense_ms), ...]`` instead of GPU timings."""
+    monkeypatch.setattr(dispatch, "_usable", lambda mods: True)
+    monkeypatch.setattr(dispatch, "_time_group",
+                        lambda mods, n: next((s, d) for k, s, d in table[(mods[0].out_features, mods[0].in_features)] if k == n))
+
+
+def test_speed_runs_losing_groups_dense_and_keeps_copies_for_the_rest(monkeypatch):
+    model = sparse_model()
+    ref = {k: m.dense_weight(torch.float32) for k, m in model.items()}
+    fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0), (8, 1.5, 2.0), (16, 3.0, 2.0)],
+                               (128, 64): [(1, 3.0, 2.0), (8, 3.0, 2.0), (16, 3.0, 2.0)]})
+    rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1, 8, 16))
+    assert isinstance(model["c"], nn.Linear) and not isinstance(model["c"], SparseLinear)
+    assert torch.equal(model["c"].weight.float(), ref["c"])                  # the same weight, dense
+    assert list(rep["dense_layers"]) == ["c"] and "slower at every token count" in rep["dense_layers"]["c"]
+    for k in ("a", "b"):
+        assert isinstance(model[k], SparseLinear) and model[k].dense_above == 8
+        assert torch.equal(model[k].dense_copy.float(), ref[k])
+    assert rep["dense_copy_bytes"] == 2 * 64 * 128 * 2
+    assert {tuple(g["shape"]): g["sparse_max_n"] for g in rep["groups"]} == {(64, 128): 8, (128, 64): 0}
+
+
+def test_memory_keeps_every_layer_packed_and_no_copies(monkeypatch):
+    model = sparse_model()
+    fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0), (8, 3.0, 2.0)], (128, 64): [(1, 3.0, 2.0), (8, 3.0, 2.0)]})
+    rep = dispatch.plan_dispatch(model, prefer="memory", token_counts=(1, 8))
+    assert all(isinstance(m, SparseLinear) and m.dense_copy is None for m in model.values())
+    assert model["a"].dense_above == model["c"].dense_above == SparseLinear.dense_above   # unchanged
+    assert {tuple(g["shape"]): g["sparse_max_n"] for g in rep["groups"]} == {(64, 128): 1, (128, 64): 0}
+    assert rep["dense_layers"] == {} and rep["dense_copy_bytes"] == 0
+
+
+def test_without_usable_kernels_nothing_changes():
+    model = sparse_model()
+    rep = dispatch.plan_dispatch(model)      # CPU: no GPU kernels
+    assert "skipped" in rep and all(isinstance(m, SparseLinear) for m in model.values())
+
+
+def test_prefer_is_checked():
+    with pytest.raises(SparsekitError, match="prefer"):
+        dispatch.plan_dispatch(sparse_model(), prefer="fast")
+
+
+def test_a_dense_copy_is_not_in_the_state_dict_and_counts_its_bytes():
+    m = sparse_model()["a"]
+    keys = set(m.state_dict())
+    m.keep_dense_copy()
+    assert set(m.state_dict()) == keys and m.dense_copy_bytes() == 64 * 128 * 2
