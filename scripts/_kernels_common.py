@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from sparsekit.evaluation.timing import time_ms
+from sparsekit.runtime.timing import time_ms
 
 L2_ROTATE_BYTES = 200 * 2**20
 

@@ -143,7 +143,7 @@ def main() -> int:
         print("no CUDA GPU: bench_e2e runs on a GPU machine", file=sys.stderr)
         return 2
     from sparsekit.evaluation.speed import measure_model
-    from sparsekit.evaluation.timing import model_bytes
+    from sparsekit.runtime.timing import model_bytes
     from sparsekit.runtime.fusion import equalize_packed_sizes, fuse_projections, fuse_rms_norms
     from sparsekit.runtime.sparse_linear import SparseLinear, kernel
     from sparsekit.runtime.swap import densify, sparsify

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _kernels_common import (copies_for, floats_arg, ints_arg, random_pruned, shapes_arg,  # noqa: E402
                              time_calls, weight_copies)
 
-from sparsekit.evaluation.timing import time_ms  # noqa: E402
+from sparsekit.runtime.timing import time_ms  # noqa: E402
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096),
           (576, 576), (192, 576), (1536, 576), (576, 1536)]

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sparsekit.evaluation.timing import time_ms as cuda_time_ms
+from sparsekit.runtime.timing import time_ms as cuda_time_ms
 from sparsekit.packed.tcabme import decode, encode
 from sparsekit.runtime.sparse_linear import SparseLinear, decode_dense, kernel as sparse_kernel
 from sparsekit.runtime.swap import sparsify

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _kernels_common import ints_arg, random_pruned, shapes_arg, time_calls, weight_copies  # noqa: E402
 
-from sparsekit.evaluation.timing import time_ms  # noqa: E402
+from sparsekit.runtime.timing import time_ms  # noqa: E402
 
 
 def read_bandwidth() -> float:

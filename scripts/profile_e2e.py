@@ -36,7 +36,7 @@ def group_of(name: str) -> str:
 
 
 def step_ms(dec, ids, loops: int = 5, steps: int = 32) -> float:
-    from sparsekit.evaluation.timing import time_ms
+    from sparsekit.runtime.timing import time_ms
 
     def replays():
         for _ in range(steps):

@@ -339,7 +339,7 @@ def test_load_packed_gpt_neox_renamed_lm_head(tmp_path):
 
 
 def test_model_bytes_counts_tied_weights_once_and_sparsify_reports_progress():
-    from sparsekit.evaluation.timing import model_bytes
+    from sparsekit.runtime.timing import model_bytes
     from sparsekit.runtime.swap import sparsify
 
     lin = nn.Linear(8, 4, bias=False)

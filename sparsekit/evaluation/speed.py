@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from sparsekit.errors import SparsekitError
-from sparsekit.evaluation.timing import model_bytes, time_ms
+from sparsekit.runtime.timing import model_bytes, time_ms
 from sparsekit.hf.models import resolve_device
 from sparsekit.packed.shards import is_packed_dir
 from sparsekit.progress import Progress, report

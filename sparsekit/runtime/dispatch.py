@@ -15,7 +15,6 @@ a layer decodes its weight with one kernel and runs cuBLAS): the report still sh
 """
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ from sparsekit.errors import SparsekitError
 from sparsekit.hf.modules import set_submodule
 from sparsekit.progress import Progress, report
 from sparsekit.runtime.sparse_linear import SparseLinear, kernels_ready
+from sparsekit.runtime.timing import graph_ms
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 MARGIN = 0.02        # the kernel must be at least this much faster to be chosen (noise guard)
@@ -37,33 +37,13 @@ def _group_key(m: SparseLinear) -> tuple:
     return (m.out_features, m.in_features, round(m.sparsity, 1), m.bias is not None)
 
 
-def _graph_ms(fn, reps: int = 20) -> float:
-    """Median milliseconds of one replay of a CUDA graph of ``fn`` (after an eager warm-up)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del g
-    return statistics.median(times)
-
-
 def _time_group(layers: list[SparseLinear], n: int) -> tuple[float, float]:
     """(sparse ms, dense ms) of one pass over ``layers`` at ``n`` tokens."""
     dev = layers[0].values.device
     x = torch.randn(n, layers[0].in_features, device=dev, dtype=torch.float16)
     dense = [m.dense_weight(torch.float16) for m in layers]
-    sparse_ms = _graph_ms(lambda: [m.kernel_forward(x) for m in layers])
-    dense_ms = _graph_ms(lambda: [F.linear(x, w) for w in dense])
+    sparse_ms = graph_ms(lambda: [m.kernel_forward(x) for m in layers])
+    dense_ms = graph_ms(lambda: [F.linear(x, w) for w in dense])
     del dense
     return sparse_ms, dense_ms
 

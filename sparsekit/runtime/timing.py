@@ -1,4 +1,8 @@
-"""Timing on the GPU: CUDA events around a call, and the bytes a model holds."""
+"""Timing on the GPU (CUDA events around a call, replays of a CUDA graph) and the bytes a model holds.
+
+In the runtime stage because the runtime measures at load time (``runtime.dispatch``); evaluation and
+the scripts use it too.
+"""
 from __future__ import annotations
 
 import statistics
@@ -24,6 +28,18 @@ def time_ms(fn: Callable[[], object], *, repeats: int = 1, warmup: int = 0) -> f
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def graph_ms(fn: Callable[[], object], *, repeats: int = 20) -> float:
+    """Median milliseconds of one replay of a CUDA graph of ``fn`` (captured after one eager call)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    ms = time_ms(graph.replay, repeats=repeats, warmup=1)
+    del graph
+    return ms
 
 
 def model_bytes(model: nn.Module) -> int:

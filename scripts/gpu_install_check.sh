@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# On a GPU machine: install sparsekit from the project's own files into a fresh virtual environment
+# and run one kernel; then hide numba-cuda and check that the kernels are refused at load time with
+# one line naming the fix, and that a packed layer still runs (the reference path), never crashing.
+#
+# Usage (repo root; wheels for packages the machine lacks in .whl/, e.g. datasets, dill, multiprocess, gguf):
+#   bash scripts/gpu_install_check.sh
+set -euo pipefail
+VENV=${VENV:-/tmp/sparsekit-fresh}
+rm -rf "$VENV"
+python3 -m venv --system-site-packages "$VENV"   # torch, numba, numba-cuda come from the machine's image
+"$VENV/bin/python" -m pip install -q --no-index --find-links .whl --no-build-isolation -e ".[gpu]"
+"$VENV/bin/python" -m pip check || true
+echo "== with numba-cuda (the [gpu] extra):"
+"$VENV/bin/sparsekit" env
+"$VENV/bin/python" - <<'PY'
+import numpy, torch
+numpy.row_stack = numpy.vstack
+from sparsekit.kernels import tcabme_matmul, reference_matmul
+from sparsekit.packed.tcabme import encode
+w = torch.randn(4096, 4096, device="cuda")
+w = torch.where(torch.rand_like(w) < 0.5, torch.zeros_like(w), w).half()
+x = torch.randn(8, 4096, device="cuda").half()
+p = encode(w)
+y = torch.full((8, 4096), float("nan"), device="cuda", dtype=torch.half)
+tcabme_matmul(x, p, out=y)
+ref = x.double() @ w.double().t()
+print("one kernel, 4096x4096 at 50%, N=8: rel. error", float((y.double() - ref).norm() / ref.norm()))
+PY
+echo "== without numba-cuda (numba's built-in CUDA target):"
+SITE=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+rm -rf /tmp/sparsekit-pkg
+"$VENV/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/sparsekit-pkg .
+# -S skips the .pth files, so numba-cuda's redirector never runs and numba.cuda is numba's own
+PYTHONPATH=/tmp/sparsekit-pkg:$SITE python3 -S - <<'PY'
+import warnings, numpy, torch
+numpy.row_stack = numpy.vstack
+from numba import cuda
+print("numba.cuda implementation:", cuda.implementation)
+from sparsekit.kernels.health import kernel_status
+print(kernel_status().line)
+from sparsekit.runtime.sparse_linear import SparseLinear
+lin = torch.nn.Linear(256, 128, bias=False).half()
+lin.weight.data = torch.where(torch.rand_like(lin.weight) < 0.5, torch.zeros_like(lin.weight), lin.weight)
+sl = SparseLinear.from_linear(lin).cuda()
+x = torch.randn(4, 256, device="cuda").half()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    y = sl(x); y = sl(x)
+print("forward ran; notices:", [str(c.message) for c in caught])
+ref = x.float() @ lin.weight.cuda().float().t()
+print("rel. error", float((y.float() - ref).norm() / ref.norm()))
+PY
