@@ -105,8 +105,8 @@ def overhead_probe(model, batches, kw, skip_hf: bool = False) -> dict:
 
 def _table(rows, dk: str, sk: str) -> list[str]:
     out = [f"| batch | dense tok/s | sparse tok/s | speedup | dense ms/tok | sparse ms/tok | "
-           f"dense prefill tok/s | sparse prefill tok/s | peak GiB dense / sparse |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           f"dense prefill tok/s | sparse prefill tok/s | prefill x | peak GiB dense / sparse |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         d, s = r[dk], r[sk]
         if "decode_tok_s" not in s or "decode_tok_s" not in d:
@@ -114,7 +114,7 @@ def _table(rows, dk: str, sk: str) -> list[str]:
             continue
         out.append(f"| {r['batch_size']} | {d['decode_tok_s']:.0f} | {s['decode_tok_s']:.0f} | "
                    f"{s['decode_tok_s'] / d['decode_tok_s']:.2f}x | {d['ms_per_token']:.2f} | {s['ms_per_token']:.2f} | "
-                   f"{d['prefill_tok_s']:.0f} | {s['prefill_tok_s']:.0f} | "
+                   f"{d['prefill_tok_s']:.0f} | {s['prefill_tok_s']:.0f} | {s['prefill_tok_s'] / d['prefill_tok_s']:.2f}x | "
                    f"{d['peak_mem_gib']:.1f} / {s['peak_mem_gib']:.1f} |")
     return out
 
@@ -137,6 +137,9 @@ def main() -> int:
     ap.add_argument("--fuse-proj", choices=("on", "off", "both"), default="both",
                     help="merge q/k/v and gate/up into one matmul each (both models); 'both' measures each way")
     ap.add_argument("--overhead", action="store_true", help="also time a step whose linears cost nothing")
+    ap.add_argument("--prefer", choices=("none", "speed", "memory"), default="none",
+                    help="runtime.dispatch plan applied to the sparse model before it is timed (none: every "
+                         "sparse layer runs its kernel up to dense_above tokens, as before)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -145,6 +148,7 @@ def main() -> int:
     from sparsekit.evaluation.speed import measure_model
     from sparsekit.runtime.timing import model_bytes
     from sparsekit.runtime.fusion import equalize_packed_sizes, fuse_projections, fuse_rms_norms
+    from sparsekit.runtime.dispatch import TOKEN_COUNTS, plan_dispatch
     from sparsekit.runtime.sparse_linear import SparseLinear, kernel
     from sparsekit.runtime.swap import densify, sparsify
 
@@ -176,6 +180,19 @@ def main() -> int:
                 errs[f"{label} {name}"] = float((out - ref).norm() / ref.norm())
         print(f"logits rel err vs dense pruned: {errs}", flush=True)
 
+    plans = {}
+
+    def plan(label):
+        if args.prefer == "none":
+            return
+        t = time.perf_counter()
+        plans[label] = plan_dispatch(model, prefer=args.prefer, token_counts=sorted(set(TOKEN_COUNTS) | set(batches)))
+        sizes[label] = model_bytes(model) / 2**30
+        print(f"dispatch ({args.prefer}) in {time.perf_counter() - t:.1f} s: "
+              + "; ".join(f"{g['shape'][0]}x{g['shape'][1]} {g['form']}" for g in plans[label]["groups"])
+              + f"; weights {sizes[label]:.2f} GiB", flush=True)
+        check_logits(f"{label} planned")
+
     def measure(label):
         res = {}
         for b in batches:
@@ -206,6 +223,7 @@ def main() -> int:
     print(f"encoded {len(swapped)} linears in {enc_s:.1f} s; weights {sizes['sparse']:.2f} GiB", flush=True)
     check_logits("sparse")
     if args.fuse_proj in ("off", "both"):
+        plan("sparse")
         results["sparse"] = measure("sparse")
     if args.fuse_proj == "both":
         print(f"merged {fuse_projections(model)} projection groups (both models)", flush=True)
@@ -213,6 +231,7 @@ def main() -> int:
             equalize_packed_sizes(model)
         check_logits("sparse fused")
     if args.fuse_proj in ("on", "both"):
+        plan("sparse_fused")
         results["sparse_fused"] = measure("sparse_fused")
         densify(model)
         torch.cuda.empty_cache()
@@ -236,7 +255,7 @@ def main() -> int:
         "sparsity": args.sparsity, "cuda_graphs": graphs, "kernel": kernel() is not None,
         "weights_gib": sizes, "encode_s": enc_s, "fused_norms": not args.hf_norms, "compile": compile_,
         "fuse_proj": args.fuse_proj, "overhead_ms": overhead, "logits_rel_err": errs, "rows": rows,
-        "dense_above": SparseLinear.dense_above,
+        "dense_above": SparseLinear.dense_above, "prefer": args.prefer, "dispatch": plans,
         "versions": {"torch": torch.__version__},
     }
     if args.json:

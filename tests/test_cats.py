@@ -14,18 +14,14 @@ from sparsekit.pruning.methods import cats
 from sparsekit.runtime import cats as rcats
 from sparsekit.cli.app import app
 from sparsekit.errors import SparsekitError
-from tiny_models import make_model, save_tiny, write_corpus
+from tiny_models import make_model, make_workdir
 
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cats")
-    save_tiny("llama", d / "tiny")
-    save_tiny("gpt2", d / "gpt2")
-    write_corpus(d / "calib.txt")
-    return d
+    return make_workdir(tmp_path_factory.mktemp("cats"), llama="tiny")
 
 
 @pytest.fixture(scope="module")

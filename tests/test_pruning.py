@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from sparsekit.errors import SparsekitError
 from sparsekit.pruning.api import prune
-from tiny_models import save_tiny, write_corpus
+from tiny_models import make_workdir, save_tiny
 
 META_KEYS = {"sparsekit_version", "model", "method", "pattern", "sparsity", "calibration", "skip", "layers",
              "versions", "elapsed_s"}
@@ -18,11 +18,7 @@ META_KEYS = {"sparsekit_version", "model", "method", "pattern", "sparsity", "cal
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("prune")
-    save_tiny("llama", d / "llama")
-    save_tiny("gpt2", d / "gpt2")
-    write_corpus(d / "calib.txt")
-    return d
+    return make_workdir(tmp_path_factory.mktemp("prune"))
 
 
 def _saved_tensors(out: Path) -> dict[str, torch.Tensor]:

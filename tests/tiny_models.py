@@ -100,3 +100,11 @@ def write_corpus(path: str | Path, seed: int = 1) -> Path:
     path = Path(path)
     path.write_text(corpus(seed=seed))
     return path
+
+
+def make_workdir(d: Path, llama: str = "llama") -> Path:
+    """A folder with a tiny Llama (under ``llama``), a tiny GPT-2 (``gpt2``) and a calibration corpus."""
+    save_tiny("llama", d / llama)
+    save_tiny("gpt2", d / "gpt2")
+    write_corpus(d / "calib.txt")
+    return d
