@@ -8,7 +8,11 @@
 set -euo pipefail
 VENV=${VENV:-/tmp/sparsekit-fresh}
 rm -rf "$VENV"
-python3 -m venv --system-site-packages "$VENV"   # torch, numba, numba-cuda come from the machine's image
+python3 -m venv "$VENV"
+# torch, numba and numba-cuda come from the machine's Python (which may itself be a venv): a .pth puts
+# its site-packages on the new environment's path, so pip sees them as installed
+SITE=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+echo "$SITE" > "$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')/machine-site.pth"
 "$VENV/bin/python" -m pip install -q --no-index --find-links .whl --no-build-isolation -e ".[gpu]"
 "$VENV/bin/python" -m pip check || true
 echo "== with numba-cuda (the [gpu] extra):"
@@ -28,7 +32,6 @@ ref = x.double() @ w.double().t()
 print("one kernel, 4096x4096 at 50%, N=8: rel. error", float((y.double() - ref).norm() / ref.norm()))
 PY
 echo "== without numba-cuda (numba's built-in CUDA target):"
-SITE=$(python3 -c 'import site; print(site.getsitepackages()[0])')
 rm -rf /tmp/sparsekit-pkg
 "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/sparsekit-pkg .
 # -S skips the .pth files, so numba-cuda's redirector never runs and numba.cuda is numba's own

@@ -34,7 +34,7 @@ def test_env_json_reports_versions_and_kernels(fresh_status, monkeypatch):
     res = CliRunner().invoke(app, ["env", "--json"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.stdout)
-    assert rep["packages"]["torch"] == torch.__version__
+    assert torch.__version__.startswith(rep["packages"]["torch"].split("+")[0])
     assert rep["kernels"]["line"].startswith("kernels: ")
     if not torch.cuda.is_available():
         assert rep["kernels"]["ok"] is False and "no CUDA GPU" in rep["kernels"]["line"]
