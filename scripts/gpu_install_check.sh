@@ -13,7 +13,12 @@ python3 -m venv "$VENV"
 # its site-packages on the new environment's path, so pip sees them as installed
 SITE=$(python3 -c 'import site; print(site.getsitepackages()[0])')
 echo "$SITE" > "$("$VENV/bin/python" -c 'import site; print(site.getsitepackages()[0])')/machine-site.pth"
-"$VENV/bin/python" -m pip install -q --no-index --find-links .whl --no-build-isolation -e ".[gpu]"
+if ! "$VENV/bin/python" -m pip install -q --no-index --find-links .whl --no-build-isolation -e ".[gpu]"; then
+    # offline machines whose CUDA toolkit is not the pip-wheel one lack numba-cuda[cu13]'s toolkit wheels
+    # (nvidia-cuda-cccl, nvidia-nvvm): install what the extra names without the toolkit extra instead
+    echo "(the [gpu] extra's toolkit wheels are not available offline: installing numba-cuda and cuda-core without them)"
+    "$VENV/bin/python" -m pip install -q --no-index --find-links .whl --no-build-isolation -e . "numba-cuda>=0.30" "cuda-core>=0.5"
+fi
 "$VENV/bin/python" -m pip check || true
 echo "== with numba-cuda (the [gpu] extra):"
 "$VENV/bin/sparsekit" env
