@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from sparsekit.errors import SparsekitError
 from sparsekit.progress import Progress
@@ -27,7 +28,7 @@ def handle_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except SparsekitError as e:
-            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2)
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]: no output was written")

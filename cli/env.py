@@ -27,4 +27,4 @@ def env_cmd(json_out: bool = JSON_OPTION):
     console.print(pkgs + (f" (not installed: {', '.join(missing)})" if missing else ""), highlight=False)
     console.print(f"GPU: {report['gpu'] or 'none visible to torch'}"
                   + (f" (torch built for CUDA {report['torch_cuda']})" if report["torch_cuda"] else ""), highlight=False)
-    console.print(report["kernels"]["line"], highlight=False, soft_wrap=True)
+    console.print(report["kernels"]["line"], highlight=False, soft_wrap=True, markup=False)

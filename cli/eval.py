@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from sparsekit.cli import render
 from sparsekit.cli.common import JSON_OPTION, console, emit_json, err_console, handle_errors, progress_bar
@@ -75,7 +76,7 @@ def eval_cmd(
             raise SparsekitError(f"cannot write --plot {plot}: its folder does not exist")
 
     def warn(msg: str) -> None:
-        err_console.print(f"[yellow]warning:[/] {msg}", highlight=False, soft_wrap=True)
+        err_console.print(f"[yellow]warning:[/] {escape(msg)}", highlight=False, soft_wrap=True)
 
     report: dict = {"model": model_dir}
     if ppl:

@@ -84,9 +84,14 @@ def kernel_status() -> KernelStatus:
     except Exception as e:
         return KernelStatus(False, f"kernels: numba.cuda does not import ({type(e).__name__}: {e}): {install_hint()}",
                             install_hint())
-    if version is None or implementation == "Built-in":
+    if version is None:
         return KernelStatus(False, f"kernels: numba-cuda is not installed (numba's built-in CUDA target cannot "
                                    f"compile them): {install_hint()}", install_hint())
+    if implementation == "Built-in":  # installed, but its import redirector (a .pth file) never ran
+        return KernelStatus(False, f"kernels: numba-cuda {version} is installed but inactive (numba.cuda is numba's "
+                                   f"built-in target, which cannot compile them; its _numba_cuda_redirector.pth did "
+                                   f"not run in this environment): {install_hint()} in this environment",
+                            install_hint(), version)
     try:
         if not cuda.is_available():
             return KernelStatus(False, "kernels: numba-cuda sees no usable GPU (driver?)", install_hint(), version)

@@ -17,7 +17,9 @@ if ! "$VENV/bin/python" -m pip install -q --no-index --find-links .whl --no-buil
     # offline machines whose CUDA toolkit is not the pip-wheel one lack numba-cuda[cu13]'s toolkit wheels
     # (nvidia-cuda-cccl, nvidia-nvvm): install what the extra names without the toolkit extra instead
     echo "(the [gpu] extra's toolkit wheels are not available offline: installing numba-cuda and cuda-core without them)"
-    "$VENV/bin/python" -m pip install -q --no-index --find-links .whl --no-build-isolation -e . "numba-cuda>=0.30" "cuda-core>=0.5"
+    "$VENV/bin/python" -m pip install -q --no-index --find-links .whl --no-build-isolation -e . "cuda-core>=0.5"
+    # numba-cuda into this environment itself (a wheel in .whl), so that its import redirector (a .pth) runs here
+    "$VENV/bin/python" -m pip install -q --no-index --find-links .whl --no-deps --ignore-installed "numba-cuda>=0.30"
 fi
 "$VENV/bin/python" -m pip check || true
 echo "== with numba-cuda (the [gpu] extra):"
@@ -25,7 +27,12 @@ echo "== with numba-cuda (the [gpu] extra):"
 "$VENV/bin/python" - <<'PY'
 import numpy, torch
 numpy.row_stack = numpy.vstack
-from sparsekit.kernels import tcabme_matmul, reference_matmul
+from sparsekit.kernels.health import kernel_status
+status = kernel_status()
+print(status.line)
+if not status.ok:
+    raise SystemExit(1)
+from sparsekit.kernels import tcabme_matmul
 from sparsekit.packed.tcabme import encode
 w = torch.randn(4096, 4096, device="cuda")
 w = torch.where(torch.rand_like(w) < 0.5, torch.zeros_like(w), w).half()

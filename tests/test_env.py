@@ -80,3 +80,31 @@ def test_a_kernel_that_fails_to_compile_is_caught_at_the_check(fresh_status, mon
 def test_simulator_is_never_reported_usable(fresh_status, monkeypatch):
     monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "1")
     assert not health.kernel_status().ok
+
+
+def test_installed_but_inactive_numba_cuda_is_named_as_such(fresh_status, monkeypatch):
+    """numba-cuda's files are there but its import redirector never ran: numba.cuda is the built-in target."""
+    monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(health, "_numba_cuda_version", lambda: "0.30.4")
+    fake_numba_cuda(monkeypatch, implementation="Built-in")
+    st = health.kernel_status()
+    assert not st.ok and "0.30.4 is installed but inactive" in st.line
+
+
+def test_error_lines_keep_square_brackets():
+    """rich markup must not eat the extra in 'pip install "sparsekit[gpu]"' (or any [..] in an error)."""
+    import typer
+
+    from sparsekit.cli.common import handle_errors
+    from sparsekit.errors import SparsekitError
+
+    app = typer.Typer()
+
+    @app.command()
+    @handle_errors
+    def fail():
+        raise SparsekitError('needs the kernels: pip install "sparsekit[gpu]"')
+
+    res = CliRunner().invoke(app, [])
+    assert res.exit_code == 2 and 'sparsekit[gpu]' in res.output
