@@ -47,6 +47,7 @@ echo "== without numba-cuda (numba's built-in CUDA target):"
 rm -rf /tmp/sparsekit-pkg
 "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/sparsekit-pkg .
 # -S skips the .pth files, so numba-cuda's redirector never runs and numba.cuda is numba's own
+cd /tmp   # not the repo root, whose sparsekit/ source folder would shadow the installed package
 PYTHONPATH=/tmp/sparsekit-pkg:$SITE python3 -S - <<'PY'
 import warnings, numpy, torch
 numpy.row_stack = numpy.vstack

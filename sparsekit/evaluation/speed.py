@@ -32,7 +32,7 @@ from sparsekit.progress import Progress, report
 from sparsekit.runtime.decoder import GreedyDecoder
 from sparsekit.runtime.fusion import prepare_for_decode
 from sparsekit.runtime.loader import load_packed, open_model
-from sparsekit.runtime.dispatch import TOKEN_COUNTS, plan_dispatch
+from sparsekit.runtime.dispatch import plan_dispatch
 from sparsekit.runtime.sparse_linear import SparseLinear
 from sparsekit.runtime.swap import densify, sparsify
 
@@ -147,8 +147,9 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     n_sparse = sum(isinstance(m, SparseLinear) for m in model.modules())
     if n_sparse == 0:
         notes.append("no sparse layers: both columns measure the same dense model")
-    counts = sorted(set(TOKEN_COUNTS) | set(batch_sizes))
-    dispatch = plan_dispatch(model, prefer=prefer, token_counts=counts)
+    phases = {"load_s": time.perf_counter() - t0}
+    dispatch = plan_dispatch(model, prefer=prefer, token_counts=sorted(set(batch_sizes) | {1}))
+    phases["dispatch_s"] = time.perf_counter() - t0 - phases["load_s"]
     if dispatch["dense_layers"]:
         reasons = sorted(set(dispatch["dense_layers"].values()))
         notes.append(f"{len(dispatch['dense_layers'])} of {n_sparse} sparse layers run dense, where they are "
@@ -178,11 +179,15 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
         return out
 
     packed_bytes = model_bytes(model)
+    t1 = time.perf_counter()
     packed = run_all("packed")
+    phases["packed_s"] = time.perf_counter() - t1
     densify(model)
     torch.cuda.empty_cache()
     dense_bytes = model_bytes(model)
+    t1 = time.perf_counter()
     dense = run_all("dense")
+    phases["dense_s"] = time.perf_counter() - t1
     del model
     torch.cuda.empty_cache()
 
@@ -213,5 +218,6 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
         "rows": rows,
         "notes": notes,
         "elapsed_s": time.perf_counter() - t0,
+        "phases_s": phases,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }

@@ -68,7 +68,7 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
                   progress: Progress | None = None) -> dict[str, Any]:
     """Measure and set, for every ``SparseLinear`` of ``model`` (on a CUDA GPU), the largest token count
     that runs the sparse kernel; apply ``prefer`` above it (see the module docstring). Returns a report:
-    per group the timings and the choice, the layers that run dense and why, and the bytes of the
+    per group the timings (up to the first token count where dense wins) and the choice, the layers that run dense and why, and the bytes of the
     dense copies kept."""
     if prefer not in PREFER:
         raise SparsekitError(f"prefer must be one of {', '.join(PREFER)}, got {prefer!r}")
@@ -88,10 +88,12 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
         mods = [names[n] for n in members]
         timed = mods[:COPIES]
         rows = []
-        for n in counts:
+        for n in counts:  # up to the first count where dense wins: each new count compiles a kernel variant
             s_ms, d_ms = _time_group(timed, n)
             rows.append({"n": n, "sparse_ms": s_ms / len(timed), "dense_ms": d_ms / len(timed),
                          "speedup": d_ms / s_ms if s_ms > 0 else None})
+            if crossover(rows) < n:
+                break
         max_n = crossover(rows)
         entry = {"shape": [key[0], key[1]], "sparsity": key[2], "layers": len(members), "sparse_max_n": max_n,
                  "timings": rows}
