@@ -84,3 +84,10 @@ def test_a_dense_copy_is_not_in_the_state_dict_and_counts_its_bytes():
     keys = set(m.state_dict())
     m.keep_dense_copy()
     assert set(m.state_dict()) == keys and m.dense_copy_bytes() == 64 * 128 * 2
+
+
+def test_the_loader_checks_prefer(tmp_path):
+    from sparsekit.runtime.loader import open_model
+
+    with pytest.raises(SparsekitError, match="prefer must be one of speed, memory, got 'fastest'"):
+        open_model(tmp_path / "missing", torch.device("cpu"), torch.float32, prefer="fastest")

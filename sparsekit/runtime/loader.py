@@ -26,6 +26,7 @@ from sparsekit.hf.compat import checkpoint_renamings
 from sparsekit.hf.modules import set_submodule
 from sparsekit.packed.shards import INDEX_NAME, is_packed_dir, read_packed
 from sparsekit.runtime.cats import install_from_checkpoint
+from sparsekit.runtime.dispatch import PREFER, plan_dispatch
 from sparsekit.runtime.sparse_linear import SparseLinear, kernel
 
 
@@ -85,20 +86,25 @@ def build_skeleton(path: Path, dtype: torch.dtype):
     return model, config
 
 
-def load(id_or_path=None, device="cpu", dtype=None):
+def load(id_or_path=None, device="cpu", dtype=None, *, prefer: str | None = None):
     """``(model, tokenizer)``: any model directory, packed or dense, a hub id or the demo alias, on
     ``device`` (``auto``/``cpu``/``cuda``) in ``dtype`` (default float16 on CUDA, float32 on CPU), in
-    eval mode, with its CATS thresholds installed. Packed linears run as ``SparseLinear``."""
+    eval mode, with its CATS thresholds installed. Packed linears run as ``SparseLinear``.
+    ``prefer`` (``"speed"`` or ``"memory"``, on a GPU): run each sparse layer in its fastest form,
+    measured now (``runtime.dispatch.plan_dispatch``; its report is ``model.sparsekit_dispatch``)."""
     dev = models.resolve_device(device)
     torch_dtype = models.resolve_dtype(dtype, dev)
     location = models.resolve_model(id_or_path)
     tokenizer = models.open_tokenizer(location)
-    return open_model(location, dev, torch_dtype), tokenizer
+    return open_model(location, dev, torch_dtype, prefer=prefer), tokenizer
 
 
-def open_model(location, device: torch.device, dtype: torch.dtype) -> nn.Module:
+def open_model(location, device: torch.device, dtype: torch.dtype, *, prefer: str | None = None) -> nn.Module:
     """The model of a resolved local directory, packed or dense, on ``device`` in eval mode, with
-    the CATS thresholds of its ``sparsekit.json`` installed (the one place they are)."""
+    the CATS thresholds of its ``sparsekit.json`` installed (the one place they are), and with
+    ``prefer`` the dispatch plan applied (see :func:`load`)."""
+    if prefer is not None and prefer not in PREFER:
+        raise SparsekitError(f"prefer must be one of {', '.join(PREFER)}, got {prefer!r}")
     path = Path(location)
     model = _open_packed(path, device, dtype) if is_packed_dir(path) else models.open_dense(location, dtype)
     install_from_checkpoint(model, path)
@@ -106,18 +112,22 @@ def open_model(location, device: torch.device, dtype: torch.dtype) -> nn.Module:
     model.eval()
     if device.type == "cuda" and any(isinstance(m, SparseLinear) for m in model.modules()):
         kernel()  # the kernels' load-time check: on failure one notice now, the reference path later
+        if prefer is not None:
+            model.sparsekit_dispatch = plan_dispatch(model, prefer=prefer)
     return model
 
 
-def load_packed(path, device="cuda", dtype: torch.dtype = torch.float16) -> nn.Module:
+def load_packed(path, device="cuda", dtype: torch.dtype = torch.float16, *, prefer: str | None = None) -> nn.Module:
     """A HF causal LM whose packed linears are ``SparseLinear`` modules, on ``device``, in eval mode.
 
     ``dtype`` applies to the dense tensors (embeddings, norms, biases); the packed values keep
     their stored dtype. The bundled kernels need fp16 activations, so keep the default on a GPU.
+    ``prefer="speed"`` measures each group of sparse layers against cuBLAS now and runs each in its
+    faster form (dense copies kept where dense wins; ``"memory"`` keeps the packed weights only).
     """
     path = Path(path)
     _check_dir(path)
-    return open_model(path, models.resolve_device(device), dtype)
+    return open_model(path, models.resolve_device(device), dtype, prefer=prefer)
 
 
 def _open_packed(path: Path, dev: torch.device, dtype: torch.dtype) -> nn.Module:
