@@ -238,7 +238,7 @@ def test_mismatched_thresholds_are_refused(tmp_path):
     with pytest.raises(SparsekitError, match="not a gated MLP"):
         rcats.install_thresholds(model, {"model.layers.7.mlp": 0.1})
     with pytest.raises(SparsekitError, match="malformed"):
-        rcats.thresholds_from_metadata({"cats": {"mlps": {"model.layers.0.mlp": 0.1}}})
+        cats.thresholds_from_metadata({"cats": {"mlps": {"model.layers.0.mlp": 0.1}}})
     (tmp_path / "sparsekit.json").write_text("{not json")
     with pytest.raises(SparsekitError, match="sparsekit.json"):
         rcats.install_from_checkpoint(model, tmp_path)
@@ -330,3 +330,31 @@ def test_speed_loader_installs_thresholds_of_an_unpacked_checkpoint(cats_dir):
     for name, r in report["cats"]["mlps"].items():
         act = model.get_submodule(name).act_fn
         assert isinstance(act, rcats.CatsActivation) and float(act.threshold) == pytest.approx(r["threshold"])
+
+
+def test_pruning_a_cats_checkpoint_keeps_its_thresholds_in_force(workdir, cats_dir, tmp_path):
+    """A weight method pruning a CATS checkpoint sees the thresholded activations (as the runtime runs the
+    model): the weights equal those of the engine run on the model with CatsActivation installed."""
+    import sparsekit
+    from sparsekit.hf.models import load_model
+    from sparsekit.pruning import engine
+    from sparsekit.pruning.methods import METHODS
+    from sparsekit.pruning.patterns import Pattern
+    from safetensors.torch import load_file
+
+    src, _ = cats_dir
+    sparsekit.prune(str(src), method="wanda", sparsity=0.5, calib=str(workdir / "calib.txt"), nsamples=4,
+                    seqlen=64, device="cpu", output=tmp_path / "w", warn=lambda m: None)
+    got = load_file(tmp_path / "w" / "model.safetensors")
+
+    def engine_weights(with_thresholds: bool):
+        model, _ = load_model(str(src), device="cpu")
+        if with_thresholds:
+            assert rcats.install_from_checkpoint(model, src) > 0
+        engine.prune_model(model, calib_ids(workdir), method=METHODS["wanda"], sparsity=0.5,
+                           pattern=Pattern.parse("unstructured"), skip=["lm_head"], device="cpu", warn=lambda m: None)
+        return {k: v for k, v in model.state_dict().items() if k.endswith("proj.weight")}
+
+    want, plain = engine_weights(True), engine_weights(False)
+    assert want.keys() and all(torch.equal(got[k].to(v.dtype), v) for k, v in want.items())
+    assert any(not torch.equal(want[k], plain[k]) for k in want)  # the thresholds change the masks

@@ -93,6 +93,7 @@ def prune(
     also name MLPs to leave dense.
     """
     from sparsekit.hf import checkpoint
+    from sparsekit.pruning.methods.cats import read_thresholds, thresholds_in_force
     from sparsekit.hf.atomic import check_output_dir
     from sparsekit.hf.models import load_model, model_context, resolve_device, resolve_dtype, resolve_model
     from sparsekit.pruning import engine
@@ -132,11 +133,15 @@ def prune(
     else:
         calibration = {"dataset": None, "nsamples": 0, "seqlen": None, "seed": None}
 
-    report = engine.prune_model(
-        net, calib_ids, method=meth, sparsity=s.sparsity, pattern=Pattern.parse(s.pattern),
-        skip=s.skip, device=dev, blocksize=s.blocksize, percdamp=s.damp, batch_size=batch_size,
-        progress=progress, warn=warn, seed=s.seed,
-    )
+    # a CATS checkpoint as the source: its thresholds stay in force while a weight method prunes it
+    # (CATS itself calibrates afresh)
+    source_thresholds = read_thresholds(location) if meth.changes_weights else {}
+    with thresholds_in_force(net, source_thresholds):
+        report = engine.prune_model(
+            net, calib_ids, method=meth, sparsity=s.sparsity, pattern=Pattern.parse(s.pattern),
+            skip=s.skip, device=dev, blocksize=s.blocksize, percdamp=s.damp, batch_size=batch_size,
+            progress=progress, warn=warn, seed=s.seed,
+        )
     if not report["layers"] and meth.changes_weights:
         raise SparsekitError(f"no linear layer was pruned: the skip patterns {s.skip} exclude them all")
     save_dtype = _checkpoint_dtype(location)

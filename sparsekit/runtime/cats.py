@@ -5,15 +5,11 @@ recorded in the checkpoint's ``sparsekit.json``.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 from torch import nn
 
 from sparsekit.errors import SparsekitError
-from sparsekit.hf.modules import is_gated_mlp
-from sparsekit.pruning.methods.cats import threshold_activation
+from sparsekit.pruning.methods.cats import named_gated_mlps, read_thresholds, threshold_activation
 
 
 class CatsActivation(nn.Module):
@@ -46,39 +42,13 @@ def apply_threshold(mlp: nn.Module, threshold: float) -> CatsActivation:
 
 def install_thresholds(model: nn.Module, thresholds: dict[str, float]) -> None:
     """Put a :class:`CatsActivation` with ``thresholds[name]`` into each named gated MLP of ``model``."""
-    for name, t in thresholds.items():
-        try:
-            mlp = model.get_submodule(name)
-        except AttributeError:
-            mlp = None
-        if mlp is None or not is_gated_mlp(mlp):
-            raise SparsekitError(f"CATS threshold for {name!r}, which is not a gated MLP of this "
-                                 f"{type(model).__name__}: the checkpoint's sparsekit.json does not match its model")
-        apply_threshold(mlp, float(t))
+    for name, mlp in named_gated_mlps(model, thresholds).items():
+        apply_threshold(mlp, float(thresholds[name]))
         mlp.act_fn.to(next((p.device for p in mlp.parameters()), torch.device("cpu")))
-
-
-def thresholds_from_metadata(meta: dict) -> dict[str, float]:
-    """``{mlp name: threshold}`` from a ``sparsekit.json`` dict (empty when it is not a CATS run)."""
-    cats = meta.get("cats") if isinstance(meta, dict) else None
-    if not cats:
-        return {}
-    try:
-        return {name: float(v["threshold"]) for name, v in cats["mlps"].items()}
-    except (KeyError, TypeError, ValueError, AttributeError):
-        raise SparsekitError("sparsekit.json has a malformed \"cats\" entry (want mlps: {name: {threshold: t}}): "
-                             "re-run `sparsekit prune --method cats`") from None
 
 
 def install_from_checkpoint(model: nn.Module, directory) -> int:
     """Install the CATS thresholds recorded in ``directory/sparsekit.json``, if any; returns how many."""
-    path = Path(directory) / "sparsekit.json"
-    if not path.is_file():
-        return 0
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SparsekitError(f"{path} cannot be read ({e}): fix or remove it") from None
-    thresholds = thresholds_from_metadata(meta)
+    thresholds = read_thresholds(directory)
     install_thresholds(model, thresholds)
     return len(thresholds)

@@ -25,13 +25,15 @@ as it was.
 from __future__ import annotations
 
 import contextlib
+import json
 import zlib
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from sparsekit.errors import SparsekitError
-from sparsekit.hf.modules import find_gated_mlps, find_linears, weight_out_in
+from sparsekit.hf.modules import find_gated_mlps, find_linears, is_gated_mlp, weight_out_in
 from sparsekit.pruning.methods.base import Method, Observes
 
 SAMPLE_SIZE = 2**20
@@ -110,6 +112,53 @@ def cats_metadata(mlps: dict[str, dict], sparsity: float) -> dict:
         "mlps": {name: {"threshold": float(r["threshold"]), "activation_sparsity": float(r["activation_sparsity"]),
                         "samples": int(r["samples"]), "exact": bool(r["exact"])} for name, r in mlps.items()},
     }
+
+
+def thresholds_from_metadata(meta: dict) -> dict[str, float]:
+    """``{mlp name: threshold}`` from a ``sparsekit.json`` dict (empty when it is not a CATS run)."""
+    cats = meta.get("cats") if isinstance(meta, dict) else None
+    if not cats:
+        return {}
+    try:
+        return {name: float(v["threshold"]) for name, v in cats["mlps"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise SparsekitError("sparsekit.json has a malformed \"cats\" entry (want mlps: {name: {threshold: t}}): "
+                             "re-run `sparsekit prune --method cats`") from None
+
+
+def read_thresholds(directory) -> dict[str, float]:
+    """``{mlp name: threshold}`` from ``directory/sparsekit.json`` (empty when there is none or no CATS entry)."""
+    path = Path(directory) / "sparsekit.json"
+    if not path.is_file():
+        return {}
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SparsekitError(f"{path} cannot be read ({e}): fix or remove it") from None
+    return thresholds_from_metadata(meta)
+
+
+def named_gated_mlps(model: nn.Module, names) -> dict[str, nn.Module]:
+    """``{name: module}`` for these gated-MLP names of ``model``, refusing a name that is not one."""
+    found = {}
+    for name in names:
+        try:
+            mlp = model.get_submodule(name)
+        except AttributeError:
+            mlp = None
+        if mlp is None or not is_gated_mlp(mlp):
+            raise SparsekitError(f"CATS threshold for {name!r}, which is not a gated MLP of this "
+                                 f"{type(model).__name__}: the checkpoint's sparsekit.json does not match its model")
+        found[name] = mlp
+    return found
+
+
+@contextlib.contextmanager
+def thresholds_in_force(model: nn.Module, thresholds: dict[str, float]):
+    """Run ``model``'s named gated MLPs with these CATS thresholds for the duration of the block
+    (forward hooks on ``act_fn``; the same function as the runtime's ``CatsActivation``)."""
+    with act_hooks(named_gated_mlps(model, thresholds), lambda name: lambda module, inputs, output: threshold_activation(output, thresholds[name])):
+        yield
 
 
 def name_seed(name: str) -> int:
