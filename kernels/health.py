@@ -56,7 +56,7 @@ def _self_test() -> None:
     g = torch.Generator(device="cpu").manual_seed(0)
     w = torch.randn(64, 128, generator=g, dtype=torch.float32)
     w = torch.where(torch.rand(64, 128, generator=g) < 0.5, torch.zeros_like(w), w).half()
-    x = torch.randn(2, 128, generator=g).half()
+    x = torch.randn(1, 128, generator=g).half()   # N = 1: the variant a decode step compiles anyway
     packed = encode(w.cuda())
     y = tcabme_matmul(x.cuda(), packed)
     ref = reference_matmul(x.cuda(), packed).float()
