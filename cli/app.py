@@ -8,6 +8,7 @@ from sparsekit.cli import env as env_cmd
 from sparsekit.cli import eval as eval_cmd
 from sparsekit.cli import pack as pack_cmd
 from sparsekit.cli import prune as prune_cmd
+from sparsekit.cli import recipes as recipes_cmd
 
 app = typer.Typer(
     name="sparsekit",
@@ -35,6 +36,7 @@ prune_cmd.register(app)
 pack_cmd.register(app)
 eval_cmd.register(app)
 env_cmd.register(app)
+recipes_cmd.register(app)
 
 
 def main() -> None:

@@ -12,6 +12,8 @@ HELP = (
     "Methods: magnitude, wanda, sparsegpt, cats. Patterns: unstructured (with --sparsity), N:M (2:4, 4:8, ...), "
     "hybrid[:T] (TxT tiles, each dense or 2:4). Settings come from the defaults, then --recipe, then the "
     "flags you pass.\n\n"
+    "Recipes: --recipe takes the name of a bundled recipe (list them with `sparsekit recipes`, e.g. wanda-2of4) "
+    "from any folder, or a YAML file path (an existing file wins over a bundled name).\n\n"
     "cats (gated MLPs: Llama, Mistral, Qwen2, SmolLM2) changes no weight: it calibrates one threshold per MLP "
     "and zeroes the gate activations act(gate(x)) smaller in magnitude, --sparsity being the fraction zeroed "
     "(unstructured only); the thresholds go into sparsekit.json, and `sparsekit eval` applies them.\n\n"
@@ -35,7 +37,7 @@ def prune_cmd(
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for drawing the windows and the CATS activation sample (default: 0)"),
     skip: Optional[List[str]] = typer.Option(None, "--skip", help="Module-name pattern (fnmatch) to leave dense; repeatable; lm_head is always left dense"),
     prune_lm_head: bool = typer.Option(False, "--prune-lm-head", help="Prune lm_head too (magnitude only; refused when it is tied to the embeddings)."),
-    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="YAML recipe (recipes/*.yaml); flags override it."),
+    recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Bundled recipe name (see `sparsekit recipes`, e.g. wanda-2of4) or a YAML file; flags override it."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Output directory (default: out/<model>-<method>-<pattern>)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
     device: str = typer.Option("auto", "--device", help="auto | cuda | cpu: where each layer is pruned (the model itself stays in CPU memory)."),

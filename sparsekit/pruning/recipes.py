@@ -9,13 +9,17 @@ A recipe is a small YAML file::
     skip: [lm_head]
     sparsegpt: {blocksize: 128, damp: 0.01}   # optional
 
-``description`` is free text. Any other key is an error. :func:`resolve_settings` returns a
-validated ``PruneSettings``.
+``description`` is free text (the line ``sparsekit recipes`` shows). Any other key is an error.
+:func:`resolve_settings` returns a validated ``PruneSettings``.
+
+A recipe is named by a path or by the name of a bundled one (``wanda-2of4``: the repository's
+``recipes/`` folder, installed as the data package ``sparsekit.recipes``): an existing file wins, else
+the bundled recipe of that name (``.yaml`` optional), else an error that lists the bundled names.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sparsekit.errors import SparsekitError
 from sparsekit.pruning.settings import PruneSettings
@@ -48,15 +52,73 @@ def _check_keys(where: str, got: dict, allowed: set[str], path) -> None:
         )
 
 
-def load_recipe(path: str | Path) -> dict[str, Any]:
-    """Read a recipe file into flat settings (only the keys it sets)."""
+BUNDLED_PACKAGE = "sparsekit.recipes"
+_SUFFIXES = (".yaml", ".yml")
+
+
+class BundledRecipe(NamedTuple):
+    name: str          # the file name without .yaml: what --recipe accepts
+    description: str   # the recipe's description field ("" when it has none)
+    path: str          # where the installed file is
+
+
+def _bundled_files() -> dict[str, Any]:
+    """``{name: Traversable}`` of the bundled recipes (empty if the data package is missing)."""
+    from importlib import resources
+
+    try:
+        root = resources.files(BUNDLED_PACKAGE)
+    except ModuleNotFoundError:
+        return {}
+    return {f.name.rsplit(".", 1)[0]: f for f in sorted(root.iterdir(), key=lambda f: f.name)
+            if f.is_file() and f.name.endswith(_SUFFIXES)}
+
+
+def bundled_recipes() -> list[BundledRecipe]:
+    """The recipes shipped with sparsekit, sorted by name."""
     import yaml
 
-    path = Path(path)
-    if not path.is_file():
-        raise SparsekitError(f"recipe {path} not found: pass a YAML file such as recipes/wanda-2of4.yaml")
+    out = []
+    for name, f in _bundled_files().items():
+        try:
+            data = yaml.safe_load(f.read_text())
+        except yaml.YAMLError:
+            data = None
+        desc = data.get("description") if isinstance(data, dict) else None
+        out.append(BundledRecipe(name, "" if desc is None else str(desc), str(f)))
+    return out
+
+
+def find_recipe(recipe: str | Path):
+    """The file a ``--recipe`` value names: an existing file path wins, else the bundled recipe of
+    that name (``wanda-2of4`` or ``wanda-2of4.yaml``); anything else is a one-line error listing the
+    bundled names. Returns a ``Path`` or an ``importlib.resources`` Traversable (both ``read_text()``)."""
+    path = Path(recipe).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        raise SparsekitError(f"recipe {recipe} is a directory: pass a YAML file or the name of a bundled recipe")
+    bundled = _bundled_files()
+    text = str(recipe)
+    name = next((text[: -len(x)] for x in _SUFFIXES if text.endswith(x)), text)
+    if "/" not in text and "\\" not in text and name in bundled:
+        return bundled[name]
+    names = ", ".join(bundled) or "(none installed)"
+    if path.stem in bundled and path.suffix in _SUFFIXES:  # e.g. recipes/wanda-2of4.yaml from another folder
+        raise SparsekitError(f"recipe file {recipe} not found: the bundled recipe of that name is --recipe {path.stem}")
+    raise SparsekitError(f"recipe {recipe!s} not found: pass a YAML file or one of the bundled recipes: {names} "
+                         "(see `sparsekit recipes`)")
+
+
+def load_recipe(path: str | Path) -> dict[str, Any]:
+    """Read a recipe (a file path or a bundled name, see :func:`find_recipe`) into flat settings
+    (only the keys it sets)."""
+    import yaml
+
+    source = find_recipe(path)
+    path = source if isinstance(source, Path) else Path(str(path))  # the name in messages
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(source.read_text())
     except yaml.YAMLError as e:
         raise SparsekitError(f"recipe {path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if data is None:
