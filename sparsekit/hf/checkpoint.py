@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsekit.hf.atomic import atomic_output_dir
+from sparsekit.hf.filemode import public_tree
 
 METADATA_FILE = "sparsekit.json"
 
@@ -74,6 +75,7 @@ def save_pruned(model, tokenizer, output: str | Path, metadata: dict, *, overwri
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+        public_tree(tmp)  # safetensors writes its files 0600: every file follows the umask
     return Path(output)
 
 
