@@ -6,6 +6,7 @@ import typer
 from sparsekit import __version__
 from sparsekit.cli import env as env_cmd
 from sparsekit.cli import eval as eval_cmd
+from sparsekit.cli import generate as generate_cmd
 from sparsekit.cli import pack as pack_cmd
 from sparsekit.cli import prune as prune_cmd
 from sparsekit.cli import recipes as recipes_cmd
@@ -36,6 +37,7 @@ prune_cmd.register(app)
 pack_cmd.register(app)
 eval_cmd.register(app)
 env_cmd.register(app)
+generate_cmd.register(app)
 recipes_cmd.register(app)
 
 
