@@ -10,13 +10,15 @@ from sparsekit.cli import render
 from sparsekit.cli.common import JSON_OPTION, console, emit_json, err_console, handle_errors, progress_bar
 
 HELP = (
-    "Evaluate a model: perplexity (--ppl, the default) and/or decode/prefill speed against its dense "
+    "Evaluate a model: perplexity (--ppl, the default), zero-shot task accuracy through lm-evaluation-harness "
+    "(--tasks, the optional `sparsekit[tasks]` extra) and/or decode/prefill speed against its dense "
     "counterpart (--speed, CUDA only).\n\n"
     "DIR is a pruned HF directory (from `sparsekit prune`), a packed TCA-BME directory (from "
     "`sparsekit encode`), a hub id, or the demo alias smollm2-135m.\n\n"
     "Perplexity follows the Wanda/SparseGPT WikiText-2 protocol: the test split joined with blank lines, "
-    "tokenized once, non-overlapping --seqlen windows, leftover tokens dropped, ppl = exp(mean NLL).\n\n"
-    "Example: sparsekit eval out/wanda50 --ppl --max-windows 8"
+    "tokenized once, non-overlapping --seqlen windows, leftover tokens dropped, ppl = exp(mean NLL). --baseline scores the dense model DIR was pruned from on the same windows.\n\n"
+    "Examples: sparsekit eval out/wanda50 --ppl --max-windows 8 --baseline; "
+    "sparsekit eval out/wanda50 --tasks arc_easy,hellaswag --limit 200"
 )
 
 
@@ -51,6 +53,18 @@ def eval_cmd(
     plot: Optional[str] = typer.Option(None, "--plot", help="With --speed: write a PNG of tokens/s against batch size."),
     prefer: str = typer.Option("speed", "--prefer", help="With --speed: speed (layers run in their fastest form, measured at load; "
                                "keeps dense copies where dense wins) | memory (packed weights only)."),
+    baseline: bool = typer.Option(False, "--baseline", help="With --ppl: also score the dense model DIR was pruned from "
+                                  "(recorded in its sparsekit.json) on the same windows, and their ratio."),
+    baseline_model: Optional[str] = typer.Option(None, "--baseline-model", metavar="DIR",
+                                                 help="The dense model for --baseline (directory, hub id or alias), "
+                                                 "when DIR does not record it or it moved. Implies --baseline."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="lm-eval tasks, comma-separated, e.g. arc_easy,hellaswag "
+                                        "(needs pip install \"sparsekit[tasks]\"; datasets download from the hub)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="With --tasks: score only the first N examples of each task."),
+    num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", help="With --tasks: few-shot examples (default: "
+                                              "each task's own, 0 for the usual zero-shot tasks)."),
+    include_path: Optional[str] = typer.Option(None, "--include-path", metavar="DIR",
+                                               help="With --tasks: a folder of task YAML files of your own (lm-eval format)."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     from transformers.utils import logging as hf_logging
@@ -59,8 +73,24 @@ def eval_cmd(
 
     hf_logging.disable_progress_bar()  # our own bars only
     hf_logging.set_verbosity_error()
-    if not ppl and not speed:
+    baseline = baseline or baseline_model is not None
+    if baseline and not ppl and (speed or tasks):
+        raise SparsekitError("--baseline puts the dense model's perplexity beside this one: add --ppl")
+    if not ppl and not speed and not tasks:
         ppl = True
+    if not tasks and (limit is not None or num_fewshot is not None or include_path is not None):
+        raise SparsekitError("--limit, --num-fewshot and --include-path apply to --tasks: add --tasks NAMES")
+    if limit is not None and limit < 1:
+        raise SparsekitError(f"--limit must be >= 1, got {limit}")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise SparsekitError(f"--num-fewshot must be >= 0, got {num_fewshot}")
+    task_names, manager = None, None
+    if tasks:  # lm-eval present, task names known: checked before any model is loaded
+        from sparsekit.evaluation.tasks import check_tasks, parse_tasks, task_manager
+
+        task_names = parse_tasks(tasks)
+        manager = task_manager(include_path)
+        check_tasks(manager, task_names)
     if plot and not speed:
         raise SparsekitError("--plot draws the speed measurement: add --speed")
     sizes = _batch_sizes(batch_sizes)
@@ -84,9 +114,17 @@ def eval_cmd(
 
         with progress_bar() as bars:
             report["ppl"] = perplexity_report(model_dir, dataset=dataset, seqlen=seqlen, max_windows=max_windows,
-                                              device=device, dtype=dtype, progress=bars, warn=warn)
+                                              device=device, dtype=dtype, progress=bars, warn=warn,
+                                              baseline=baseline, baseline_model=baseline_model)
         if not json_out:
             console.print(render.ppl_table(report["ppl"]))
+    if task_names:
+        from sparsekit.evaluation.tasks import tasks_report
+
+        report["tasks"] = tasks_report(model_dir, tasks=task_names, limit=limit, num_fewshot=num_fewshot, device=device,
+                                       dtype=dtype, manager=manager, warn=warn)
+        if not json_out:
+            console.print(render.tasks_table(report["tasks"]))
     if speed:
         from sparsekit.evaluation.speed import measure_speed
         from sparsekit.hf.models import local_model_dir, resolve_dtype

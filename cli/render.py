@@ -10,18 +10,63 @@ from sparsekit.errors import SparsekitError
 
 
 def ppl_table(report: dict):
-    """The perplexity report as a rich Table (one row)."""
+    """The perplexity report as a rich Table (one row; with a baseline, the dense model's figure and the
+    ratio beside it); a caption when the windows are too few for a stable figure."""
     from rich import box
     from rich.table import Table
+
+    from sparsekit.evaluation.ppl import ROUGH_WINDOWS
 
     t = Table(title=f"Perplexity of {report['model']}", box=box.SIMPLE_HEAD, show_edge=False, padding=0)
     dataset = str(report["dataset"])
     if Path(dataset).exists():  # a local file: its name is enough in the table (--json has the full path)
         dataset = Path(dataset).name
-    for head in ("dataset", "seqlen", "windows", "tokens", "device", "dtype", "nll", "ppl"):
+    base = report.get("baseline")
+    heads = ["dataset", "seqlen", "windows", "tokens", "device", "dtype", "nll", "ppl"]
+    if base:
+        heads += ["dense ppl", "x dense"]
+    for head in heads:
         t.add_column(head, justify="left" if head == "dataset" else "right", overflow="fold", no_wrap=True)
-    t.add_row(dataset, str(report["seqlen"]), str(report["windows"]), f"{report['tokens']:,}",
-              report["device"], report["dtype"], f"{report['nll']:.4f}", f"{report['ppl']:.3f}")
+    row = [dataset, str(report["seqlen"]), str(report["windows"]), f"{report['tokens']:,}",
+           report["device"], report["dtype"], f"{report['nll']:.4f}", f"{report['ppl']:.3f}"]
+    if base:
+        row += [f"{base['ppl']:.3f}", _fmt(report.get("ratio"), ".3f")]
+    t.add_row(*row)
+    notes = []
+    if base:
+        notes.append(f"dense: {base['model']}, same {report['windows']} windows")
+    if report["windows"] < ROUGH_WINDOWS:
+        notes.append(f"rough: only {report['windows']} window{'s' if report['windows'] != 1 else ''} "
+                     f"(use {ROUGH_WINDOWS}+ for a stable figure)")
+    if notes:
+        t.caption = "\n".join(notes)
+    return t
+
+
+def _pm(value, err) -> str:
+    """``0.5123 ± 0.0141`` (or ``-`` when the task has no such metric)."""
+    if value is None:
+        return "-"
+    return f"{value:.4f}" if err is None else f"{value:.4f} ± {err:.4f}"
+
+
+def tasks_table(report: dict[str, Any]):
+    """The task accuracy report as a rich Table: a row per task, acc and acc_norm with their stderr."""
+    from rich import box
+    from rich.table import Table
+
+    shots = {row.get("num_fewshot") for row in report["tasks"]}
+    kind = "Zero-shot accuracy" if shots <= {0, None} else "Task accuracy"
+    t = Table(title=f"{kind} of {report['model']}", box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
+    for head in ("task", "examples", "shots", "acc", "acc_norm"):
+        t.add_column(head, justify="left" if head == "task" else "right", overflow="fold")
+    for row in report["tasks"]:
+        t.add_row(row.get("alias") or row["task"], _fmt(row.get("samples"), "d"), _fmt(row.get("num_fewshot"), "d"),
+                  _pm(row.get("acc"), row.get("acc_stderr")), _pm(row.get("acc_norm"), row.get("acc_norm_stderr")))
+    notes = [f"lm-eval {report.get('lm_eval_version') or '?'}", f"{report.get('device')}, {report.get('dtype')}"]
+    if report.get("limit") is not None:
+        notes.append(f"--limit {report['limit']}: first examples only, a quick look")
+    t.caption = "; ".join(notes)
     return t
 
 
