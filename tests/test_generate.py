@@ -55,6 +55,15 @@ def test_greedy_equals_transformers_generate(loaded, engine):
     assert r["new_tokens"] == len(want) and r["prompt_tokens"] == len(tok(PROMPT).input_ids)
 
 
+@pytest.mark.parametrize("arch", ["opt", "gpt2", "gpt_neox"])
+def test_both_engines_agree_on_other_architectures(tmp_path, arch):
+    from sparsekit.runtime.loader import load
+
+    model, tok = load(str(save_tiny(arch, tmp_path / arch)), "cpu")
+    hf, static = (generate_text(model, tok, PROMPT, check_sampling(8), engine=e) for e in ("hf", "static"))
+    assert hf["token_ids"] == static["token_ids"] == _reference(model, tok, PROMPT, 8)
+
+
 def test_static_engine_stops_at_eos_like_generate(loaded):
     model, tok = loaded
     prompt = "the"
@@ -167,3 +176,21 @@ def test_missing_model_dir_is_one_line(tmp_path):
 def test_library_refuses_sampling_on_the_static_engine(loaded):
     with pytest.raises(SparsekitError, match="greedily"):
         generate_text(*loaded, PROMPT, check_sampling(2, temperature=0.5), engine="static")
+
+
+def test_auto_falls_back_to_transformers_when_the_static_decoder_cannot_run(loaded, monkeypatch):
+    import sparsekit.runtime.decoder as decoder
+    import sparsekit.runtime.generate as gen
+
+    def broken(*a, **k):
+        raise RuntimeError("no static cache for this model")
+
+    model, tok = loaded
+    monkeypatch.setattr(decoder, "GreedyDecoder", broken)
+    monkeypatch.setattr(gen, "pick_engine", lambda *a, **k: "static")  # as auto does on CUDA
+    streamed = []
+    r = generate_text(model, tok, PROMPT, check_sampling(6), on_text=streamed.append)
+    assert r["engine"] == "hf" and "no static cache" in r["notes"][0]
+    assert r["token_ids"] == _reference(model, tok, PROMPT, 6) and "".join(streamed) == r["text"]
+    with pytest.raises(SparsekitError, match="no static cache"):
+        generate_text(model, tok, PROMPT, check_sampling(6), engine="static")

@@ -138,7 +138,7 @@ def generate_ids(model: nn.Module, tokenizer, input_ids: torch.Tensor, sampling:
                  on_text: Callable[[str], None] | None = None, engine: str = "auto",
                  stop: StopFilter | None = None) -> dict:
     """Continue ``input_ids`` ``[1, L]``: the new token ids, their text and timings (see module doc)."""
-    engine = pick_engine(model, sampling, engine)
+    requested, engine = engine, pick_engine(model, sampling, engine)
     dev = model_device(model)
     input_ids = input_ids.to(dev)
     sink = stop if stop is not None else on_text
@@ -151,8 +151,16 @@ def generate_ids(model: nn.Module, tokenizer, input_ids: torch.Tensor, sampling:
     if engine == "hf":
         new = _hf_generate(model, tokenizer, input_ids, sampling, streamer, stop)
     else:
-        new = _static_generate(model, input_ids, sampling.max_new_tokens, eos_ids(model, tokenizer), streamer,
-                               stop, notes)
+        try:
+            new = _static_generate(model, input_ids, sampling.max_new_tokens, eos_ids(model, tokenizer), streamer,
+                                   stop, notes)
+        except _NoStaticDecoder as e:
+            if requested == "static":
+                raise SparsekitError(f"the static decoder cannot run this model: {e.__cause__}") from None
+            notes.append(f"the static decoder cannot run this model ({e.__cause__}): decoding with transformers' generate")
+            engine = "hf"
+            streamer.skip_prompt = streamer.next_tokens_are_prompt = True
+            new = _hf_generate(model, tokenizer, input_ids, sampling, streamer, stop)
     streamer.end()
     if stop is not None:
         stop.flush()
@@ -189,12 +197,19 @@ def _hf_generate(model, tokenizer, input_ids, sampling: Sampling, streamer, stop
     return out[0, input_ids.shape[1]:].tolist()
 
 
+class _NoStaticDecoder(Exception):
+    """The static decoder could not be built or could not run the prompt (the cause is chained)."""
+
+
 def _static_generate(model, input_ids, max_new: int, eos: set[int], streamer, stop: StopFilter | None,
                      notes: list[str]) -> list[int]:
     from sparsekit.runtime.decoder import GreedyDecoder
 
-    dec = GreedyDecoder(model, 1, input_ids.shape[1] + max_new)
-    tok = dec.prefill(input_ids)
+    try:  # nothing is streamed yet: a model the decoder cannot take goes to transformers' generate
+        dec = GreedyDecoder(model, 1, input_ids.shape[1] + max_new)
+        tok = dec.prefill(input_ids)
+    except Exception as e:
+        raise _NoStaticDecoder() from e
     new: list[int] = []
     while True:
         t = int(tok[0, 0])
