@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from sparsekit.errors import SparsekitError
 from sparsekit.hf.checkpoint import METADATA_FILE
-from sparsekit.hf.data import cap_seqlen, eval_text, tokenize
+from sparsekit.hf.data import cap_seqlen, check_seqlen, eval_text, tokenize
 from sparsekit.hf.models import open_tokenizer, resolve_device, resolve_dtype, resolve_model
 from sparsekit.packed.shards import INDEX_NAME
 from sparsekit.progress import Progress, report
@@ -214,6 +214,7 @@ def perplexity_report(model_dir: str, *, dataset: str, seqlen: int, max_windows:
     in memory at a time: the report gains ``baseline`` (its ppl/nll) and ``ratio`` (ppl / dense ppl).
     """
     t0 = time.perf_counter()
+    seqlen = check_seqlen(seqlen)  # the same minimum as prune's, before any loading
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(None if dtype == "auto" else dtype, dev)
     location = resolve_model(model_dir)  # a bad DIR fails first ...

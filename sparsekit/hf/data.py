@@ -24,6 +24,8 @@ from sparsekit.errors import SparsekitError
 WIKITEXT2 = ("Salesforce/wikitext", "wikitext-2-raw-v1")
 C4 = ("allenai/c4", "en/c4-train.00000-of-01024.json.gz")  # the shard the Wanda/SparseGPT code samples
 ALIASES = ("wikitext2", "c4")
+# The shortest window a user may ask for, in prune (calibration) and eval (perplexity) alike.
+MIN_SEQLEN = 8
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 
@@ -165,12 +167,24 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return ids[0].long()
 
 
+def check_seqlen(seqlen) -> int:
+    """A requested window length as an int, at least ``MIN_SEQLEN`` (the one check of prune and eval)."""
+    try:
+        n = int(seqlen)
+        if isinstance(seqlen, bool) or (isinstance(seqlen, float) and n != seqlen):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise SparsekitError(f"seqlen must be an integer, got {seqlen!r}") from None
+    if n < MIN_SEQLEN:
+        raise SparsekitError(f"seqlen must be at least {MIN_SEQLEN}, got {n}")
+    return n
+
+
 def cap_seqlen(model, seqlen: int) -> int:
-    """``seqlen`` capped at the model's context length (``max_position_embeddings`` or alike)."""
+    """``seqlen`` (at least ``MIN_SEQLEN``) capped at the model's context length (``max_position_embeddings`` or alike)."""
     from sparsekit.hf.models import model_context
 
-    if seqlen < 1:
-        raise SparsekitError(f"seqlen must be >= 1, got {seqlen}")
+    seqlen = check_seqlen(seqlen)
     ctx = model_context(model)
     return min(seqlen, ctx) if ctx else seqlen
 

@@ -176,6 +176,7 @@ def resolve_settings(recipe: str | Path | None = None, **overrides: Any) -> Prun
 
 def validate(s: dict[str, Any]) -> PruneSettings:
     """Check and normalize raw settings (``DEFAULTS``' keys, plus ``recipe``) into ``PruneSettings``."""
+    from sparsekit.hf.data import MIN_SEQLEN
     from sparsekit.pruning.methods import METHODS
     from sparsekit.pruning.patterns import Pattern
 
@@ -188,7 +189,7 @@ def validate(s: dict[str, Any]) -> PruneSettings:
     method.check_pattern(pattern)
     s["sparsity"] = pattern.resolve_sparsity(s["sparsity"])  # None -> the pattern's default
     s["pattern"] = str(pattern)
-    for key, lo in (("nsamples", 1), ("seqlen", 8), ("blocksize", 1)):
+    for key, lo in (("nsamples", 1), ("seqlen", MIN_SEQLEN), ("blocksize", 1)):
         try:
             s[key] = int(s[key])
         except (TypeError, ValueError):
