@@ -39,6 +39,14 @@ def in_tasks_dir(monkeypatch):
     monkeypatch.chdir(TASKS_DIR)  # the task's data_files path is relative to the working directory
 
 
+def only_local_tasks(monkeypatch):
+    """The CLI's TaskManager without lm-eval's own tasks: indexing those takes ~9 s a run."""
+    from sparsekit.evaluation import tasks
+
+    make = tasks.task_manager
+    monkeypatch.setattr(tasks, "task_manager", lambda include_path=None: make(include_path, include_defaults=False))
+
+
 def questions(limit=None) -> list[dict]:
     rows = [json.loads(line) for line in (TASKS_DIR / "tiny_mc.jsonl").read_text().splitlines() if line.strip()]
     return rows[:limit]
@@ -84,7 +92,7 @@ def test_accuracy_equals_direct_loglikelihood_scoring(tiny, in_tasks_dir):
     assert row["acc_stderr"] == pytest.approx((want_acc * (1 - want_acc) / (n - 1)) ** 0.5, rel=1e-6)
 
 
-def test_cli_on_a_packed_model_runs_the_sparse_runtime(tiny, tmp_path, in_tasks_dir):
+def test_cli_on_a_packed_model_runs_the_sparse_runtime(tiny, tmp_path, in_tasks_dir, monkeypatch):
     """prune -> encode -> eval --tasks: the packed directory is scored through SparseLinear, and the
     figure equals the direct scoring of that same loaded model; --json leaves only JSON on stdout."""
     need_lm_eval()
@@ -111,6 +119,7 @@ def test_cli_on_a_packed_model_runs_the_sparse_runtime(tiny, tmp_path, in_tasks_
     want_acc, want_norm = reference_accuracy(model, tok, questions(8))
     assert row["acc"] == pytest.approx(want_acc, abs=1e-9) and row["acc_norm"] == pytest.approx(want_norm, abs=1e-9)
 
+    only_local_tasks(monkeypatch)  # the run above indexed lm-eval's own tasks too, as users get them
     res = runner.invoke(app, ["eval", str(packed), "--tasks", TASK, "--include-path", str(TASKS_DIR),
                               "--limit", "8", "--device", "cpu"])
     assert res.exit_code == 0, res.output
@@ -118,7 +127,7 @@ def test_cli_on_a_packed_model_runs_the_sparse_runtime(tiny, tmp_path, in_tasks_
     assert "--limit 8" in res.stderr
 
 
-def test_offline_dataset_is_one_line(tiny, in_tasks_dir):
+def test_offline_dataset_is_one_line(tiny, in_tasks_dir, monkeypatch):
     need_lm_eval()
     from sparsekit.evaluation.tasks import evaluate_tasks, task_manager
     from sparsekit.runtime.loader import load
@@ -126,6 +135,7 @@ def test_offline_dataset_is_one_line(tiny, in_tasks_dir):
     model, tok = load(str(tiny[0]))
     with pytest.raises(SparsekitError, match="cannot download the dataset .*offline"):
         evaluate_tasks(model, tok, ["sparsekit_tiny_hub"], manager=task_manager(TASKS_DIR, include_defaults=False))
+    only_local_tasks(monkeypatch)
     res = runner.invoke(app, ["eval", str(tiny[0]), "--tasks", "sparsekit_tiny_hub", "--include-path", str(TASKS_DIR),
                               "--device", "cpu"])
     assert res.exit_code == 2, res.output
@@ -140,7 +150,7 @@ def test_unknown_task_is_refused_before_loading(tiny, monkeypatch):
     manager = tasks.task_manager(TASKS_DIR, include_defaults=False)
     with pytest.raises(SparsekitError, match="unknown task no_such_task"):
         tasks.check_tasks(manager, [TASK, "no_such_task"])
-    monkeypatch.setattr(tasks, "task_manager", lambda include_path=None: manager)  # skip indexing lm-eval's own
+    only_local_tasks(monkeypatch)
     res = runner.invoke(app, ["eval", "./no/such/model", "--tasks", "no_such_task"])
     assert res.exit_code == 2 and "unknown task no_such_task" in res.stderr  # names first, then DIR
 
