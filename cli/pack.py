@@ -21,12 +21,15 @@ ENCODE_HELP = (
 )
 INSPECT_HELP = (
     "Show each linear layer of a packed checkpoint: shape, sparsity, dense bytes, packed bytes and "
-    "compression ratio, with totals.\n\nExample: sparsekit inspect out/wanda50.tcabme"
+    "compression ratio, with totals. Reads the index and shard headers only: checksums are not checked "
+    "(run `sparsekit verify`).\n\nExample: sparsekit inspect out/wanda50.tcabme"
 )
 VERIFY_HELP = (
     "Check a packed checkpoint: index, format version, shard sizes and sha256, and the structure of every "
     "packed weight (offsets monotone and multiples of 8, popcounts match value counts, strip offsets and "
-    "shapes consistent). Exits 2 with one line naming the shard and tensor on the first problem.\n\n"
+    "shapes consistent); and that it loads: config.json present and readable by transformers, its model "
+    "fits the packed layers, tokenizer files present. Exits 2 with one line naming the problem (shard and "
+    "tensor for a damaged shard) on the first one.\n\n"
     "Example: sparsekit verify out/wanda50.tcabme"
 )
 EXPORT_HELP = (
@@ -160,6 +163,8 @@ def inspect_cmd(
         console.print(f"[dim]{r['layer']}: {r['reason']}[/]")
     if len(dense) > 5:
         console.print(f"[dim]... and {len(dense) - 5} more dense layers[/]")
+    if not report.get("checksums_verified"):
+        console.print("checksums not checked: run `sparsekit verify` to check the shards' bytes")
 
 
 @handle_errors
@@ -176,7 +181,7 @@ def verify_cmd(
         return
     console.print(f"[bold green]ok[/]: {report['path']} ({report['format']} v{report['format_version']}): "
                   f"{report['shards']} shard(s), {report['tensors']} tensors, {report['packed_layers']}/"
-                  f"{report['layers']} layers packed, checksums and structure verified")
+                  f"{report['layers']} layers packed, checksums and structure verified, config and tokenizer present")
 
 
 @handle_errors

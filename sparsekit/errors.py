@@ -7,3 +7,8 @@ class SparsekitError(Exception):
     Write messages as one sentence naming the bad input and the fix, e.g.
     ``"no model at ./foo: pass a local HF directory, a hub id, or the demo alias 'smollm2-135m'"``.
     """
+
+
+class SparsekitWarning(UserWarning):
+    """A notice for users (e.g. sparse layers running the slow reference path): the CLI prints
+    ``warning: <message>`` on stderr, without a source location."""

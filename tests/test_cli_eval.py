@@ -87,7 +87,7 @@ def test_one_line_errors(tiny, args, message):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU messages")
 def test_gpu_requests_without_gpu(tiny):
     res = runner.invoke(app, ["eval", str(tiny[0]), "--device", "cuda"])
-    assert res.exit_code == 2 and "no CUDA GPU found: use --device cpu" in res.stderr
+    assert res.exit_code == 2 and "no CUDA GPU found" in res.stderr and "--device cpu" in res.stderr
     res = runner.invoke(app, ["eval", str(tiny[0]), "--ppl", "--speed"])  # refused before the ppl run
     assert res.exit_code == 2 and "needs a CUDA GPU" in res.stderr and "Perplexity" not in res.stdout
 

@@ -53,7 +53,7 @@ def test_load_local_dir_dtypes(tiny_dir):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_cuda_without_gpu(tiny_dir):
-    with pytest.raises(SparsekitError, match="^no CUDA GPU found: use --device cpu$"):
+    with pytest.raises(SparsekitError, match=r'^no CUDA GPU found: use device="cpu" \(--device cpu\)$'):
         models.load_model(str(tiny_dir), device="cuda")
     assert models.resolve_device("auto").type == "cpu"
 

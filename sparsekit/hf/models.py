@@ -44,7 +44,7 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     except (RuntimeError, TypeError):
         raise SparsekitError(f"unknown device {device!r}: use auto, cpu or cuda") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SparsekitError("no CUDA GPU found: use --device cpu")
+        raise SparsekitError('no CUDA GPU found: use device="cpu" (--device cpu)')
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise SparsekitError(f"no GPU {dev.index}: this machine has {torch.cuda.device_count()}")
     if dev.type not in ("cpu", "cuda"):
@@ -102,12 +102,17 @@ def demo_gguf_path() -> Path:
 
 
 def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
-    """Dequantize a GGUF causal LM into an HF safetensors directory (float16 + tokenizer), atomically."""
+    """Dequantize a GGUF causal LM into an HF safetensors directory (float16 + tokenizer), atomically
+    (``out`` is locked before the dequantization, see ``sparsekit.hf.atomic``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from sparsekit.hf.atomic import atomic_output_dir
+    from sparsekit.hf.atomic import atomic_output_dir, claim_output, held_claim
+    from sparsekit.hf.filemode import public_tree
 
+    if held_claim(out) is None:
+        with claim_output(out, overwrite=overwrite):
+            return convert_gguf(gguf, out, overwrite)
     gguf = Path(gguf)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -134,9 +139,11 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, overwrite: boo
     if missing:
         raise SparsekitError(f"GGUF file {gguf} lacks weights for {missing[:3]}: the file is not a full model")
     model.config.dtype = torch.float16
-    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+    estimate = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    with atomic_output_dir(out, overwrite=overwrite, estimate=estimate) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        public_tree(tmp)  # safetensors writes 0600
     return Path(out)
 
 
@@ -145,10 +152,14 @@ def ensure_demo_model() -> Path:
     out = demo_cache_dir()
     if (out / "config.json").is_file():
         return out
+    from sparsekit.hf.atomic import claim_output
+
     gguf = demo_gguf_path()
-    print(f"sparsekit: converting the demo model {gguf.name} once into {out} (~15 s)", file=sys.stderr)
     try:
-        convert_gguf(gguf, out)
+        with claim_output(out, wait=True):  # a second process waits for the first conversion
+            if not (out / "config.json").is_file():
+                print(f"sparsekit: converting the demo model {gguf.name} once into {out} (~15 s)", file=sys.stderr)
+                convert_gguf(gguf, out)
     except (OSError, SparsekitError):
         if (out / "config.json").is_file():  # another process finished the conversion first
             return out
@@ -245,18 +256,73 @@ def local_model_dir(id_or_path: str | os.PathLike | None = None) -> str:
     return snapshot_download(location)
 
 
+# ----------------------------------------------------------------------------- config and tokenizer files
+# The files AutoTokenizer builds a tokenizer from (fast: tokenizer.json; slow / converted: the
+# vocabulary files of the tokenizer classes of causal LMs): a directory needs at least one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tekken.json", "*.tiktoken")
+_DEFAULT_FIX = "copy config.json of the source model into it"
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def read_config(location: str | os.PathLike, fix: str = _DEFAULT_FIX):
+    """The ``AutoConfig`` of a local model directory; a missing, non-JSON or unreadable
+    ``config.json`` is one SparsekitError naming config.json (and ``fix``)."""
+    import json
+
+    from transformers import AutoConfig
+
+    path = Path(location) / "config.json"
+    if not path.is_file():
+        raise SparsekitError(f"{location} has no config.json: {fix}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SparsekitError(f"{path} is not valid JSON ({e}): {fix}") from None
+    except OSError as e:
+        raise SparsekitError(f"cannot read {path} ({e.strerror or type(e).__name__}): check the file and its permissions") from None
+    if not isinstance(data, dict):
+        raise SparsekitError(f"{path} is not a JSON object: {fix}")
+    try:
+        return AutoConfig.from_pretrained(str(location))
+    except Exception as e:  # no / unknown model_type, bad values: transformers' own exception types
+        raise SparsekitError(f"{path} is not a model config transformers can read ({_first_line(e)}): {fix}") from None
+
+
+def tokenizer_files(location: str | os.PathLike) -> list[str]:
+    """The files of ``TOKENIZER_FILES`` present in a local directory."""
+    path = Path(location)
+    return sorted({f.name for pattern in TOKENIZER_FILES for f in path.glob(pattern) if f.is_file()})
+
+
+def check_tokenizer_files(location: str | os.PathLike, fix: str = "copy the tokenizer files of the source model into it") -> None:
+    """A local directory without any tokenizer file is one SparsekitError saying so."""
+    if not tokenizer_files(location):
+        raise SparsekitError(f"{location} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): {fix}")
+
+
 def load_tokenizer(id_or_path: str | os.PathLike | None = None):
     return open_tokenizer(resolve_model(id_or_path))
 
 
 def open_tokenizer(location: str | os.PathLike):
-    """The tokenizer of a resolved location (see ``resolve_model``)."""
+    """The tokenizer of a resolved location (see ``resolve_model``). For a local directory, a bad
+    config.json and missing tokenizer files are reported as what they are, before transformers
+    guesses (it would suggest installing sentencepiece, or blame the tokenizer for the config)."""
     from transformers import AutoTokenizer
 
+    if Path(location).is_dir():
+        read_config(location)
+        check_tokenizer_files(location)
     try:
         return AutoTokenizer.from_pretrained(location)
     except Exception as e:
-        raise SparsekitError(f"could not load a tokenizer from {location}: {type(e).__name__}: {e}") from e
+        raise SparsekitError(f"could not load the tokenizer of {location} ({_first_line(e)}): "
+                             "check its tokenizer files or copy them from the source model") from e
 
 
 def open_dense(location: str | os.PathLike, dtype: torch.dtype):

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from sparsekit.errors import SparsekitError
+from sparsekit.hf import filemode
 from sparsekit.packed.tcabme import FIELDS, FORMAT_NAME, FORMAT_VERSION, TcaBme
 
 INDEX_NAME = "tcabme.index.json"
@@ -108,7 +109,7 @@ class ShardWriter:
             name = single_name if (single_name and n == 1) else f"{self.stem}-{i:05d}-of-{n:05d}.safetensors"
             final = self.out_dir / name
             os.replace(tmp, final)
-            os.chmod(final, 0o666 & ~_umask())
+            filemode.public_file(final)
             shards[name] = {"bytes": final.stat().st_size, "sha256": file_sha256(final)}
             weight_map.update({t: name for t in names})
         return weight_map, shards
@@ -116,13 +117,17 @@ class ShardWriter:
 
 def public_dir(path: Path) -> None:
     """Give a finished output directory the usual mode (the atomic temp dir is created 0700)."""
-    os.chmod(path, 0o777 & ~_umask())
+    filemode.public_dir(path)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def supported_version(version: Any) -> bool:
+    """Whether ``version`` is this sparsekit's ``FORMAT_VERSION``, in either spelling: the index
+    stores it as a number, the shard metadata as a string (safetensors metadata holds strings only)."""
+    if isinstance(version, bool):
+        return False
+    if isinstance(version, int):
+        return version == FORMAT_VERSION
+    return isinstance(version, str) and version.strip() == str(FORMAT_VERSION)
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,7 +165,7 @@ def load_index(path: str | os.PathLike) -> dict[str, Any]:
     fmt, version = meta.get("format"), meta.get("format_version")
     if fmt != FORMAT_NAME:
         raise SparsekitError(f"{idx_path}: format is {fmt!r}, expected {FORMAT_NAME!r}: not a TCA-BME checkpoint")
-    if version != FORMAT_VERSION:
+    if not supported_version(version):
         raise SparsekitError(
             f"{idx_path}: format version {version!r} is not supported (this sparsekit reads version "
             f"{FORMAT_VERSION}): re-encode the checkpoint with this sparsekit"

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from sparsekit.hf import models
 from sparsekit.packed import shards as sh
 from sparsekit.packed import tcabme
 from sparsekit.errors import SparsekitError
@@ -57,7 +58,7 @@ def _check_shard(path: Path, shard: str, info: dict, names: list[str], index: di
     if extra:
         raise _bad(shard, extra[0], f"present in the shard but missing from {sh.INDEX_NAME}")
     meta = header.get("__metadata__", {})
-    if meta.get("format") != tcabme.FORMAT_NAME or meta.get("format_version") != str(tcabme.FORMAT_VERSION):
+    if meta.get("format") != tcabme.FORMAT_NAME or not sh.supported_version(meta.get("format_version")):
         raise SparsekitError(f"shard {shard} says format {meta.get('format')!r} version {meta.get('format_version')!r}, "
                              f"expected {tcabme.FORMAT_NAME!r} version {tcabme.FORMAT_VERSION}: re-run `sparsekit encode`")
     if sh.file_sha256(file) != info.get("sha256"):
@@ -111,10 +112,50 @@ def check_structure(p: tcabme.TcaBme, module: str, shard_of: Callable[[str], str
         raise bad("strip_offsets", f"strip offsets of GroupTile {g} disagree with the bitmap popcounts")
 
 
+_CONFIG_FIX = "copy config.json of the source model into it (or re-run `sparsekit encode`)"
+
+
+def check_model_fit(path: Path, config, index: dict) -> None:
+    """config.json builds a causal LM (parameters on the meta device, nothing allocated) in which
+    every packed layer of the index exists as a linear of the recorded shape: what the loader needs."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:
+        raise SparsekitError(f"{path / 'config.json'}: transformers cannot build a causal LM from it "
+                             f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}): "
+                             f"{_CONFIG_FIX}") from None
+    for module, info in index["layers"].items():
+        if not info.get("packed"):
+            continue
+        try:
+            mod = model.get_submodule(module)
+            weight = mod.weight
+        except AttributeError:
+            raise SparsekitError(f"{sh.INDEX_NAME}: packed layer {module} does not exist in the "
+                                 f"{type(model).__name__} that config.json describes: the shards do not match "
+                                 f"config.json; {_CONFIG_FIX}") from None
+        shape = info.get("shape")
+        transposed = info.get("transposed", not isinstance(mod, torch.nn.Linear))  # as the loader reads it
+        want = list(weight.shape[::-1]) if transposed else list(weight.shape)
+        if shape is not None and list(shape) != want:
+            raise SparsekitError(f"{sh.INDEX_NAME}: packed layer {module} is {shape[0]}x{shape[1]}, the model of "
+                                 f"config.json expects {want[0]}x{want[1]}: the shards do not match config.json; "
+                                 f"{_CONFIG_FIX}")
+
+
 def verify_packed(path: str | os.PathLike, progress: Progress | None = None) -> dict[str, Any]:
-    """Check everything; raise SparsekitError on the first problem; return a summary on success."""
+    """Check everything the loader needs; raise SparsekitError on the first problem; return a summary
+    on success. Besides the shards and packed weights: config.json (present, JSON, a config
+    transformers reads and builds a causal LM from, whose linears fit the packed layers) and at
+    least one tokenizer file (``sparsekit.hf.models.TOKENIZER_FILES``)."""
     path = Path(path)
     index = sh.load_index(path)
+    config = models.read_config(path, fix=_CONFIG_FIX)
+    models.check_tokenizer_files(path)
+    check_model_fit(path, config, index)
     by_shard: dict[str, list[str]] = {}
     for name, shard in index["weight_map"].items():
         by_shard.setdefault(shard, []).append(name)
@@ -172,7 +213,8 @@ def _load(path: Path, names, shard_of) -> dict[str, torch.Tensor]:
 
 
 def inspect_packed(path: str | os.PathLike) -> dict[str, Any]:
-    """Per linear layer: shape, sparsity, dense bytes, stored bytes, ratio; plus totals."""
+    """Per linear layer: shape, sparsity, dense bytes, stored bytes, ratio; plus totals. Reads the
+    index and the shard headers only: no checksum is checked (``checksums_verified`` is False)."""
     path = Path(path)
     index = sh.load_index(path)
     sizes: dict[str, int] = {}
@@ -200,6 +242,7 @@ def inspect_packed(path: str | os.PathLike) -> dict[str, Any]:
     return {
         "path": str(path),
         "metadata": index["metadata"],
+        "checksums_verified": False,  # inspect reads headers only: `sparsekit verify` checks the bytes
         "layers": rows,
         "totals": {
             "layers": len(rows),

@@ -29,15 +29,27 @@ def check_outside_linears(model: nn.Module, stack_name: str, skip: list[str], me
     outside = outside_linears(model, stack_name, skip)
     if not outside:
         return
+    head = _output_head(model, outside)  # in play only through --prune-lm-head (lm_head is skipped by default)
     if method.needs_calibration:
+        others = [n for n in outside if n != head]
+        if not others:
+            raise SparsekitError(f"{head} lies outside the decoder stack, where only magnitude pruning applies: "
+                                 "drop --prune-lm-head or use --method magnitude")
         raise SparsekitError(
             f"{', '.join(outside)} lie outside the decoder stack, where only magnitude pruning applies: "
-            f"add them to --skip (e.g. --skip lm_head) or use --method magnitude"
+            f"add {', '.join(others)} to --skip{' and drop --prune-lm-head' if head else ''}, or use --method magnitude"
         )
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     for name, mod in outside.items():
         if emb is not None and mod.weight is getattr(emb, "weight", None):
-            raise SparsekitError(f"{name} is tied to the input embeddings, pruning it would prune them too: add it to --skip")
+            fix = "drop --prune-lm-head" if name == head else "add it to --skip"
+            raise SparsekitError(f"{name} is tied to the input embeddings, pruning it would prune them too: {fix}")
+
+
+def _output_head(model: nn.Module, outside: dict[str, nn.Module]) -> str | None:
+    """The name of the output head among ``outside`` (``lm_head``, GPT-NeoX's ``embed_out``), if there."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((n for n, m in outside.items() if head is not None and m is head), None)
 
 
 def prune_outside_linears(model: nn.Module, stack_name: str, skip: list[str], method: Method, sparsity: float,

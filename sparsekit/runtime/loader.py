@@ -29,6 +29,8 @@ from sparsekit.runtime.cats import install_from_checkpoint
 from sparsekit.runtime.dispatch import PREFER, plan_dispatch
 from sparsekit.runtime.sparse_linear import SparseLinear, kernel
 
+_REENCODE = "re-run `sparsekit encode` (or copy config.json of the source model into it)"
+
 
 def _check_dir(path: Path) -> None:
     if not path.exists():
@@ -41,7 +43,7 @@ def _check_dir(path: Path) -> None:
             "run `sparsekit encode PRUNED_DIR OUT_DIR` first"
         )
     if not (path / "config.json").exists():
-        raise SparsekitError(f"{path} has no config.json: the packed directory is incomplete, re-run `sparsekit encode`")
+        raise SparsekitError(f"{path} has no config.json: the packed directory is incomplete, {_REENCODE}")
 
 
 def _tie_embeddings(model: nn.Module, config) -> None:
@@ -72,12 +74,9 @@ def _rename_checkpoint_keys(model: nn.Module, state: dict) -> dict:
 def build_skeleton(path: Path, dtype: torch.dtype):
     """The HF model from ``path/config.json``: parameters on meta, buffers real (on the CPU)."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except Exception as e:
-        raise SparsekitError(f"cannot read {path / 'config.json'} ({type(e).__name__}: {e}): re-run `sparsekit encode`")
+    config = models.read_config(path, fix=_REENCODE)  # missing / not JSON / not a config: said as such
     try:
         with init_empty_weights(include_buffers=False):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -20,6 +20,7 @@ The packed tensors are module buffers, so ``model.to(device)`` moves them with t
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from typing import Callable
 
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsekit.hf.modules import weight_out_in
-from sparsekit.errors import SparsekitError
+from sparsekit.errors import SparsekitError, SparsekitWarning
 from sparsekit.packed.tcabme import TcaBme, decode, encode
 
 # Kernel up to and including this many tokens, decode + cuBLAS above: measured on an H100 with
@@ -42,12 +43,33 @@ CPU_NOTICE = "sparse layers on the CPU run the reference path (decode + matmul),
 _notices_shown: set[str] = set()
 
 
+# Frames of these packages are not where a notice "comes from": it points at the caller's own line
+# (``model(x)`` or ``model.generate(...)``), never into torch's module.py.
+_INTERNAL = ("torch", "transformers", "accelerate", "sparsekit")
+
+
+def _caller_frame():
+    frame = sys._getframe(1)
+    outermost = frame
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not any(module == p or module.startswith(p + ".") for p in _INTERNAL):
+            return frame
+        outermost, frame = frame, frame.f_back
+    return outermost
+
+
 def notice_once(message: str) -> None:
-    """Warn once per process (a UserWarning; the CLI shows it on stderr)."""
+    """Warn once per process with a ``SparsekitWarning`` (a UserWarning) attributed to the first
+    caller outside torch / transformers / sparsekit; the CLI shows just the message on stderr."""
     if message in _notices_shown:
         return
     _notices_shown.add(message)
-    warnings.warn(message, UserWarning, stacklevel=3)
+    frame = _caller_frame()
+    module = frame.f_globals.get("__name__", "sparsekit")
+    warnings.warn_explicit(message, SparsekitWarning, frame.f_code.co_filename, frame.f_lineno, module=module,
+                           registry=frame.f_globals.setdefault("__warningregistry__", {}),
+                           module_globals=frame.f_globals)
 
 
 _KERNEL: Callable | None | bool = None  # None: not looked up yet; False: unavailable
