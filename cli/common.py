@@ -4,7 +4,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import signal
 import sys
+import threading
 from typing import Any, Callable, Iterator
 
 import typer
@@ -20,16 +22,42 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread like Ctrl-C so that every ``with`` cleans up (temp dirs, locks)."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While inside, SIGTERM raises ``Terminated`` (a second one is ignored during the clean-up)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_term(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def handle_errors(fn: Callable) -> Callable:
-    """Turn SparsekitError (and Ctrl-C) into a one-line message and a non-zero exit."""
+    """Turn SparsekitError, Ctrl-C and SIGTERM into a one-line message and a non-zero exit (2, 130, 143)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            with sigterm_raises():
+                return fn(*args, **kwargs)
         except SparsekitError as e:
             err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2)
+        except Terminated:
+            err_console.print("[bold red]terminated[/] (SIGTERM): no output was written")
+            raise typer.Exit(143)
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]: no output was written")
             raise typer.Exit(130)

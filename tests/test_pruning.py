@@ -69,6 +69,10 @@ def test_existing_output_refused_before_loading(workdir):
     with pytest.raises(SparsekitError, match="--overwrite"):
         prune(str(workdir / "no-such-model"), method="magnitude", output=out)  # output checked first
     assert (out / "keep.txt").read_text() == "mine"
+    with pytest.raises(SparsekitError, match="not a sparsekit output"):  # --overwrite replaces only our outputs
+        prune(str(workdir / "no-such-model"), method="magnitude", output=out, overwrite=True)
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "sparsekit.json").write_text("{}")  # an earlier sparsekit output: replaced
     prune(str(workdir / "llama"), method="magnitude", pattern="4:8", output=out, overwrite=True, device="cpu")
     assert not (out / "keep.txt").exists()
     assert json.loads((out / "sparsekit.json").read_text())["calibration"]["nsamples"] == 0

@@ -27,6 +27,7 @@ from sparsekit.packed import tcabme
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", sh.INDEX_NAME)
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,11 +173,14 @@ def encode(
     max_shard_size: int | str = "2GB",
     overwrite: bool = False,
     progress: Progress | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Pack ``pruned_dir`` into ``out_dir`` (atomic). Returns a report (per-layer info and totals).
 
     ``progress("encoding", done, total, item=tensor_name)`` is called after each source tensor when given.
-    ``max_shard_size`` is bytes or a string such as "2GB" / "500MB" / "1GiB".
+    ``max_shard_size`` is bytes or a string such as "2GB" / "500MB" / "1GiB". The output is locked,
+    checked and written as ``sparsekit.hf.atomic`` describes; ``warn`` (default: stderr) hears about
+    leftovers of killed runs that were cleaned up.
     """
     t0 = time.perf_counter()
     src, out = Path(pruned_dir), Path(out_dir)
@@ -187,7 +191,7 @@ def encode(
         raise SparsekitError(f"no pruned checkpoint at {src}: pass the output directory of `sparsekit prune`")
     if out.resolve() == src.resolve():
         raise SparsekitError("the output directory must differ from the input: pass another -o")
-    check_output_dir(out, overwrite)
+    check_output_dir(out, overwrite, [src])
 
     files = checkpoint_files(src)
     headers = header_info(files)
@@ -218,7 +222,9 @@ def encode(
     file_meta = {"format": tcabme.FORMAT_NAME, "format_version": str(tcabme.FORMAT_VERSION)}
     layers: dict[str, dict[str, Any]] = {}
     names = list(files)
-    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+    estimate = sum(int(np.prod(shape)) * (2 if cast and dt == "F32" else ITEM_BYTES.get(dt, 4))
+                   for dt, shape in headers.values())   # the dense size: packing only shrinks it
+    with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=estimate, warn=warn) as tmp:
         sh.public_dir(tmp)
         writer = sh.ShardWriter(tmp, max_bytes, file_metadata=file_meta)
         done = 0

@@ -25,8 +25,8 @@ from sparsekit.packed import shards as sh
 from sparsekit.hf.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
 from sparsekit.progress import Progress
-from sparsekit.packed.encoding import (checkpoint_files, copy_side_files, linear_modules, load_json,
-                               refuse_bitmask_source, resolve_key)
+from sparsekit.packed.encoding import (ITEM_BYTES, checkpoint_files, copy_side_files, header_info, linear_modules,
+                                       load_json, refuse_bitmask_source, resolve_key)
 
 FORMAT = "sparse-bitmask"
 PARTS = ("shape", "compressed", "bitmask", "row_offsets")
@@ -108,14 +108,18 @@ def _dense_tensors(src: Path):
 
 
 def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
-                   max_shard_size: int | str = "2GB", progress: Progress | None = None) -> dict[str, Any]:
-    """Write ``src`` (pruned HF dir or TCA-BME dir) as a compressed-tensors sparse-bitmask checkpoint."""
+                   max_shard_size: int | str = "2GB", progress: Progress | None = None,
+                   warn: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Write ``src`` (pruned HF dir or TCA-BME dir) as a compressed-tensors sparse-bitmask checkpoint.
+
+    The output is locked, checked and written as ``sparsekit.hf.atomic`` describes (``warn``: see there).
+    """
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise SparsekitError(f"no checkpoint directory at {src}: pass a pruned or packed sparsekit checkpoint")
     max_bytes = sh.parse_size(max_shard_size)
-    check_output_dir(out, overwrite)
+    check_output_dir(out, overwrite, [src])
     config = load_json(src / "config.json")
     if not config:
         raise SparsekitError(f"{src} has no config.json: cannot write a loadable checkpoint")
@@ -123,7 +127,8 @@ def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
     it = _dense_tensors(src)
     total = next(it)
     compressed, zeros, numel, done = [], 0, 0, 0
-    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+    estimate = sum(f.stat().st_size for f in src.glob("*.safetensors"))  # the bitmask format is about as small
+    with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=estimate, warn=warn) as tmp:
         sh.public_dir(tmp)
         writer = sh.ShardWriter(tmp, max_bytes, stem="model", file_metadata={"format": "pt"})
         for name, t, is_linear in it:
@@ -168,15 +173,31 @@ def _structure(pattern: str | None) -> str:
     return "unstructured"
 
 
+def _dense_estimate(files: dict[str, Path], groups: dict[str, dict[str, str]]) -> int:
+    """The size of the dense checkpoint import-bitmask writes, from the safetensors headers alone."""
+    headers = header_info(files)
+    grouped = {n for parts in groups.values() for n in parts.values()}
+    total = sum(int(np.prod(shape)) * ITEM_BYTES.get(dt, 4) for n, (dt, shape) in headers.items() if n not in grouped)
+    for parts in groups.values():
+        bm_shape = headers[parts["bitmask"]][1]
+        numel = int(np.prod(bm_shape)) * 8   # rows x ceil(cols / 8) bytes of bits
+        total += numel * ITEM_BYTES.get(headers[parts["compressed"]][0], 4)
+    return total
+
+
 def import_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
-                   max_shard_size: int | str = "2GB", progress: Progress | None = None) -> dict[str, Any]:
-    """Rebuild a dense pruned HF checkpoint (what `sparsekit encode` reads) from a sparse-bitmask one."""
+                   max_shard_size: int | str = "2GB", progress: Progress | None = None,
+                   warn: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Rebuild a dense pruned HF checkpoint (what `sparsekit encode` reads) from a sparse-bitmask one.
+
+    The output is locked, checked and written as ``sparsekit.hf.atomic`` describes (``warn``: see there).
+    """
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise SparsekitError(f"no checkpoint directory at {src}: pass a compressed-tensors sparse-bitmask checkpoint")
     max_bytes = sh.parse_size(max_shard_size)
-    check_output_dir(out, overwrite)
+    check_output_dir(out, overwrite, [src])
     config = load_json(src / "config.json")
     qc = config.get("quantization_config") or config.get("compression_config") or {}
     sc = qc.get("sparsity_config") or {}
@@ -210,7 +231,8 @@ def import_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
 
     total = len(groups) + len(files) - len(grouped)
     done = 0
-    with atomic_output_dir(out, overwrite=overwrite) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=_dense_estimate(files, groups),
+                           warn=warn) as tmp:
         sh.public_dir(tmp)
         writer = sh.ShardWriter(tmp, max_bytes, stem="model", file_metadata={"format": "pt"})
         emitted = set()

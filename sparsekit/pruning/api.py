@@ -27,20 +27,6 @@ def default_output(model: str, method: str, pattern: str, sparsity: float) -> Pa
     return Path("out") / f"{name}-{method}-{tag}"
 
 
-def _check_output_location(out: Path) -> None:
-    """The output must be (or go into) a directory: catch a file in the way before any work."""
-    if out.exists() and not out.is_dir():
-        raise SparsekitError(f"output {out} is a file, not a directory: choose another path")
-    cwd = Path.cwd().resolve()
-    if out.resolve() == cwd or out.resolve() in cwd.parents:
-        raise SparsekitError(f"output {str(out) or '.'} is the current directory or one above it: name a new directory, e.g. -o out/pruned")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise SparsekitError(f"cannot create output {out}: {parent} is a file, not a directory")
-            return
-
-
 def _checkpoint_dtype(location: str):
     """The dtype the source checkpoint stores (config.json's dtype / torch_dtype), if it says."""
     import json
@@ -92,13 +78,7 @@ def prune(
     ``sparsekit.json`` records them under ``cats`` (``load_model`` installs them); ``skip`` patterns
     also name MLPs to leave dense.
     """
-    from sparsekit.hf import checkpoint
-    from sparsekit.pruning.methods.cats import read_thresholds, thresholds_in_force
-    from sparsekit.hf.atomic import check_output_dir
-    from sparsekit.hf.models import load_model, model_context, resolve_device, resolve_dtype, resolve_model
-    from sparsekit.pruning import engine
-    from sparsekit.pruning.methods import METHODS
-    from sparsekit.pruning.patterns import Pattern
+    from sparsekit.hf.atomic import claim_output
     from sparsekit.pruning.recipes import resolve_settings
 
     t0 = time.perf_counter()
@@ -108,13 +88,25 @@ def prune(
     if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1):
         raise SparsekitError(f"batch size must be a positive number of windows, got {batch_size!r}: drop --batch-size for the default")
     out = Path(output) if output is not None else default_output(model, s.method, s.pattern, s.sparsity)
-    check_output_dir(out, overwrite)  # before anything expensive
-    _check_output_location(out)
+    with claim_output(out, overwrite=overwrite, warn=warn) as claim:  # checked and locked before any work
+        return _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, progress, warn, t0)
+
+
+def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, progress, warn, t0) -> dict[str, Any]:
+    from sparsekit.hf import checkpoint
+    from sparsekit.pruning.methods.cats import read_thresholds, thresholds_in_force
+    from sparsekit.hf.models import load_model, model_context, resolve_device, resolve_dtype, resolve_model
+    from sparsekit.pruning import engine
+    from sparsekit.pruning.methods import METHODS
+    from sparsekit.pruning.patterns import Pattern
+
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     meth = METHODS[s.method]
 
     location = resolve_model(model)
+    claim.add_sources([location])
+    claim.check_room(_weights_bytes(location))
     net, tokenizer = load_model(location, device="cpu", dtype=torch_dtype)
     meth.check_model(net, s.skip)  # before the calibration data is read
     _warn_unmatched_skip(meth.skip_targets(net), s.skip, warn)
@@ -172,6 +164,14 @@ def prune(
         "overall_sparsity": overall_sparsity(report["layers"]),
         "elapsed_s": time.perf_counter() - t0,
     }
+
+
+def _weights_bytes(location: str) -> int:
+    """The size of a local checkpoint's weight files: the estimate of the pruned checkpoint's size."""
+    p = Path(location)
+    if not p.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in p.iterdir() if f.suffix in (".safetensors", ".bin") and f.is_file())
 
 
 def _warn_unmatched_skip(names: list[str], skip: list[str], warn: Callable[[str], None]) -> None:
