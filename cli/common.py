@@ -13,6 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from sparsekit.cli.notices import brief_warnings
 from sparsekit.errors import SparsekitError
 from sparsekit.progress import Progress
 
@@ -50,7 +51,7 @@ def handle_errors(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            with sigterm_raises():
+            with sigterm_raises(), brief_warnings(err_console):  # a sparsekit warning: its message only
                 return fn(*args, **kwargs)
         except SparsekitError as e:
             err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)

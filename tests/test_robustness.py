@@ -225,3 +225,34 @@ def test_seqlen_minimum_is_the_same_for_prune_and_eval(dirs):
     res = runner.invoke(app, ["eval", str(dirs / "pruned"), "--dataset", str(dirs / "calib.txt"), "--seqlen", "4",
                               "--device", "cpu"])
     assert res.exit_code == 2 and "seqlen must be at least 8" in res.stderr
+
+
+def test_magnitude_says_calibration_flags_are_ignored(dirs, tmp_path):
+    """magnitude silently ignored --calib/--nsamples."""
+    from sparsekit.pruning.api import prune
+
+    notes: list[str] = []
+    prune(str(dirs / "base"), method="magnitude", calib=str(dirs / "calib.txt"), nsamples=4, device="cpu",
+          output=str(tmp_path / "m"), warn=notes.append)
+    assert [n for n in notes if "ignored" in n] == ["method magnitude uses no calibration data: calib, nsamples are ignored"]
+    notes.clear()
+    prune(str(dirs / "base"), method="magnitude", device="cpu", output=str(tmp_path / "m2"), warn=notes.append)
+    assert not [n for n in notes if "ignored" in n]  # nothing given, nothing said
+    res = runner.invoke(app, ["prune", str(dirs / "base"), "--method", "magnitude", "--seqlen", "64",
+                              "--device", "cpu", "-o", str(tmp_path / "m3")])
+    assert res.exit_code == 0, res.output
+    assert "seqlen is ignored" in res.stderr
+
+
+def test_cli_shows_the_no_gpu_notice_as_one_line(dirs, monkeypatch):
+    """The CLI printed the notice with a line of torch internals (module.py, return forward_call(...))."""
+    from sparsekit.runtime import sparse_linear
+
+    monkeypatch.setattr(sparse_linear, "_notices_shown", set())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    res = runner.invoke(app, ["eval", str(dirs / "packed"), "--dataset", str(dirs / "calib.txt"), "--seqlen", "32",
+                              "--max-windows", "1", "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    lines = [l for l in res.stderr.splitlines() if "reference path" in l]
+    assert lines == [f"warning: {sparse_linear.NO_GPU_NOTICE}"]
+    assert "module.py" not in res.stderr and "forward_call" not in res.stderr and "SparsekitWarning" not in res.stderr

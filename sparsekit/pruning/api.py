@@ -85,6 +85,8 @@ def prune(
     s = resolve_settings(recipe, method=method, pattern=pattern, sparsity=sparsity, dataset=calib,
                          nsamples=nsamples, seqlen=seqlen, seed=seed, skip=skip, prune_lm_head=prune_lm_head,
                          blocksize=blocksize, damp=damp)
+    if note := s.ignored_calibration(calib=calib, nsamples=nsamples, seqlen=seqlen):
+        warn(note)
     if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1):
         raise SparsekitError(f"batch size must be a positive number of windows, got {batch_size!r}: drop --batch-size for the default")
     out = Path(output) if output is not None else default_output(model, s.method, s.pattern, s.sparsity)

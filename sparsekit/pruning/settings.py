@@ -31,3 +31,14 @@ class PruneSettings:
             del out["recipe"]
         out["skip"] = list(out["skip"])
         return out
+
+    def ignored_calibration(self, **given: Any) -> str | None:
+        """A note when calibration settings were passed explicitly (``given``: name -> value, None
+        when not passed) to a method that reads no calibration data (magnitude), else None."""
+        from sparsekit.pruning.methods import METHODS
+
+        names = [name for name, value in given.items() if value is not None]
+        if not names or METHODS[self.method].needs_calibration:
+            return None
+        return (f"method {self.method} uses no calibration data: {', '.join(names)} "
+                f"{'is' if len(names) == 1 else 'are'} ignored")
