@@ -226,17 +226,28 @@ encode(src, out, progress=progress, max_shard_size="1KB")
 """
 
 
-def test_leftovers_of_a_killed_run_are_removed_by_the_next_and_reported(srcs, tmp_path):
-    """kill -9 left .NAME.tmp-* (65-270 MB) for good; a later successful run left it too."""
-    out = tmp_path / "x"
-    child = _child(KILL_SCRIPT, srcs / "pruned", out, cwd=tmp_path)
+def _killed_run(src: Path, out: Path) -> str:
+    """Start encode src -> out in a child that SIGKILLs itself mid-write; the temp folder it left."""
+    child = _child(KILL_SCRIPT, src, out, cwd=out.parent)
     child.communicate(timeout=180)
     assert child.returncode == -signal.SIGKILL
     left = [n for n in _beside(out) if ".tmp-" in n]
-    assert left, _beside(out)
-    res = runner.invoke(app, ["encode", str(srcs / "pruned"), "-o", str(out)])
+    assert len(left) == 1, _beside(out)
+    return left[0]
+
+
+def test_leftovers_of_a_killed_run_are_removed_by_the_next_and_reported(srcs, tmp_path):
+    """kill -9 left .NAME.tmp-* (65-270 MB) for good; a later successful run left it too."""
+    out = tmp_path / "x"
+    left = _killed_run(srcs / "pruned", out)
+    res = runner.invoke(app, ["encode", str(srcs / "pruned"), "-o", str(tmp_path / "y")])   # a run beside it
     assert res.exit_code == 0, res.output
-    assert f"removed {tmp_path / left[0]}" in res.stderr and "interrupted sparsekit run" in res.stderr
+    assert f"removed {tmp_path / left}" in res.stderr and "interrupted sparsekit run" in res.stderr
+    assert _beside(out) == []
+    left = _killed_run(srcs / "pruned", out)
+    notes = []
+    encode(srcs / "pruned", out, warn=notes.append)    # the next run to the same path
+    assert len(notes) == 1 and f"removed {tmp_path / left}" in notes[0]
     assert _beside(out) == ["x"]
     old = tmp_path / f".x.old-{_dead_pid()}"      # an --overwrite killed after the swap, while deleting the old
     old.mkdir()

@@ -5,7 +5,8 @@ A run *claims* its output path before any expensive work (``claim_output``):
 - the location is checked (not the working directory or above it, no file in the way, writable, room
   for the estimated output) and an exclusive lock is taken (``sparsekit.hf.outlock``): a second
   writer to the same path fails at once, naming the PID that holds it;
-- folders left by a killed run beside the output are removed (and the caller's ``warn`` says so);
+- folders left by a killed run beside the output (for this output or another in the same folder)
+  are removed, and the caller's ``warn`` says so;
 - an existing output is refused unless ``overwrite``; ``overwrite`` replaces only a sparsekit output
   (a directory with ``sparsekit.json``, a packed index or the ``.sparsekit-output`` marker, or an
   empty one), never the working directory or its ancestors, nor the input, anything inside the input
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from sparsekit.errors import SparsekitError
-from sparsekit.hf.outlock import OutputLock, command_line, sweep_leftovers
+from sparsekit.hf.outlock import OutputLock, command_line, sweep_leftovers, sweep_neighbours
 
 MARKER = ".sparsekit-output"
 OUTPUT_MARKERS = ("sparsekit.json", "tcabme.index.json", MARKER)
@@ -108,13 +109,22 @@ def check_room(out: str | os.PathLike, estimate: int) -> None:
     except OSError:
         return
     if estimate and free < estimate:
-        raise SparsekitError(f"not enough space for {out}: about {estimate / 1e6:,.0f} MB needed, "
-                             f"{free / 1e6:,.0f} MB free on {where}: free some space or choose another output path")
+        raise SparsekitError(f"not enough space for {out}: about {_human(estimate)} needed, {_human(free)} free on "
+                             f"{where}: free some space or choose another output path")
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} bytes"
 
 
 def write_failure(out: str | os.PathLike, e: OSError) -> OutputWriteError:
     """An OSError met while writing ``out`` as one user-facing line."""
-    what = f" ({e.filename})" if e.filename else ""
+    name = Path(os.fspath(out)).name
+    internal = e.filename and any(part.startswith(f".{name}.") for part in Path(os.fsdecode(e.filename)).parts)
+    what = f" ({e.filename})" if e.filename and not internal else ""   # not our temp folder or lock file
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         msg = f"no space left on the device while writing {out}{what}: free some space or choose another output path"
     elif e.errno in (errno.EACCES, errno.EPERM):
@@ -185,7 +195,8 @@ class OutputClaim:
                 if not parent.exists():
                     parent.mkdir()
                     self._made.append(parent)
-            self.lock = OutputLock(self.target, command=command or command_line(), wait=wait, on_wait=self.warn)
+            self.lock = OutputLock(self.target, command=command or command_line(), wait=wait, on_wait=self.warn,
+                                   shown=self.out)
         except OSError as e:
             self._remove_made()
             raise write_failure(self.out, e) from None
@@ -193,7 +204,7 @@ class OutputClaim:
             self._remove_made()
             raise
         try:
-            for note in sweep_leftovers(self.target):
+            for note in sweep_leftovers(self.target) + sweep_neighbours(self.target):
                 self.notes.append(note)
                 self.warn(note)
             check_output_dir(self.out, overwrite, self.sources)   # again, under the lock

@@ -7,9 +7,10 @@ Beside an output ``DIR`` a run keeps:
 - ``.DIR.tmp-<pid>-<random>``: the directory being written (renamed into place at the end).
 - ``.DIR.old-<pid>-<random>``: under ``--overwrite``, the previous output for the moment of the swap.
 
-A run killed with SIGKILL (or a power cut) leaves the last two behind. Whoever next takes the lock
-removes those whose process is gone (``os.kill(pid, 0)``), and puts an ``.old-*`` back when the
-output itself is missing (the kill fell between the two renames of an ``--overwrite``).
+A run killed with SIGKILL (or a power cut) leaves the last two behind (and its lock file). Whoever
+next takes the lock removes those whose process is gone (``os.kill(pid, 0)``), and puts an ``.old-*``
+back when the output itself is missing (the kill fell between the two renames of an ``--overwrite``);
+a run writing elsewhere in the same folder does the same for the other names, under their locks.
 """
 from __future__ import annotations
 
@@ -63,8 +64,9 @@ class OutputLock:
     """
 
     def __init__(self, target: Path, *, command: str | None = None, wait: bool = False,
-                 on_wait: Callable[[str], None] | None = None):
+                 on_wait: Callable[[str], None] | None = None, shown: str | os.PathLike | None = None):
         self.target = target
+        shown = shown if shown is not None else target
         self.path = lock_path(target)
         self.fd: int | None = None
         while True:
@@ -76,10 +78,10 @@ class OutputLock:
                     holder = _read_holder(fd)
                     if not wait:
                         raise SparsekitError(
-                            f"output {target} is being written by another sparsekit run ({holder}): wait for it to "
+                            f"output {shown} is being written by another sparsekit run ({holder}): wait for it to "
                             f"finish, or choose another output path") from None
                     if on_wait:
-                        on_wait(f"waiting for {holder} to finish writing {target}")
+                        on_wait(f"waiting for {holder} to finish writing {shown}")
                     fcntl.flock(fd, fcntl.LOCK_EX)
                 # The holder before us may have removed the file on release: lock the file that is there now.
                 try:
@@ -93,8 +95,11 @@ class OutputLock:
                 break
             os.close(fd)
         self.fd = fd
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {command or command_line()}\n".encode(), 0)
+        try:   # who holds it, for the message of a second writer; the lock holds without it (e.g. disk full)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {command or command_line()}\n".encode(), 0)
+        except OSError:
+            pass
 
     def release(self) -> None:
         if self.fd is None:
@@ -166,4 +171,32 @@ def sweep_leftovers(target: Path, keep: set[str] = frozenset()) -> list[str]:
             notes.append(f"could not remove {p} left by {who} ({e.strerror or e}): remove it yourself")
             continue
         notes.append(f"removed {p} ({size / 1e6:,.1f} MB) left by {who}")
+    return notes
+
+
+def sweep_neighbours(target: Path) -> list[str]:
+    """``sweep_leftovers`` for the other outputs in ``target``'s folder that a killed run left folders
+    of: each under its own lock, taken without waiting (an output being written is left alone)."""
+    names = set()
+    try:
+        entries = list(target.parent.iterdir())
+    except OSError:
+        return []
+    for p in entries:
+        m = _LEFTOVER.match(p.name)
+        if not m or m["name"] == target.name:
+            continue
+        pid = int(m["pid"]) if m["pid"] else None
+        if pid is None or (pid != os.getpid() and not pid_alive(pid)):
+            names.add(m["name"])
+    notes = []
+    for name in sorted(names):
+        try:
+            lock = OutputLock(target.parent / name, command="sparsekit: removing what an interrupted run left")
+        except (SparsekitError, OSError):
+            continue
+        try:
+            notes += sweep_leftovers(target.parent / name)
+        finally:
+            lock.release()
     return notes
