@@ -127,9 +127,21 @@ def test_rename_never_replaces_an_output_that_appeared_meanwhile(srcs, tmp_path)
     assert _beside(out) == ["x"]
 
 
-def test_overwrite_swaps_in_the_new_output_and_leaves_no_old_folder(srcs, tmp_path):
+def test_overwrite_swaps_in_the_new_output_and_leaves_no_old_folder(srcs, tmp_path, monkeypatch):
+    from sparsekit.hf import atomic
+
     out = tmp_path / "x"
     encode(srcs / "pruned", out)
+    real = atomic.rename_noreplace
+
+    def fails(src, dst):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    monkeypatch.setattr(atomic, "rename_noreplace", fails)   # the swap fails half-way: the old output comes back
+    with pytest.raises(SparsekitError, match="Input/output error"):
+        encode(srcs / "pruned", out, overwrite=True, force=True)
+    assert json.loads((out / "tcabme.index.json").read_text())["metadata"]["force"] is False
+    assert _beside(out) == ["x"]
+    monkeypatch.setattr(atomic, "rename_noreplace", real)
     encode(srcs / "pruned", out, overwrite=True, force=True)
     assert json.loads((out / "tcabme.index.json").read_text())["metadata"]["force"] is True
     assert _beside(out) == ["x"]

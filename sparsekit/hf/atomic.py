@@ -172,6 +172,23 @@ def rename_noreplace(src: Path, dst: Path) -> None:
     os.rename(src, dst)
 
 
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back for a few system calls (their handlers run right after)."""
+    import signal
+
+    sigs = {signal.SIGINT, signal.SIGTERM}
+    try:
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    except (AttributeError, OSError, ValueError):
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 # --------------------------------------------------------------------------------------------
 # The claim
 
@@ -263,12 +280,17 @@ class OutputClaim:
                                    f"program): it was left as it is; choose another path or pass --overwrite")
         check_output_dir(self.out, True, self.sources)
         old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{os.getpid()}-", dir=target.parent))
-        os.rename(target, old)    # onto the empty directory just made: atomic, and the name is ours
-        try:
-            rename_noreplace(tmp, target)
-        except BaseException:
-            os.rename(old, target)
-            raise
+        with _signals_deferred():   # Ctrl-C / SIGTERM wait until the output is in place again
+            try:
+                os.rename(target, old)    # onto the empty directory just made: atomic, and the name is ours
+            except BaseException:
+                os.rmdir(old)
+                raise
+            try:
+                rename_noreplace(tmp, target)
+            except BaseException:
+                os.rename(old, target)
+                raise
         try:
             shutil.rmtree(old)
         except OSError as e:
