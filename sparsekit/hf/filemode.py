@@ -31,9 +31,10 @@ def public_tree(path: str | os.PathLike) -> None:
     """``public_dir`` on ``path`` and every folder below it, ``public_file`` on every file."""
     path = Path(path)
     public_dir(path)
-    for root, dirs, files in os.walk(path):
+    for root, dirs, files in os.walk(path):  # links are left alone (their targets are not ours)
         for d in dirs:
-            public_dir(Path(root) / d)
+            if not (Path(root) / d).is_symlink():
+                public_dir(Path(root) / d)
         for f in files:
             if not (Path(root) / f).is_symlink():
                 public_file(Path(root) / f)
