@@ -107,6 +107,16 @@ def _dense_tensors(src: Path):
                 yield n, f.get_tensor(n), n in keys
 
 
+def _prepare(src, out, overwrite: bool, max_shard_size, what: str):
+    """The checks both directions start with: ``(src, out, max shard bytes, config.json as a dict)``."""
+    src, out = Path(src), Path(out)
+    if not src.is_dir():
+        raise SparsekitError(f"no checkpoint directory at {src}: pass {what}")
+    max_bytes = sh.parse_size(max_shard_size)
+    check_output_dir(out, overwrite, [src])
+    return src, out, max_bytes, load_json(src / "config.json")
+
+
 def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
                    max_shard_size: int | str = "2GB", progress: Progress | None = None,
                    warn: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -115,12 +125,7 @@ def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
     The output is locked, checked and written as ``sparsekit.hf.atomic`` describes (``warn``: see there).
     """
     t0 = time.perf_counter()
-    src, out = Path(src), Path(out)
-    if not src.is_dir():
-        raise SparsekitError(f"no checkpoint directory at {src}: pass a pruned or packed sparsekit checkpoint")
-    max_bytes = sh.parse_size(max_shard_size)
-    check_output_dir(out, overwrite, [src])
-    config = load_json(src / "config.json")
+    src, out, max_bytes, config = _prepare(src, out, overwrite, max_shard_size, "a pruned or packed sparsekit checkpoint")
     if not config:
         raise SparsekitError(f"{src} has no config.json: cannot write a loadable checkpoint")
     refuse_bitmask_source(src, config)
@@ -193,12 +198,8 @@ def import_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
     The output is locked, checked and written as ``sparsekit.hf.atomic`` describes (``warn``: see there).
     """
     t0 = time.perf_counter()
-    src, out = Path(src), Path(out)
-    if not src.is_dir():
-        raise SparsekitError(f"no checkpoint directory at {src}: pass a compressed-tensors sparse-bitmask checkpoint")
-    max_bytes = sh.parse_size(max_shard_size)
-    check_output_dir(out, overwrite, [src])
-    config = load_json(src / "config.json")
+    src, out, max_bytes, config = _prepare(src, out, overwrite, max_shard_size,
+                                           "a compressed-tensors sparse-bitmask checkpoint")
     qc = config.get("quantization_config") or config.get("compression_config") or {}
     sc = qc.get("sparsity_config") or {}
     if sc.get("format") != FORMAT:
