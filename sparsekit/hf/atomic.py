@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from sparsekit.errors import SparsekitError
+from sparsekit.hf.filemode import public_dir
 from sparsekit.hf.outlock import OutputLock, command_line, sweep_leftovers, sweep_neighbours
 
 MARKER = ".sparsekit-output"
@@ -247,9 +248,7 @@ class OutputClaim:
         target = self.target
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the output should look like any mkdir
+            public_dir(tmp)  # mkdtemp makes 0700; the output should look like any mkdir
         except OSError as e:
             raise write_failure(self.out, e) from None
         try:

@@ -225,7 +225,6 @@ def encode(
     estimate = sum(int(np.prod(shape)) * (2 if cast and dt == "F32" else ITEM_BYTES.get(dt, 4))
                    for dt, shape in headers.values())   # the dense size: packing only shrinks it
     with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=estimate, warn=warn) as tmp:
-        sh.public_dir(tmp)
         writer = sh.ShardWriter(tmp, max_bytes, file_metadata=file_meta)
         done = 0
         by_file: dict[Path, list[str]] = {}

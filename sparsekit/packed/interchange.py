@@ -117,6 +117,16 @@ def _prepare(src, out, overwrite: bool, max_shard_size, what: str):
     return src, out, max_bytes, load_json(src / "config.json")
 
 
+def _finish_shards(writer, src: Path, tmp: Path) -> list:
+    """Close the HF-layout shards (with their index when there are several) and copy the side files."""
+    weight_map, shards = writer.close(single_name="model.safetensors")
+    if len(shards) > 1:
+        idx = {"metadata": {"total_size": writer.total_bytes}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(idx, indent=2) + "\n")
+    copy_side_files(src, tmp)
+    return shards
+
+
 def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
                    max_shard_size: int | str = "2GB", progress: Progress | None = None,
                    warn: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -134,7 +144,6 @@ def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
     compressed, zeros, numel, done = [], 0, 0, 0
     estimate = sum(f.stat().st_size for f in src.glob("*.safetensors"))  # the bitmask format is about as small
     with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=estimate, warn=warn) as tmp:
-        sh.public_dir(tmp)
         writer = sh.ShardWriter(tmp, max_bytes, stem="model", file_metadata={"format": "pt"})
         for name, t, is_linear in it:
             if is_linear and name.endswith(".weight") and t.dim() == 2 and t.is_floating_point():
@@ -149,11 +158,7 @@ def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
             done += 1
             if progress:
                 progress("exporting", done, total, item=name)
-        weight_map, shards = writer.close(single_name="model.safetensors")
-        if len(shards) > 1:
-            idx = {"metadata": {"total_size": writer.total_bytes}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(idx, indent=2) + "\n")
-        copy_side_files(src, tmp)
+        shards = _finish_shards(writer, src, tmp)
         manifest = load_json(src / "sparsekit.json")
         config = dict(config)
         config["quantization_config"] = {
@@ -234,7 +239,6 @@ def import_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
     done = 0
     with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=_dense_estimate(files, groups),
                            warn=warn) as tmp:
-        sh.public_dir(tmp)
         writer = sh.ShardWriter(tmp, max_bytes, stem="model", file_metadata={"format": "pt"})
         emitted = set()
         for name in files:
@@ -251,11 +255,7 @@ def import_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
             done += 1
             if progress:
                 progress("importing", done, total, item=name)
-        weight_map, shards = writer.close(single_name="model.safetensors")
-        if len(shards) > 1:
-            idx = {"metadata": {"total_size": writer.total_bytes}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(idx, indent=2) + "\n")
-        copy_side_files(src, tmp)
+        shards = _finish_shards(writer, src, tmp)
         config = dict(config)
         for key in ("quantization_config", "compression_config"):
             config.pop(key, None)

@@ -115,11 +115,6 @@ class ShardWriter:
         return weight_map, shards
 
 
-def public_dir(path: Path) -> None:
-    """Give a finished output directory the usual mode (the atomic temp dir is created 0700)."""
-    filemode.public_dir(path)
-
-
 def supported_version(version: Any) -> bool:
     """Whether ``version`` is this sparsekit's ``FORMAT_VERSION``, in either spelling: the index
     stores it as a number, the shard metadata as a string (safetensors metadata holds strings only)."""
