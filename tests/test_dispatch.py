@@ -37,7 +37,7 @@ def fake_timings(monkeypatch, table):
     """``table[(out, in)] = [(n, sparse_ms, dense_ms), ...]`` instead of GPU timings."""
     monkeypatch.setattr(dispatch, "_usable", lambda mods: True)
     monkeypatch.setattr(dispatch, "_time_group",
-                        lambda mods, n: next((s, d) for k, s, d in table[(mods[0].out_features, mods[0].in_features)] if k == n))
+                        lambda mods, dense, n: next((s, d) for k, s, d in table[(mods[0].out_features, mods[0].in_features)] if k == n))
 
 
 def test_speed_runs_losing_groups_dense_and_keeps_copies_for_the_rest(monkeypatch):
