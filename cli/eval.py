@@ -94,7 +94,9 @@ def eval_cmd(
     if plot and not speed:
         raise SparsekitError("--plot draws the speed measurement: add --speed")
     sizes = _batch_sizes(batch_sizes)
-    if prefer not in ("speed", "memory"):
+    from sparsekit.runtime.dispatch import PREFER
+
+    if prefer not in PREFER:
         raise SparsekitError(f"--prefer {prefer!r} is not one of speed, memory")
     if speed:  # fail before a long perplexity run, not after it
         import torch

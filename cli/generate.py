@@ -20,7 +20,6 @@ HELP = (
     "Example: sparsekit generate smollm2-135m --prompt 'The capital of France is' --max-new-tokens 32"
 )
 
-PREFER = ("speed", "memory")
 
 
 def register(app: typer.Typer) -> None:
@@ -64,6 +63,7 @@ def generate_cmd(
     from transformers.utils import logging as hf_logging
 
     from sparsekit.errors import SparsekitError
+    from sparsekit.runtime.dispatch import PREFER
     from sparsekit.runtime.generate import check_sampling, generate_text, settings_dict
     from sparsekit.runtime.loader import load
 

@@ -33,6 +33,12 @@ COPIES = 6           # layers of a group timed per graph (more than the L2 holds
 PREFER = ("speed", "memory")
 
 
+def check_prefer(prefer: str) -> str:
+    if prefer not in PREFER:
+        raise SparsekitError(f"prefer must be one of {', '.join(PREFER)}, got {prefer!r}")
+    return prefer
+
+
 def _group_key(m: SparseLinear) -> tuple:
     return (m.out_features, m.in_features, round(m.sparsity, 1), m.bias is not None)
 
@@ -67,8 +73,7 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
     that runs the sparse kernel; apply ``prefer`` above it (see the module docstring). Returns a report:
     per group the timings (up to the first token count where dense wins) and the choice, the layers that run dense and why, and the bytes of the
     dense copies kept."""
-    if prefer not in PREFER:
-        raise SparsekitError(f"prefer must be one of {', '.join(PREFER)}, got {prefer!r}")
+    check_prefer(prefer)
     names = {name: m for name, m in model.named_modules() if isinstance(m, SparseLinear)}
     groups: dict[tuple, list[str]] = {}
     for name, m in names.items():

@@ -26,7 +26,7 @@ from sparsekit.hf.compat import checkpoint_renamings
 from sparsekit.hf.modules import set_submodule
 from sparsekit.packed.shards import INDEX_NAME, is_packed_dir, read_packed
 from sparsekit.runtime.cats import install_from_checkpoint
-from sparsekit.runtime.dispatch import PREFER, plan_dispatch
+from sparsekit.runtime.dispatch import check_prefer, plan_dispatch
 from sparsekit.runtime.sparse_linear import SparseLinear, kernel
 
 _REENCODE = "re-run `sparsekit encode` (or copy config.json of the source model into it)"
@@ -102,8 +102,8 @@ def open_model(location, device: torch.device, dtype: torch.dtype, *, prefer: st
     """The model of a resolved local directory, packed or dense, on ``device`` in eval mode, with
     the CATS thresholds of its ``sparsekit.json`` installed (the one place they are), and with
     ``prefer`` the dispatch plan applied (see :func:`load`)."""
-    if prefer is not None and prefer not in PREFER:
-        raise SparsekitError(f"prefer must be one of {', '.join(PREFER)}, got {prefer!r}")
+    if prefer is not None:
+        check_prefer(prefer)
     path = Path(location)
     model = _open_packed(path, device, dtype) if is_packed_dir(path) else models.open_dense(location, dtype)
     install_from_checkpoint(model, path)
