@@ -1,0 +1,396 @@
+"""Device code of the activation-sparse (CATS) gated-MLP kernels; host side in ``cats.py``.
+
+Two kernels per decode step of a gated MLP, after ``g = gate(x)`` (any linear):
+
+``up`` (one warp per intermediate neuron ``j``): lanes ``n < N`` compute token ``n``'s
+``a = act(g[n, j])`` in fp32, round it to fp16 (as torch does) and zero it when ``|a| < t``; if no
+token keeps neuron ``j`` the warp writes zeros and reads nothing more, else it computes
+``u = up[j, :] . x[n, :]`` for every token (fp32) and writes ``h[n, j] = a * u`` (fp16). Up's row
+``j`` is read only for active neurons: dense rows (``up_dense``: lanes stride over 8-byte words) or
+row-packed ones (``up_rows``, ``sparsekit.packed.rowpack``: lane ``l`` takes segment ``l`` of each
+256-column group, finds its values from a warp scan of the segments' popcounts, and walks its 8
+mask bits).
+
+``down`` (``y = h @ down^T``, split over neurons): block ``(c, s)`` owns a slice of output columns
+and the neurons of chunk ``s``. It stages ``h[:, chunk]`` in shared memory, compacts the chunk's
+active neurons (nonzero for some token) into a list with a warp scan, and accumulates, for each
+active ``j`` only, row ``j`` of ``down^T`` (so one neuron's weights are contiguous) times ``h[:, j]``:
+dense rows (``down_dense``: one 8-byte word, 4 columns, per thread) or row-packed ones
+(``down_rows``: one 256-column group per warp, 8 columns per lane). Chunks' fp32 partials are summed
+by the last block of each column slice to arrive (an arrival counter it resets), so one launch
+writes ``y``.
+
+Every warp exchange is made by all warps of a block the same number of times except in
+``up_rows``, whose scans run only for active rows: under the simulator (which emulates exchanges
+block-wide) it is launched with one warp per block.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda
+
+from ._intrinsics import SCRATCH_WORDS, f2h, h2f, shfl_idx, shfl_up, shfl_xor
+
+UP_ROWS = 4       # neurons per warp in up_dense (x converted once for all of them)
+DOWN_WARPS_MAX = 8  # warps per down block at most (shared partials)
+JMAX = 256        # neurons per down chunk (shared-memory list and staged activations)
+ACTS = ("silu",)  # activations computed inside ``up``; others run torch's path
+
+
+def _any_lanes():
+    @cuda.jit(device=True, inline=True)
+    def any_lanes(scr, tid, v):
+        """Sum of the float ``v`` over the warp (every lane gets it)."""
+        v += shfl_xor(scr, tid, v, 16)
+        v += shfl_xor(scr, tid, v, 8)
+        v += shfl_xor(scr, tid, v, 4)
+        v += shfl_xor(scr, tid, v, 2)
+        v += shfl_xor(scr, tid, v, 1)
+        return v
+
+    return any_lanes
+
+
+warp_sum = _any_lanes()
+
+
+@cuda.jit(device=True, inline=True)
+def scan_incl(scr, tid, v):
+    """Inclusive warp prefix sum of the uint32 ``v``."""
+    lane = tid & 31
+    for d in (1, 2, 4, 8, 16):
+        t = shfl_up(scr, tid, v, d)
+        if lane >= d:
+            v += t
+    return v
+
+
+@cuda.jit(device=True, inline=True)
+def dot4(wv, xv):
+    """Dot product of two words of 4 fp16 each (fp32)."""
+    s = h2f(wv & 0xFFFF) * h2f(xv & 0xFFFF)
+    s += h2f((wv >> 16) & 0xFFFF) * h2f((xv >> 16) & 0xFFFF)
+    s += h2f((wv >> 32) & 0xFFFF) * h2f((xv >> 32) & 0xFFFF)
+    s += h2f((wv >> 48) & 0xFFFF) * h2f((xv >> 48) & 0xFFFF)
+    return s
+
+
+@cuda.jit(device=True, inline=True)
+def gate_act(g, lane, j, I, N, t):
+    """Lane ``n < N``'s thresholded activation of neuron ``j`` (0 elsewhere), SiLU in fp32, rounded to fp16."""
+    a = np.float32(0.0)
+    if lane < N and j < I:
+        gv = h2f(g[lane * I + j])
+        av = h2f(f2h(gv / (np.float32(1.0) + math.exp(-gv))))
+        if abs(av) >= t:
+            a = av
+    return a
+
+
+@functools.lru_cache(maxsize=None)
+def get_up(nt: int, rows: bool):
+    """The ``up`` kernel for up to ``nt`` tokens; ``rows``: row-packed weight, else dense."""
+    NT = nt
+    R = UP_ROWS
+    RNT = R * NT
+    R2 = 2 * R
+    R8 = 8 * R
+
+    @cuda.jit(device=True, inline=True)
+    def finish(scr, tid, acc, base, a, h, j, I, N):
+        lane = tid & 31
+        for n in range(NT):
+            acc[base + n] = warp_sum(scr, tid, acc[base + n])
+        if lane < N and j < I:
+            s = np.float32(0.0)
+            for n in range(NT):
+                if n == lane:
+                    s = acc[base + n]
+            h[lane * I + j] = np.int16(f2h(a * h2f(f2h(s))))
+
+    @cuda.jit
+    def up_dense(g, x, w, thr, h, I, H4, N):
+        scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        j0 = (cuda.blockIdx.x * (cuda.blockDim.x >> 5) + (tid >> 5)) * R
+        t = h2f(f2h(thr[0]))
+        a = cuda.local.array(R, np.float32)
+        on = cuda.local.array(R, np.int32)
+        acc = cuda.local.array(RNT, np.float32)
+        anyon = 0
+        for r in range(R):
+            a[r] = gate_act(g, lane, j0 + r, I, N, t)
+            on[r] = 1 if warp_sum(scr, tid, np.float32(1.0) if a[r] != 0 else np.float32(0.0)) > 0 else 0
+            anyon |= on[r]
+        for i in range(RNT):
+            acc[i] = np.float32(0.0)
+        wv = cuda.local.array(R2, np.int64)
+        wf = cuda.local.array(R8, np.float32)
+        xf = cuda.local.array(8, np.float32)
+        k = lane if anyon else H4
+        while k < H4:
+            k2 = k + 32
+            for r in range(R):       # 2R independent loads in flight; inactive rows load nothing
+                wv[2 * r] = 0
+                wv[2 * r + 1] = 0
+                if on[r]:
+                    wv[2 * r] = w[(j0 + r) * H4 + k]
+                    if k2 < H4:
+                        wv[2 * r + 1] = w[(j0 + r) * H4 + k2]
+            for r in range(R):       # each weight converted once, for all tokens
+                if on[r]:
+                    for q in range(4):
+                        wf[8 * r + q] = h2f((wv[2 * r] >> (16 * q)) & 0xFFFF)
+                        wf[8 * r + 4 + q] = h2f((wv[2 * r + 1] >> (16 * q)) & 0xFFFF)
+            for n in range(NT):
+                if n < N:
+                    x0 = x[n * H4 + k]
+                    x1 = x[n * H4 + k2] if k2 < H4 else x0 * 0
+                    for q in range(4):
+                        xf[q] = h2f((x0 >> (16 * q)) & 0xFFFF)
+                        xf[4 + q] = h2f((x1 >> (16 * q)) & 0xFFFF)
+                    for r in range(R):
+                        if on[r]:
+                            sacc = np.float32(0.0)
+                            for q in range(8):
+                                sacc += wf[8 * r + q] * xf[q]
+                            acc[r * NT + n] += sacc
+            k += 64
+        for r in range(R):
+            finish(scr, tid, acc, r * NT, a[r], h, j0 + r, I, N)
+
+    @cuda.jit
+    def up_rows(g, x, masks, vals, goff, thr, h, I, H4, N, G):
+        scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        j = cuda.blockIdx.x * (cuda.blockDim.x >> 5) + (tid >> 5)
+        a = gate_act(g, lane, j, I, N, h2f(f2h(thr[0])))
+        on = warp_sum(scr, tid, np.float32(1.0) if a != 0 else np.float32(0.0))
+        acc = cuda.local.array(NT, np.float32)
+        for n in range(NT):
+            acc[n] = np.float32(0.0)
+        if on > 0:
+            for gi in range(G):
+                m = np.uint32(masks[(j * G + gi) * 32 + lane])
+                pre = scan_incl(scr, tid, np.uint32(cuda.popc(m))) - np.uint32(cuda.popc(m))
+                if m != 0:
+                    off = goff[j * G + gi] + np.int32(pre)
+                    xw = (gi * 256 + lane * 8) >> 2
+                    for n in range(NT):
+                        if n < N:
+                            xa = x[n * H4 + xw]
+                            xb = x[n * H4 + xw + 1]
+                            o = off
+                            s = np.float32(0.0)
+                            for b in range(8):
+                                if (m >> b) & 1:
+                                    xv = xa if b < 4 else xb
+                                    s += h2f(vals[o]) * h2f((xv >> (16 * (b & 3))) & 0xFFFF)
+                                    o += 1
+                            acc[n] += s
+        finish(scr, tid, acc, 0, a, h, j, I, N)
+
+    return up_rows if rows else up_dense
+
+
+@functools.lru_cache(maxsize=None)
+def get_down(nt: int, rows: bool):
+    """The ``down`` kernel for up to ``nt`` tokens; ``rows``: row-packed ``down^T``, else dense."""
+    NT = nt
+    NACC = NT * (8 if rows else 4)
+    HS = JMAX * NT
+    PER = NACC // NT     # output columns per lane
+    RED = DOWN_WARPS_MAX * NACC * 32
+
+    @cuda.jit(device=True, inline=True)
+    def stage(scr, tid, h, hs, lst, I, N, j0, JC):
+        """h[:, j0:j0+JC] into ``hs`` (fp32), the active neurons' chunk indices into ``lst``; their count."""
+        lane = tid & 31
+        for e in range(tid, HS, cuda.blockDim.x):
+            jj = e // NT
+            n = e - jj * NT
+            v = np.float32(0.0)
+            if n < N and jj < JC and j0 + jj < I:
+                v = h2f(h[n * I + j0 + jj])
+            hs[e] = v
+        cuda.syncthreads()
+        count = np.uint32(0)
+        for c0 in range(0, JMAX, 32):
+            jj = c0 + lane
+            f = np.uint32(0)
+            for n in range(NT):
+                if hs[jj * NT + n] != 0:
+                    f = np.uint32(1)
+            v = scan_incl(scr, tid, f)
+            if f != 0 and tid < 32:
+                lst[count + v - 1] = jj
+            count += shfl_idx(scr, tid, v, 31)
+        cuda.syncthreads()
+        return count
+
+    @cuda.jit(device=True, inline=True)
+    def reduce_out(acc, y, ws, cnt, flag, tid, cb, s, S, N, H, col0, ncol, ok):
+        """y[:, col0:col0+ncol] = sum over chunks of the partials ``acc`` (ncol columns per thread)."""
+        if S == 1:
+            if ok:
+                for n in range(NT):
+                    if n < N:
+                        for q in range(NACC // NT):
+                            y[n * H + col0 + q] = np.int16(f2h(acc[n * (NACC // NT) + q]))
+            return
+        if ok:
+            for n in range(NT):
+                if n < N:
+                    for q in range(NACC // NT):
+                        ws[(s * NT + n) * H + col0 + q] = acc[n * (NACC // NT) + q]
+        cuda.threadfence()
+        cuda.syncthreads()
+        if tid == 0:
+            old = cuda.atomic.add(cnt, cb, 1)
+            flag[0] = 1 if old == S - 1 else 0
+        cuda.syncthreads()
+        if flag[0] == 1:
+            cuda.threadfence()
+            if ok:
+                for n in range(NT):
+                    if n < N:
+                        for q in range(NACC // NT):
+                            t = np.float32(0.0)
+                            for sp in range(S):
+                                t += ws[(sp * NT + n) * H + col0 + q]
+                            y[n * H + col0 + q] = np.int16(f2h(t))
+            if tid == 0:
+                cnt[cb] = 0
+
+    @cuda.jit(device=True, inline=True)
+    def block_out(acc, red, y, ws, cnt, flag, tid, cb, s, S, N, H, c0, ncols):
+        """Sum the block's warps' partials (``acc``: NACC per lane; lane ``l`` of every warp holds
+        columns ``c0 + l * PER + q``), then write them to ``y`` (one chunk) or as this chunk's fp32
+        partials, the last block of the column slice summing all chunks into ``y``."""
+        lane = tid & 31
+        wpb = cuda.blockDim.x >> 5
+        for q in range(NACC):
+            red[((tid >> 5) * NACC + q) * 32 + lane] = acc[q]
+        cuda.syncthreads()
+        for e in range(tid, NACC * 32, cuda.blockDim.x):
+            q = e >> 5
+            n = q // PER
+            col = c0 + (e & 31) * PER + (q - n * PER)
+            v = np.float32(0.0)
+            for wi in range(wpb):
+                v += red[(wi * NACC + q) * 32 + (e & 31)]
+            if n < N and col < ncols:
+                if S == 1:
+                    y[n * H + col] = np.int16(f2h(v))
+                else:
+                    ws[(s * NT + n) * H + col] = v
+        if S > 1:
+            cuda.threadfence()
+            cuda.syncthreads()
+            if tid == 0:
+                old = cuda.atomic.add(cnt, cb, 1)
+                flag[0] = 1 if old == S - 1 else 0
+            cuda.syncthreads()
+            if flag[0] == 1:
+                cuda.threadfence()
+                for e in range(tid, NACC * 32, cuda.blockDim.x):
+                    q = e >> 5
+                    n = q // PER
+                    col = c0 + (e & 31) * PER + (q - n * PER)
+                    if n < N and col < ncols:
+                        v = np.float32(0.0)
+                        for sp in range(S):
+                            v += ws[(sp * NT + n) * H + col]
+                        y[n * H + col] = np.int16(f2h(v))
+                if tid == 0:
+                    cnt[cb] = 0
+
+    @cuda.jit
+    def down_dense(h, w, y, ws, cnt, I, H4, N, JC, S, CB):
+        scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
+        hs = cuda.shared.array(HS, np.float32)
+        lst = cuda.shared.array(JMAX, np.int32)
+        red = cuda.shared.array(RED, np.float32)
+        flag = cuda.shared.array(1, np.int32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        warp = tid >> 5
+        wpb = cuda.blockDim.x >> 5
+        cb = cuda.blockIdx.x % CB
+        s = cuda.blockIdx.x // CB
+        j0 = s * JC
+        count = stage(scr, tid, h, hs, lst, I, N, j0, JC)
+        c = cb * 32 + lane          # this lane's word (4 columns); the block's warps share the columns
+        acc = cuda.local.array(NACC, np.float32)
+        for i in range(NACC):
+            acc[i] = np.float32(0.0)
+        if c < H4:
+            i = warp                # the warps split the active neurons
+            while i + 3 * wpb < count:
+                ja = lst[i]
+                jb = lst[i + wpb]
+                jc = lst[i + 2 * wpb]
+                jd = lst[i + 3 * wpb]
+                wa = w[(j0 + ja) * H4 + c]
+                wb = w[(j0 + jb) * H4 + c]
+                wc = w[(j0 + jc) * H4 + c]
+                wd = w[(j0 + jd) * H4 + c]
+                for q in range(4):
+                    fa = h2f((wa >> (16 * q)) & 0xFFFF)
+                    fb = h2f((wb >> (16 * q)) & 0xFFFF)
+                    fc = h2f((wc >> (16 * q)) & 0xFFFF)
+                    fd = h2f((wd >> (16 * q)) & 0xFFFF)
+                    for n in range(NT):
+                        acc[n * 4 + q] += (hs[ja * NT + n] * fa + hs[jb * NT + n] * fb) + (
+                            hs[jc * NT + n] * fc + hs[jd * NT + n] * fd)
+                i += 4 * wpb
+            while i < count:
+                ja = lst[i]
+                wa = w[(j0 + ja) * H4 + c]
+                for q in range(4):
+                    fa = h2f((wa >> (16 * q)) & 0xFFFF)
+                    for n in range(NT):
+                        acc[n * 4 + q] += hs[ja * NT + n] * fa
+                i += wpb
+        block_out(acc, red, y, ws, cnt, flag, tid, cb, s, S, N, H4 * 4, cb * 128, H4 * 4)
+
+    @cuda.jit
+    def down_rows(h, masks, vals, goff, y, ws, cnt, I, H, N, JC, S, G, CB):
+        scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
+        hs = cuda.shared.array(HS, np.float32)
+        lst = cuda.shared.array(JMAX, np.int32)
+        flag = cuda.shared.array(1, np.int32)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        cb = cuda.blockIdx.x % CB
+        s = cuda.blockIdx.x // CB
+        j0 = s * JC
+        count = stage(scr, tid, h, hs, lst, I, N, j0, JC)
+        gi = cb * (cuda.blockDim.x >> 5) + (tid >> 5)
+        col0 = gi * 256 + lane * 8
+        acc = cuda.local.array(NACC, np.float32)
+        for i in range(NACC):
+            acc[i] = np.float32(0.0)
+        for i in range(count):   # every warp scans: the exchanges stay uniform across the block
+            jj = lst[i]
+            j = j0 + jj
+            m = np.uint32(0)
+            if gi < G:
+                m = np.uint32(masks[(j * G + gi) * 32 + lane])
+            pre = scan_incl(scr, tid, np.uint32(cuda.popc(m))) - np.uint32(cuda.popc(m))
+            if m != 0:
+                o = goff[j * G + gi] + np.int32(pre)
+                for b in range(8):
+                    if (m >> b) & 1:
+                        v = h2f(vals[o])
+                        o += 1
+                        for n in range(NT):
+                            acc[n * 8 + b] += hs[jj * NT + n] * v
+        reduce_out(acc, y, ws, cnt, flag, tid, cb, s, S, N, H, col0, 8, gi < G and col0 < H)
+
+    return down_rows if rows else down_dense
