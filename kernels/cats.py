@@ -6,8 +6,8 @@
 ``g`` = gate(x) (fp16 ``[N, I]``, any linear computed it), ``x`` fp16 ``[N, H]``, ``threshold`` a
 float32 tensor of one element (the MLP's CATS threshold), ``t(a)`` = ``a`` where ``|a| >= threshold``
 else 0 (``sparsekit.pruning.methods.cats.threshold_activation``). ``up`` is up's weight ``[I, H]``
-and ``down_t`` down's weight transposed, ``[I, H]``: either dense fp16 (contiguous) or row-packed
-(``sparsekit.packed.rowpack.RowPacked``). N is 1 to ``MAX_TOKENS``. Both launch on torch's current
+(dense fp16, contiguous) or row-packed (``sparsekit.packed.rowpack.RowPacked``); ``down_t`` is
+down's weight transposed, either tiled by ``tile_down`` (dense) or row-packed. N is 1 to ``MAX_TOKENS``. Both launch on torch's current
 stream with no host sync, so a CUDA graph can capture them (after one eager call per token count,
 which compiles); under ``NUMBA_ENABLE_CUDASIM=1`` CPU tensors run through the simulator.
 """
@@ -43,6 +43,16 @@ def _workspace(device: torch.device, floats: int, blocks: int):
     return ws, cnt
 
 
+def tile_down(down_t: torch.Tensor) -> torch.Tensor:
+    """``down^T`` ([I, H], dense fp16) in the tiled layout ``cats_down`` reads: [ceil(H / 128), I, 128],
+    zero-padded columns."""
+    i, hid = down_t.shape
+    cb = -(-hid // 128)
+    padded = torch.zeros((i, cb * 128), dtype=down_t.dtype, device=down_t.device)
+    padded[:, :hid] = down_t
+    return padded.view(i, cb, 128).permute(1, 0, 2).contiguous()
+
+
 def _check(name, t, shape, dtype=torch.float16):
     if tuple(t.shape) != tuple(shape) or t.dtype != dtype or not t.is_contiguous():
         raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {tuple(shape)}, "
@@ -50,8 +60,9 @@ def _check(name, t, shape, dtype=torch.float16):
 
 
 def cats_up(g: torch.Tensor, x: torch.Tensor, up, threshold: torch.Tensor, out: torch.Tensor | None = None,
-            *, warps: int | None = None) -> torch.Tensor:
-    """``h[N, I]``: thresholded SiLU(g) times ``x @ up^T``, computed for active neurons only."""
+            *, warps: int | None = None, rows_per_warp: int = 0, unroll: int = 0) -> torch.Tensor:
+    """``h[N, I]``: thresholded SiLU(g) times ``x @ up^T``, computed for active neurons only
+    (``warps``, ``rows_per_warp``, ``unroll``: tuning knobs for benchmarks)."""
     from . import launch
     from .cats_kernels import get_up
     from .common import SIM
@@ -68,11 +79,11 @@ def cats_up(g: torch.Tensor, x: torch.Tensor, up, threshold: torch.Tensor, out: 
     if out is None:
         out = torch.empty((n, i), dtype=torch.float16, device=g.device)
     _check("out", out, (n, i))
-    kern = get_up(token_bucket(n), rows)
+    kern = get_up(token_bucket(n), rows, rows_per_warp, unroll)
     from .cats_kernels import UP_ROWS
 
     wpb = warps or (1 if SIM and rows else UP_WARPS)
-    blocks = -(-i // (wpb * (1 if rows else UP_ROWS)))
+    blocks = -(-i // (wpb * (1 if rows else (rows_per_warp or UP_ROWS))))
     thr = threshold.reshape(1).to(torch.float32)
     common = (g.reshape(-1).view(torch.int16), x.reshape(-1).view(torch.int64))
     if rows:
@@ -98,16 +109,22 @@ def down_plan(i: int, cb: int, sms: int, splits: int | None = None) -> tuple[int
     return jc, -(-i // jc)
 
 
-def cats_down(h: torch.Tensor, down_t, out: torch.Tensor | None = None, *, splits: int | None = None) -> torch.Tensor:
+def cats_down(h: torch.Tensor, down_t, out: torch.Tensor | None = None, *, splits: int | None = None,
+              threads: int | None = None) -> torch.Tensor:
     """``y[N, H] = h @ down_t`` reading only the rows of ``down_t`` whose ``h`` column is nonzero."""
     from . import launch
     from .cats_kernels import get_down
 
     n, i = h.shape
     rows = isinstance(down_t, RowPacked)
-    if down_t.shape[0] != i:
-        raise ValueError(f"down_t must have {i} rows (the neurons), got {tuple(down_t.shape)}")
-    hid = down_t.shape[1]
+    if rows:
+        if down_t.shape[0] != i:
+            raise ValueError(f"down_t must have {i} rows (the neurons), got {tuple(down_t.shape)}")
+        hid = down_t.shape[1]
+    else:   # tiled (tile_down): [blocks, I, 128]; the hidden size comes from out, else blocks * 128
+        if down_t.dim() != 3 or down_t.shape[1] != i or down_t.shape[2] != 128:
+            raise ValueError(f"down_t must be tile_down's [blocks, {i}, 128], got {tuple(down_t.shape)}")
+        hid = out.shape[1] if out is not None else down_t.shape[0] * 128
     if hid % 8:
         raise ValueError(f"the CATS kernels need a hidden size divisible by 8, got {hid}")
     _check("h", h, (n, i))
@@ -119,9 +136,10 @@ def cats_down(h: torch.Tensor, down_t, out: torch.Tensor | None = None, *, split
         threads = 32 * DOWN_WARPS
         cb = -(-down_t.groups // DOWN_WARPS)
     else:
-        _check("down_t", down_t, (i, hid))
-        threads = DOWN_THREADS
-        cb = -(-(hid // 4) // 32)
+        if down_t.shape[0] != -(-hid // 128) or not down_t.is_contiguous():
+            raise ValueError(f"down_t has {down_t.shape[0]} column blocks, {hid} columns need {-(-hid // 128)}")
+        threads = threads or DOWN_THREADS
+        cb = down_t.shape[0]
     jc, s = down_plan(i, cb, launch.sm_count(h.device), splits)
     ws, cnt = _workspace(h.device, s * token_bucket(n) * hid if s > 1 else 1, cb)
     hv, yv = h.reshape(-1).view(torch.int16), out.view(-1).view(torch.int16)

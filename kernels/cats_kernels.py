@@ -14,8 +14,9 @@ mask bits).
 ``down`` (``y = h @ down^T``, split over neurons): block ``(c, s)`` owns a slice of output columns
 and the neurons of chunk ``s``. It stages ``h[:, chunk]`` in shared memory, compacts the chunk's
 active neurons (nonzero for some token) into a list with a warp scan, and accumulates, for each
-active ``j`` only, row ``j`` of ``down^T`` (so one neuron's weights are contiguous) times ``h[:, j]``:
-dense rows (``down_dense``: one 8-byte word, 4 columns, per thread) or row-packed ones
+active ``j`` only, row ``j`` of ``down^T`` times ``h[:, j]``: dense rows (``down_dense``: ``down^T`` tiled as [128-column block,
+neuron, 128 columns], so a block streams one contiguous tile and a neuron's 256 bytes in each tile
+are skipped together; one 8-byte word, 4 columns, per lane; the block's warps split the neurons) or row-packed ones
 (``down_rows``: one 256-column group per warp, 8 columns per lane). Chunks' fp32 partials are summed
 by the last block of each column slice to arrive (an arrival counter it resets), so one launch
 writes ``y``.
@@ -34,7 +35,8 @@ from numba import cuda
 
 from ._intrinsics import SCRATCH_WORDS, f2h, h2f, shfl_idx, shfl_up, shfl_xor
 
-UP_ROWS = 4       # neurons per warp in up_dense (x converted once for all of them)
+UP_ROWS = 1       # neurons per warp in up_dense (x converted once for all of them)
+UP_UNROLL = 8     # 8-byte words per lane and neuron in flight in up_dense
 DOWN_WARPS_MAX = 8  # warps per down block at most (shared partials)
 JMAX = 256        # neurons per down chunk (shared-memory list and staged activations)
 ACTS = ("silu",)  # activations computed inside ``up``; others run torch's path
@@ -91,13 +93,15 @@ def gate_act(g, lane, j, I, N, t):
 
 
 @functools.lru_cache(maxsize=None)
-def get_up(nt: int, rows: bool):
-    """The ``up`` kernel for up to ``nt`` tokens; ``rows``: row-packed weight, else dense."""
+def get_up(nt: int, rows: bool, r: int = 0, u: int = 0):
+    """The ``up`` kernel for up to ``nt`` tokens; ``rows``: row-packed weight, else dense (``r``
+    neurons per warp, ``u`` words per lane and neuron in flight; 0: the defaults)."""
     NT = nt
-    R = UP_ROWS
+    R = r or UP_ROWS
+    U = u or UP_UNROLL
     RNT = R * NT
-    R2 = 2 * R
-    R8 = 8 * R
+    RU = R * U
+    U4 = 4 * U
 
     @cuda.jit(device=True, inline=True)
     def finish(scr, tid, acc, base, a, h, j, I, N):
@@ -128,38 +132,30 @@ def get_up(nt: int, rows: bool):
             anyon |= on[r]
         for i in range(RNT):
             acc[i] = np.float32(0.0)
-        wv = cuda.local.array(R2, np.int64)
-        wf = cuda.local.array(R8, np.float32)
-        xf = cuda.local.array(8, np.float32)
+        wv = cuda.local.array(RU, np.int64)
+        xf = cuda.local.array(U4, np.float32)
         k = lane if anyon else H4
         while k < H4:
-            k2 = k + 32
-            for r in range(R):       # 2R independent loads in flight; inactive rows load nothing
-                wv[2 * r] = 0
-                wv[2 * r + 1] = 0
-                if on[r]:
-                    wv[2 * r] = w[(j0 + r) * H4 + k]
-                    if k2 < H4:
-                        wv[2 * r + 1] = w[(j0 + r) * H4 + k2]
-            for r in range(R):       # each weight converted once, for all tokens
-                if on[r]:
-                    for q in range(4):
-                        wf[8 * r + q] = h2f((wv[2 * r] >> (16 * q)) & 0xFFFF)
-                        wf[8 * r + 4 + q] = h2f((wv[2 * r + 1] >> (16 * q)) & 0xFFFF)
+            for r in range(R):       # R*U independent loads in flight; inactive rows load nothing
+                for u in range(U):
+                    wv[r * U + u] = 0
+                    if on[r] and k + 32 * u < H4:
+                        wv[r * U + u] = w[(j0 + r) * H4 + k + 32 * u]
             for n in range(NT):
                 if n < N:
-                    x0 = x[n * H4 + k]
-                    x1 = x[n * H4 + k2] if k2 < H4 else x0 * 0
-                    for q in range(4):
-                        xf[q] = h2f((x0 >> (16 * q)) & 0xFFFF)
-                        xf[4 + q] = h2f((x1 >> (16 * q)) & 0xFFFF)
+                    for u in range(U):
+                        xw = x[n * H4 + k + 32 * u] if k + 32 * u < H4 else np.int64(0)
+                        for q in range(4):
+                            xf[4 * u + q] = h2f((xw >> (16 * q)) & 0xFFFF)
                     for r in range(R):
                         if on[r]:
                             sacc = np.float32(0.0)
-                            for q in range(8):
-                                sacc += wf[8 * r + q] * xf[q]
+                            for u in range(U):
+                                ww = wv[r * U + u]
+                                for q in range(4):
+                                    sacc += h2f((ww >> (16 * q)) & 0xFFFF) * xf[4 * u + q]
                             acc[r * NT + n] += sacc
-            k += 64
+            k += 32 * U
         for r in range(R):
             finish(scr, tid, acc, r * NT, a[r], h, j0 + r, I, N)
 
@@ -326,6 +322,7 @@ def get_down(nt: int, rows: bool):
         j0 = s * JC
         count = stage(scr, tid, h, hs, lst, I, N, j0, JC)
         c = cb * 32 + lane          # this lane's word (4 columns); the block's warps share the columns
+        tile = cb * I * 32 + lane   # down^T is tiled: [column block, neuron, 32 words]
         acc = cuda.local.array(NACC, np.float32)
         for i in range(NACC):
             acc[i] = np.float32(0.0)
@@ -336,10 +333,10 @@ def get_down(nt: int, rows: bool):
                 jb = lst[i + wpb]
                 jc = lst[i + 2 * wpb]
                 jd = lst[i + 3 * wpb]
-                wa = w[(j0 + ja) * H4 + c]
-                wb = w[(j0 + jb) * H4 + c]
-                wc = w[(j0 + jc) * H4 + c]
-                wd = w[(j0 + jd) * H4 + c]
+                wa = w[tile + (j0 + ja) * 32]
+                wb = w[tile + (j0 + jb) * 32]
+                wc = w[tile + (j0 + jc) * 32]
+                wd = w[tile + (j0 + jd) * 32]
                 for q in range(4):
                     fa = h2f((wa >> (16 * q)) & 0xFFFF)
                     fb = h2f((wb >> (16 * q)) & 0xFFFF)
@@ -351,7 +348,7 @@ def get_down(nt: int, rows: bool):
                 i += 4 * wpb
             while i < count:
                 ja = lst[i]
-                wa = w[(j0 + ja) * H4 + c]
+                wa = w[tile + (j0 + ja) * 32]
                 for q in range(4):
                     fa = h2f((wa >> (16 * q)) & 0xFFFF)
                     for n in range(NT):

@@ -56,6 +56,7 @@ def prune(w, sparsity, gen):
 
 
 def build(hidden, inter, wsp, copies, seed=0):
+    from sparsekit.kernels.cats import tile_down
     from sparsekit.packed.rowpack import rowpack
     from sparsekit.packed.tcabme import encode
 
@@ -67,9 +68,9 @@ def build(hidden, inter, wsp, copies, seed=0):
         if wsp:
             ws = [prune(w, wsp, gen) for w in ws]
         wg, wu, wd = ws
-        c = {"wg": wg, "wu": wu, "wd": wd, "wgu": torch.cat([wg, wu]), "wdt": wd.t().contiguous()}
+        c = {"wg": wg, "wu": wu, "wd": wd, "wgu": torch.cat([wg, wu]), "wdt": tile_down(wd.t().contiguous())}
         if wsp:
-            c.update(pg=encode(wg), pgu=encode(c["wgu"]), pd=encode(wd), ru=rowpack(wu), rd=rowpack(c["wdt"]))
+            c.update(pg=encode(wg), pgu=encode(c["wgu"]), pd=encode(wd), ru=rowpack(wu), rd=rowpack(wd.t().contiguous()))
         out.append(c)
     return out
 

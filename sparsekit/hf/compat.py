@@ -11,6 +11,7 @@ should break here:
   ``keys``/``values`` tensors and a few counters).
 * ``decode_forward_kwargs``: which optional arguments a model's ``forward`` takes.
 * ``is_llama_rms_norm``: recognising the Llama-form RMSNorm by its source and ``variance_epsilon``.
+* ``is_silu``: recognising SiLU among the activation classes of ``transformers.activations``.
 """
 from __future__ import annotations
 
@@ -106,3 +107,10 @@ def is_llama_rms_norm(module: nn.Module) -> bool:
     except (OSError, TypeError):
         return False
     return "self.weight * hidden_states.to(input_dtype)" in src
+
+
+# ----------------------------------------------------------------------------- activations
+def is_silu(module: nn.Module) -> bool:
+    """SiLU as a module: torch's ``nn.SiLU`` or transformers' ``SiLUActivation`` (``ACT2FN["silu"]``,
+    also registered as ``"swish"``), whose class is not part of its public API."""
+    return isinstance(module, nn.SiLU) or type(module).__name__ in ("SiLUActivation", "SiLU")

@@ -20,9 +20,15 @@ from sparsekit.runtime.sparse_linear import SparseLinear, decode_dense, release_
 
 
 def prepare_for_decode(model: nn.Module, *, fuse_norms: bool = True, fuse_proj: bool = True,
-                       equalize: bool = True) -> dict:
-    """The fusions chosen, in place, in their one order; returns what each did."""
+                       equalize: bool = True, cats: bool = True) -> dict:
+    """The fusions chosen, in place, in their one order; returns what each did. ``cats``: gated
+    MLPs with a CATS threshold run the activation-sparse kernels (``cats_mlp.enable_cats_kernels``),
+    first, so that their gate and up stay separate."""
     done = {}
+    if cats:
+        from sparsekit.runtime.cats_mlp import enable_cats_kernels
+
+        done["cats_mlps"] = enable_cats_kernels(model)
     if fuse_norms:
         done["fused_norms"] = fuse_rms_norms(model)
     if fuse_proj:
@@ -117,7 +123,12 @@ def fuse_projections(model: nn.Module) -> int:
     dense). Fewer, larger matmuls per step: fixed per-call costs are paid 4 times per layer
     instead of 7. Returns how many groups were merged; mixed or odd groups are left alone."""
     merged = 0
+    from sparsekit.runtime.cats_mlp import CatsMLP
+
+    inside_cats = {id(m.mlp) for m in model.modules() if isinstance(m, CatsMLP)}  # gate and up stay apart
     for parent in list(model.modules()):
+        if id(parent) in inside_cats:
+            continue
         for names in PROJECTION_GROUPS:
             mods = [getattr(parent, n, None) for n in names]
             if any(m is None for m in mods):

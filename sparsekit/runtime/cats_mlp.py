@@ -1,0 +1,186 @@
+"""``CatsMLP``: a gated MLP with a CATS threshold, run on the activation-sparse kernels at decode.
+
+``enable_cats_kernels(model)`` swaps every gated MLP whose ``act_fn`` is a ``CatsActivation``
+(installed from ``sparsekit.json`` by the loader) for a ``CatsMLP`` when the kernels can run it
+(CUDA, fp16, SiLU, no biases, hidden size divisible by 8). For up to ``CatsMLP.max_tokens`` tokens a
+forward is ``g = gate(x)`` (whatever gate is: ``nn.Linear`` or ``SparseLinear``), then
+``sparsekit.kernels.cats.cats_up`` and ``cats_down``: up's rows and down's columns of inactive
+neurons are never read. Their layouts are made here, once:
+
+* dense up: its weight as it is (rows are contiguous); packed up: row-packed (``packed.rowpack``)
+  from the decoded weight, beside the TCA-BME buffers;
+* dense down: ``down^T`` tiled (``kernels.cats.tile_down``), which replaces the weight: larger N
+  computes ``h @ down^T`` from the tiles (one batched matmul), so no second copy is kept;
+  packed down: ``down^T`` row-packed, beside the TCA-BME buffers (its larger-N path).
+
+More tokens take the original module (thresholded activation, the MLP's own linears): at batch
+> 1 the union of active neurons grows, and ``scripts/bench_cats.py`` measures where the kernels stop
+paying (``DEFAULT_MAX_TOKENS``; env ``SPARSEKIT_CATS_MAX_TOKENS`` overrides).
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from torch import nn
+
+from sparsekit.hf.compat import is_silu
+from sparsekit.hf.modules import find_gated_mlps, set_submodule
+from sparsekit.packed.rowpack import rowpack
+from sparsekit.runtime.cats import CatsActivation
+from sparsekit.runtime.sparse_linear import SparseLinear, decode_dense, kernel
+
+DEFAULT_MAX_TOKENS = 1
+
+
+def _env_max_tokens() -> int:
+    raw = os.environ.get("SPARSEKIT_CATS_MAX_TOKENS")
+    try:
+        return max(0, min(8, int(raw))) if raw is not None else DEFAULT_MAX_TOKENS
+    except ValueError:
+        return DEFAULT_MAX_TOKENS
+
+
+_EMPTY = {}
+
+
+def _empty(device, dtype):
+    key = (str(device), dtype)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.empty(0, dtype=dtype, device=device)
+    return _EMPTY[key]
+
+
+@torch.library.custom_op("sparsekit::cats_mlp", mutates_args=())
+def cats_mlp_op(x: torch.Tensor, g: torch.Tensor, threshold: torch.Tensor, up_w: torch.Tensor,
+                up_masks: torch.Tensor, up_values: torch.Tensor, up_goff: torch.Tensor, down_w: torch.Tensor,
+                down_masks: torch.Tensor, down_values: torch.Tensor, down_goff: torch.Tensor,
+                hidden: int) -> torch.Tensor:
+    """``down(t(silu(g)) * up(x))`` on the CATS kernels (one torch op, so ``torch.compile`` keeps it
+    whole). Row-packed up/down when their ``masks`` are non-empty, else dense ``up_w`` / tiled ``down_w``."""
+    from sparsekit.kernels.cats import cats_down, cats_up
+    from sparsekit.packed.rowpack import RowPacked
+
+    n, inter = g.shape
+    up = (RowPacked(up_masks, up_values, up_goff, (inter, hidden)) if up_masks.numel() else up_w)
+    down = (RowPacked(down_masks, down_values, down_goff, (inter, hidden)) if down_masks.numel() else down_w)
+    h = cats_up(g, x, up, threshold)
+    return cats_down(h, down, torch.empty((n, hidden), dtype=x.dtype, device=x.device))
+
+
+@cats_mlp_op.register_fake
+def _cats_mlp_fake(x, g, threshold, up_w, up_masks, up_values, up_goff, down_w, down_masks, down_values,
+                   down_goff, hidden):
+    return x.new_empty((x.shape[0], hidden))
+
+
+class TiledDown(nn.Module):
+    """A dense down projection stored as ``tile_down(W^T)`` (what ``cats_down`` reads); ``forward``
+    is ``x @ W^T`` from the tiles (a batched matmul over the 128-column blocks)."""
+
+    def __init__(self, weight: torch.Tensor):
+        from sparsekit.kernels.cats import tile_down
+
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("tiles", tile_down(weight.t().contiguous()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(self.tiles.dtype)
+        y = torch.matmul(x2.unsqueeze(0), self.tiles)          # [blocks, N, 128]
+        y = y.permute(1, 0, 2).reshape(x2.shape[0], -1)[:, : self.out_features]
+        return y.reshape(*lead, self.out_features)
+
+
+class CatsMLP(nn.Module):
+    """A gated MLP with a CATS threshold; the activation-sparse kernels for up to ``max_tokens`` tokens."""
+
+    max_tokens: int = _env_max_tokens()
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        # the larger-N path: a shallow copy of the MLP (same gate, up and act_fn), so that the
+        # module it came from is left exactly as it was (eval --speed puts it back for dense)
+        mlp = copy.copy(mlp)
+        mlp._modules = dict(mlp._modules)
+        self.mlp = mlp
+        dev = mlp.gate_proj.weight.device if isinstance(mlp.gate_proj, nn.Linear) else mlp.gate_proj.values.device
+        up, down = mlp.up_proj, mlp.down_proj
+        e16, e8, e32 = _empty(dev, torch.float16), _empty(dev, torch.uint8), _empty(dev, torch.int32)
+        self.up_w, self.up_rows = (e16, rowpack(decode_dense(up.packed).to(torch.float16))) if isinstance(up, SparseLinear) \
+            else (up.weight, None)
+        if isinstance(down, SparseLinear):
+            self.down_w, self.down_rows = e16, rowpack(decode_dense(down.packed).to(torch.float16).t().contiguous())
+        else:
+            tiled = TiledDown(down.weight.data)
+            mlp.down_proj = tiled        # in the copy: the tiles stand in for the weight (no second copy once
+                                         # the original module is dropped)
+            self.down_w, self.down_rows = tiled.tiles, None
+        self.hidden = mlp.down_proj.out_features
+        self.e8, self.e32, self.e16 = e8, e32, e16
+
+    @property
+    def threshold(self) -> torch.Tensor:
+        return self.mlp.act_fn.threshold
+
+    def extra_bytes(self) -> int:
+        """Bytes this module adds to the MLP it wraps (the row-packed copies of packed weights)."""
+        return sum(p.nbytes() for p in (self.up_rows, self.down_rows) if p is not None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] > self.max_tokens or not x2.is_cuda or x2.dtype != torch.float16:
+            return self.mlp(x)
+        x2 = x2.contiguous()
+        g = self.mlp.gate_proj(x2).contiguous()
+        u, d = self.up_rows, self.down_rows
+        y = cats_mlp_op(x2, g, self.threshold,
+                        self.up_w, u.masks if u else self.e8, u.values if u else self.e16, u.goff if u else self.e32,
+                        self.down_w, d.masks if d else self.e8, d.values if d else self.e16,
+                        d.goff if d else self.e32, self.hidden)
+        return y.reshape(*lead, self.hidden)
+
+
+def eligible(mlp: nn.Module) -> str | None:
+    """Why ``mlp`` cannot run the CATS kernels, or None when it can."""
+    if not isinstance(getattr(mlp, "act_fn", None), CatsActivation):
+        return "no CATS threshold"
+    if not is_silu(mlp.act_fn.act):
+        return f"activation {type(mlp.act_fn.act).__name__} (the kernels compute SiLU)"
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        lin = getattr(mlp, name)
+        if not isinstance(lin, (nn.Linear, SparseLinear)):
+            return f"{name} is a {type(lin).__name__}"
+        if getattr(lin, "bias", None) is not None:
+            return f"{name} has a bias"
+        if isinstance(lin, nn.Linear) and (lin.weight.dtype != torch.float16 or not lin.weight.is_cuda):
+            return "weights not fp16 on a GPU"
+        if isinstance(lin, SparseLinear) and not lin.values.is_cuda:
+            return "weights not on a GPU"
+    if mlp.up_proj.in_features % 8:
+        return "hidden size not divisible by 8"
+    return None
+
+
+def enable_cats_kernels(model: nn.Module) -> int:
+    """Swap, in place, each eligible CATS MLP of ``model`` for a ``CatsMLP``; returns how many run
+    the kernels (already swapped ones included). 0 on the CPU or without the GPU kernels."""
+    done = sum(isinstance(m, CatsMLP) for m in model.modules())
+    if not torch.cuda.is_available() or kernel() is None:
+        return done
+    inner = {id(m.mlp) for m in model.modules() if isinstance(m, CatsMLP)}
+    for name, mlp in find_gated_mlps(model).items():
+        if id(mlp) in inner or eligible(mlp) is not None:
+            continue
+        set_submodule(model, name, CatsMLP(mlp))
+        done += 1
+    return done
+
+
+def cats_mlps(model: nn.Module) -> dict[str, CatsMLP]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, CatsMLP)}
+
+
