@@ -284,3 +284,31 @@ def test_recipes_ask_for_both(tmp_path):
             resolve_settings(p)
     assert str(default_output("m", "wanda", "2:4", 0.5, 0.5)) == "out/m-wanda-2of4-cats50"
     assert resolve_settings(None, method="magnitude", cats=0.3).ignored_calibration(nsamples=4) is None
+
+
+# ----------------------------------------------------------------------------- the demo script
+def test_demo_script_smoke(tmp_path, capsys, monkeypatch):
+    """scripts/demo_cats.py --smoke: every row on a tiny random Llama on the CPU; the markdown table,
+    the commands and the JSON summary come out, the calibration check passes, CATS 0% is the dense
+    model, and the packed rows score as their unpacked checkpoints."""
+    import runpy
+    import sys
+
+    from conftest import REPO
+
+    monkeypatch.setattr(sys, "argv", ["demo_cats.py", "--smoke", "--out", str(tmp_path), "--json", str(tmp_path / "s.json")])
+    with pytest.raises(SystemExit) as done:
+        runpy.run_path(str(REPO / "scripts" / "demo_cats.py"), run_name="__main__")
+    printed = capsys.readouterr().out
+    assert done.value.code == 0, printed
+    summary = json.loads(printed.strip().splitlines()[-1])
+    assert json.loads((tmp_path / "s.json").read_text())["ok"] is True
+    rows = {r["row"]: r for r in summary["rows"]}
+    assert list(rows) == ["dense", "cats0", "cats30", "cats50", "cats70", "wanda50-cats50", "sparsegpt50-cats50",
+                          "wanda50-cats50.tcabme", "sparsegpt50-cats50.tcabme"]
+    assert rows["cats0"]["ppl"] == pytest.approx(rows["dense"]["ppl"], rel=1e-4)
+    for name in ("wanda50-cats50", "sparsegpt50-cats50"):
+        assert rows[name + ".tcabme"]["ppl_vs_unpacked"] == pytest.approx(1.0, abs=0.01)
+        assert len(rows[name]["eval_activation_sparsity"]["per_mlp"]) == 3
+    assert "| row | weights | CATS |" in printed and "--method wanda --sparsity 0.5 --cats 0.5" in printed
+    assert "sparsekit encode" in printed and "PASS" in printed
