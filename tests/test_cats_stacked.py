@@ -284,6 +284,10 @@ def test_recipes_ask_for_both(tmp_path):
             resolve_settings(p)
     assert str(default_output("m", "wanda", "2:4", 0.5, 0.5)) == "out/m-wanda-2of4-cats50"
     assert resolve_settings(None, method="magnitude", cats=0.3).ignored_calibration(nsamples=4) is None
+    res = runner.invoke(app, ["recipes", "--json"])
+    listed = {r["name"]: r["cats"] for r in json.loads(res.stdout)}
+    assert listed["wanda-unstructured50-cats50"] == 0.5 and listed["wanda-unstructured50"] is None
+    assert "+ cats 0.5" in runner.invoke(app, ["recipes"]).stdout
 
 
 # ----------------------------------------------------------------------------- the demo script
