@@ -15,6 +15,8 @@ be within 1% of the target, issue 13's acceptance) and on the evaluation text, a
 Prints a markdown table (the commands listed under it) and, last, the JSON summary. Exit status 0
 when every CATS row is within 1% of its target on the calibration data for every MLP.
 ``--smoke`` runs the same rows on a tiny random Llama and a synthetic text, on the CPU, in seconds.
+``--speed`` (CUDA) adds ``eval --speed`` at batch 1 for cats50 and wanda50-cats50.tcabme: the CATS model
+against dense, on the CATS kernels where ``sparsekit.runtime.cats_mlp`` provides them.
 """
 from __future__ import annotations
 
@@ -107,6 +109,8 @@ def main() -> int:
     ap.add_argument("--out", default="/tmp/sparsekit-demo-cats")
     ap.add_argument("--json", default=None, help="also write the JSON summary here")
     ap.add_argument("--smoke", action="store_true", help="tiny random Llama, synthetic text, CPU, small settings")
+    ap.add_argument("--speed", action="store_true", help="also `eval --speed` (batch 1) on cats50 and "
+                    "wanda50-cats50.tcabme: the CATS model against dense (CUDA only; about a minute each)")
     args = ap.parse_args()
 
     import torch
@@ -219,11 +223,30 @@ def main() -> int:
     print()
     print(f"activation sparsity on the calibration data within {TOLERANCE:.0%} of the target for every MLP "
           f"of every CATS row: {'PASS' if ok else 'FAIL'}")
+    speed = {}
+    if args.speed and not args.device.startswith("cuda"):
+        print("--speed needs --device cuda: skipped")
+    elif args.speed:
+        from sparsekit.evaluation.speed import measure_speed
+
+        for name in ("cats50", "wanda50-cats50.tcabme"):
+            try:
+                rep = measure_speed(out / name, batch_sizes=(1,), new_tokens=32, repeats=2)
+            except Exception as e:  # a report line, not a lost table
+                speed[name] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"speed {name}: FAILED {speed[name]['error']}")
+                continue
+            r = rep["rows"][0]
+            speed[name] = {"decode_x_dense": r["ratio"].get("decode_tok_s"), "ms_per_token": r["packed"].get("ms_per_token"),
+                           "dense_ms_per_token": r["dense"].get("ms_per_token"), "sparse_layers": rep["sparse_layers"],
+                           "cats_mlps": rep["cats_mlps"], "cats_kernel_mlps": rep["cats_kernel_mlps"], "notes": rep["notes"]}
+            print(f"speed {name} (batch 1): decode {speed[name]['decode_x_dense']}x dense, {rep['cats_kernel_mlps']} of "
+                  f"{rep['cats_mlps']} CATS MLPs on the kernel; notes: {rep['notes']}")
     summary = {
         "gpu": gpu, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": args.model,
         "settings": {k: v for k, v in vars(args).items()}, "calib": calib, "eval": evalf,
         "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
-        "rows": rows, "ok": ok, "total_s": time.perf_counter() - t0,
+        "rows": rows, "speed": speed, "ok": ok, "total_s": time.perf_counter() - t0,
     }
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
