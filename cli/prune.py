@@ -17,6 +17,9 @@ HELP = (
     "cats (gated MLPs: Llama, Mistral, Qwen2, SmolLM2) changes no weight: it calibrates one threshold per MLP "
     "and zeroes the gate activations act(gate(x)) smaller in magnitude, --sparsity being the fraction zeroed "
     "(unstructured only); the thresholds go into sparsekit.json, and `sparsekit eval` applies them.\n\n"
+    "--cats S stacks both on a weight method (any pattern): the weights are pruned first, then the CATS "
+    "thresholds (activation sparsity S) are calibrated layer by layer on the pruned model; sparsekit.json "
+    "records both, and `encode` keeps both.\n\n"
     "Example: sparsekit prune smollm2-135m --method wanda --sparsity 0.5 -o out/wanda50"
 )
 
@@ -45,6 +48,8 @@ def prune_cmd(
     blocksize: Optional[int] = typer.Option(None, "--blocksize", help="SparseGPT column block size (default: 128)"),
     damp: Optional[float] = typer.Option(None, "--damp", help="SparseGPT dampening, fraction of the mean Hessian diagonal (default: 0.01)"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Calibration windows per forward (default: ~16k tokens)"),
+    cats: Optional[float] = typer.Option(None, "--cats", help="Also calibrate CATS thresholds zeroing this fraction of the gate "
+                                         "activations of each gated MLP, on the pruned model (a weight method only)."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     from transformers.utils import logging as hf_logging
@@ -62,7 +67,7 @@ def prune_cmd(
             model, method=method, sparsity=sparsity, pattern=pattern, calib=calib, nsamples=nsamples,
             seqlen=seqlen, seed=seed, skip=skip, prune_lm_head=prune_lm_head or None, device=device, dtype=dtype, output=output,
             overwrite=overwrite, blocksize=blocksize, damp=damp, recipe=recipe, batch_size=batch_size,
-            progress=bars.update, warn=warn,
+            progress=bars.update, warn=warn, cats=cats,
         )
     if json_out:
         emit_json(report)
@@ -116,14 +121,16 @@ def summary_table(report: dict):
                  f"peak device memory {_mib(report['peak_mem_bytes'])}")
     head.add_row("time", f"{report['elapsed_s']:.1f} s total, {report['prune_seconds']:.1f} s pruning "
                  f"({report['capture_seconds']:.1f} s capture)")
+    stacked = bool(report.get("cats")) and report["method"] != "cats"
     if report.get("cats"):
         c = report["cats"]
         head.add_row("activation sparsity", f"{c['activation_sparsity']:.4f} of the gate activations of "
-                     f"{len(c['mlps'])} gated MLPs (target {c['target']:.4g}); weights unchanged")
-    else:
+                     f"{len(c['mlps'])} gated MLPs (target {c['target']:.4g})"
+                     + ("; thresholds calibrated on the pruned weights" if stacked else "; weights unchanged"))
+    if not report.get("cats") or stacked:
         head.add_row("overall sparsity", f"{report['overall_sparsity']:.4f} of {sum(v['params'] for v in report['by_type'].values()):,} pruned-layer weights")
     head.add_row("output", report["output"])
-    if report.get("cats"):
+    if report.get("cats") and not stacked:
         return Group(head, cats_table(report["cats"]))
 
     types = Table(title="sparsity by module type", title_justify="left")
@@ -144,7 +151,7 @@ def summary_table(report: dict):
         tot = sum(x["shape"][0] * x["shape"][1] for x in lin)
         sp = sum(x["sparsity"] * x["shape"][0] * x["shape"][1] for x in lin) / tot if tot else 0.0
         layers.add_row(str(r["index"]), str(len(lin)), f"{sp:.4f}", f"{r['seconds']:.2f} s", _mib(r["peak_mem_bytes"]))
-    return Group(head, types, layers)
+    return Group(head, types, layers, *([cats_table(report["cats"])] if stacked else []))
 
 
 def cats_table(cats: dict):

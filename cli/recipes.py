@@ -19,14 +19,15 @@ def register(app: typer.Typer) -> None:
 
 
 def recipe_rows() -> list[dict]:
-    """One dict per bundled recipe: name, description, method, pattern, sparsity (resolved), path."""
+    """One dict per bundled recipe: name, description, method, pattern, sparsity (resolved), cats
+    (stacked CATS target or None), path."""
     from sparsekit.pruning.recipes import bundled_recipes, resolve_settings
 
     rows = []
     for r in bundled_recipes():
         s = resolve_settings(r.name)
         rows.append({"name": r.name, "description": r.description, "method": s.method, "pattern": s.pattern,
-                     "sparsity": s.sparsity, "path": r.path})
+                     "sparsity": s.sparsity, "cats": s.cats, "path": r.path})
     return rows
 
 
@@ -48,4 +49,4 @@ def recipes_cmd(json_out: bool = JSON_OPTION) -> None:
 
 
 def _spec(r: dict) -> str:
-    return f"{r['method']} {r['pattern']} {r['sparsity']:.4g}"
+    return f"{r['method']} {r['pattern']} {r['sparsity']:.4g}" + (f" + cats {r['cats']:.4g}" if r.get("cats") is not None else "")

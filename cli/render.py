@@ -35,12 +35,23 @@ def ppl_table(report: dict):
     notes = []
     if base:
         notes.append(f"dense: {base['model']}, same {report['windows']} windows")
+    if act := report.get("activation_sparsity"):
+        notes.append(cats_summary(act))
     if report["windows"] < ROUGH_WINDOWS:
         notes.append(f"rough: only {report['windows']} window{'s' if report['windows'] != 1 else ''} "
                      f"(use {ROUGH_WINDOWS}+ for a stable figure)")
     if notes:
         t.caption = "\n".join(notes)
     return t
+
+
+def cats_summary(act: dict) -> str:
+    """One line on the CATS activation sparsity reached on the evaluation text (per MLP: --json)."""
+    vals = act["mlps"]
+    lo, hi = min(vals, key=vals.get), max(vals, key=vals.get)
+    target = f"; target {act['target']:.4g}" if act.get("target") is not None else ""
+    return (f"CATS activation sparsity on this text: mean {act['mean']:.4f} over {len(vals)} gated MLPs "
+            f"(min {vals[lo]:.4f} {lo}, max {vals[hi]:.4f} {hi}{target}; per MLP in --json)")
 
 
 def _pm(value, err) -> str:
@@ -110,6 +121,9 @@ def speed_table(report: dict[str, Any]):
             dense_layers = len(plan.get("dense_layers", {}))
             caption += (f"; prefer {plan.get('prefer')}: {dense_layers} of {report.get('sparse_layers', 0)} sparse layers "
                         "run dense (--json: per-shape timings)")
+        if report.get("cats_mlps"):
+            caption += (f"; CATS: {report.get('cats_kernel_mlps', 0)} of {report['cats_mlps']} thresholded MLPs on the "
+                        "CATS kernel (dense: no thresholds)")
         t.caption = caption
     return t
 

@@ -18,15 +18,18 @@ PATTERN_OF_TAG = {"unstructured50": ("unstructured", 0.5), "2of4": ("2:4", 0.5),
 
 def test_shipped_recipes_cover_every_method_and_pattern():
     names = {p.stem for p in RECIPES.glob("*.yaml")}
-    assert names == {f"{m}-{t}" for m in METHODS if m != "cats" for t in PATTERN_OF_TAG} | {"cats-unstructured50"}
+    assert names == ({f"{m}-{t}" for m in METHODS if m != "cats" for t in PATTERN_OF_TAG}
+                     | {"cats-unstructured50", "wanda-unstructured50-cats50"})
 
 
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_recipe_is_valid_and_named_after_its_content(path):
     s = resolve_settings(path)
     method, tag = path.stem.split("-", 1)
+    tag, _, cats = tag.partition("-cats")  # stacked CATS: -cats<percent>
     assert s.method == method
     assert (s.pattern, s.sparsity) == PATTERN_OF_TAG[tag]
+    assert s.cats == (int(cats) / 100 if cats else None)
     assert "lm_head" in s.skip
 
 

@@ -30,6 +30,7 @@ from sparsekit.hf.data import cap_seqlen, check_seqlen, eval_text, tokenize
 from sparsekit.hf.models import open_tokenizer, resolve_device, resolve_dtype, resolve_model
 from sparsekit.packed.shards import INDEX_NAME
 from sparsekit.progress import Progress, report
+from sparsekit.runtime.cats import counting_zeros
 from sparsekit.runtime.loader import load
 
 ROUGH_WINDOWS = 32  # fewer windows than this: the perplexity is a rough figure (the tables say so)
@@ -101,7 +102,11 @@ def perplexity_of_windows(model, windows: torch.Tensor, device: str | torch.devi
                           progress: Progress | None = None, batch_size: int | None = None,
                           stage: str = "perplexity") -> dict[str, Any]:
     """Perplexity of ``model`` over ``[windows, seqlen]`` token ids (see ``window_ids``): what
-    ``perplexity`` computes once the text is tokenized; a baseline reuses the same windows."""
+    ``perplexity`` computes once the text is tokenized; a baseline reuses the same windows.
+
+    A model with CATS thresholds installed also reports ``activation_sparsity``: the fraction of
+    zeros each gated MLP's thresholded activation gave over these windows (``mlps``, by name) and
+    their ``mean`` (counted on the device, read once at the end)."""
     dev = torch.device(device) if device is not None else _model_device(model)
     n, seqlen = windows.shape
     vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 50000
@@ -112,9 +117,13 @@ def perplexity_of_windows(model, windows: torch.Tensor, device: str | torch.devi
     report(progress, stage, 0, n)
     nlls = []
     i = 0
-    try:
+    with contextlib.ExitStack() as stack:
+        zeros = stack.enter_context(counting_zeros(model))
+        if was_training:
+            stack.callback(model.train)
         while i < n:
             batch = windows[i : i + bs].to(dev)
+            zeros.mark()
             try:
                 logits = model(input_ids=batch, use_cache=False).logits
                 # one window at a time in float32: bounds the fp32 copy of the logits to one window
@@ -126,20 +135,19 @@ def perplexity_of_windows(model, windows: torch.Tensor, device: str | torch.devi
                         f"out of GPU memory on one window of {seqlen} tokens: use a smaller --seqlen or --device cpu"
                     ) from None
                 bs = max(1, bs // 2)  # retry the same windows in smaller batches
+                zeros.rollback()
                 torch.cuda.empty_cache()
                 continue
             nlls.extend(part)
             i += batch.shape[0]
             report(progress, stage, i, n)
-    finally:
-        if was_training:
-            model.train()
+        fractions = zeros.fractions()
     per_window = torch.cat(nlls)
     # A non-finite window (fp16 overflow in a badly pruned model) makes the result inf, not an error,
     # so that comparisons still print; ``nonfinite_windows`` says how many.
     bad = int((~torch.isfinite(per_window)).sum())
     nll = float(per_window.mean()) if bad == 0 else math.inf
-    return {
+    out = {
         "ppl": math.exp(nll) if nll < 709 else math.inf,
         "nll": nll,
         "windows": int(n),
@@ -147,6 +155,16 @@ def perplexity_of_windows(model, windows: torch.Tensor, device: str | torch.devi
         "seqlen": int(seqlen),
         "nonfinite_windows": bad,
     }
+    if fractions:
+        out["activation_sparsity"] = {"mean": sum(fractions.values()) / len(fractions), "mlps": fractions}
+    return out
+
+
+def cats_target(location: str | Path) -> float | None:
+    """The CATS activation-sparsity target recorded in ``location``'s ``sparsekit.json``, if any."""
+    with contextlib.suppress(OSError, ValueError, AttributeError, TypeError, KeyError):
+        return float(json.loads((Path(location) / METADATA_FILE).read_text())["cats"]["target"])
+    return None
 
 
 def baseline_source(location: str | Path, model_dir: str) -> str:
@@ -238,6 +256,8 @@ def perplexity_report(model_dir: str, *, dataset: str, seqlen: int, max_windows:
         "dtype": str(torch_dtype).removeprefix("torch."),
         **result,
     }
+    if "activation_sparsity" in out:  # the CATS target recorded at pruning, beside what this text gave
+        out["activation_sparsity"]["target"] = cats_target(location)
     if base is not None:
         model = None
         _release_memory()

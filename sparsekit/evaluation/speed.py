@@ -13,6 +13,12 @@ into ``nn.Linear``, so cuBLAS runs them) are timed in the same process on the sa
 
 The packed model is measured first; then it is densified in place and measured again, so the two
 never sit on the GPU together. Random prompt tokens (fixed seed); EOS is ignored.
+
+A model with CATS thresholds (``sparsekit prune --method cats``, or ``--cats`` stacked on a weight
+method) counts as sparse even without a packed linear: its gated MLPs go onto the CATS kernels
+(``sparsekit.runtime.cats_mlp.enable_cats_kernels``, where that module exists and can run: CUDA, fp16)
+before the fusions, or run their thresholds as a masked activation otherwise. The dense twin has the
+original MLPs back, without thresholds (``runtime.cats.remove_thresholds``).
 """
 from __future__ import annotations
 
@@ -30,7 +36,9 @@ from sparsekit.hf.models import resolve_device
 from sparsekit.packed.shards import is_packed_dir
 from sparsekit.progress import Progress, report
 from sparsekit.runtime.decoder import GreedyDecoder
-from sparsekit.runtime.fusion import prepare_for_decode
+from sparsekit.hf.modules import set_submodule
+from sparsekit.runtime.cats import cats_activations, remove_thresholds
+from sparsekit.runtime.fusion import fuse_projections, prepare_for_decode
 from sparsekit.runtime.loader import load_packed, open_model
 from sparsekit.runtime.dispatch import plan_dispatch
 from sparsekit.runtime.sparse_linear import SparseLinear
@@ -103,6 +111,30 @@ def _open(model_dir, device, dtype, notes: list[str]) -> nn.Module:
     return model
 
 
+CATS_KERNELS = "sparsekit.runtime.cats_mlp"
+
+
+def enable_cats(model: nn.Module, notes: list[str]) -> int:
+    """Put the gated MLPs that carry CATS thresholds onto the CATS kernels, where they can run;
+    returns how many. 0 (the MLPs keep their masked activation) when ``sparsekit.runtime.cats_mlp`` is
+    not there, or cannot run here (not CUDA fp16, kernels missing); ``notes`` hears why if not obvious."""
+    try:
+        from sparsekit.runtime.cats_mlp import enable_cats_kernels
+    except ImportError as e:
+        if getattr(e, "name", None) != CATS_KERNELS:
+            notes.append(f"the CATS kernels cannot be imported ({e}): the thresholds run as a masked activation")
+        return 0
+    return int(enable_cats_kernels(model))
+
+
+def restore_dense_mlps(model: nn.Module, originals: dict[str, nn.Module]) -> int:
+    """Undo :func:`enable_cats` and the thresholds: the ``originals`` (``{name: gated MLP}`` taken before)
+    back in place, without their ``CatsActivation``. Returns how many thresholds were removed."""
+    for name, mlp in originals.items():
+        set_submodule(model, name, mlp)
+    return remove_thresholds(model)
+
+
 def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_len: int = 128,
                   new_tokens: int = 64, repeats: int = 3, cuda_graphs: bool = True,
                   dtype: torch.dtype = torch.float16, fuse_norms: bool = True, compile: bool = True,
@@ -142,10 +174,15 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     report(progress, "measuring speed", 0, total)
     t0 = time.perf_counter()
     model = _open(model_dir, dev, dtype, notes)
+    cats_mlps = {name: model.get_submodule(name) for name in cats_activations(model)}
+    n_cats_kernels = enable_cats(model, notes) if cats_mlps else 0
+    if cats_mlps and n_cats_kernels < len(cats_mlps):
+        notes.append(f"{len(cats_mlps) - n_cats_kernels} of {len(cats_mlps)} CATS MLPs run their thresholds as a "
+                     "masked activation (no CATS kernel for them here): they cannot be faster than dense")
     # equalized now, before any kernel call: one compiled layer then serves the whole stack
     prepare_for_decode(model, fuse_norms=fuse_norms, fuse_proj=fuse_proj, equalize=compile)
     n_sparse = sum(isinstance(m, SparseLinear) for m in model.modules())
-    if n_sparse == 0:
+    if n_sparse == 0 and not cats_mlps:
         notes.append("no sparse layers: both columns measure the same dense model")
     phases = {"load_s": time.perf_counter() - t0}
     dispatch = plan_dispatch(model, prefer=prefer, token_counts=sorted(set(batch_sizes) | {1}))
@@ -182,7 +219,11 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     t1 = time.perf_counter()
     packed = run_all("packed")
     phases["packed_s"] = time.perf_counter() - t1
+    if cats_mlps:  # the dense twin: the original MLPs, no thresholds
+        restore_dense_mlps(model, cats_mlps)
     densify(model)
+    if cats_mlps and n_cats_kernels and fuse_proj:
+        fuse_projections(model)  # the restored MLPs' gate/up, as prepare_for_decode fused the others'
     torch.cuda.empty_cache()
     dense_bytes = model_bytes(model)
     t1 = time.perf_counter()
@@ -213,6 +254,8 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
         "fused_projections": fuse_proj,
         "compiled": all(r.get("compiled", False) for d in (packed, dense) for r in d.values()),
         "sparse_layers": n_sparse,
+        "cats_mlps": len(cats_mlps),  # gated MLPs with CATS thresholds (sparse activations)
+        "cats_kernel_mlps": n_cats_kernels,  # of which on the CATS kernels
         "dispatch": dispatch,
         "weights_gib": {"packed": packed_bytes / GIB, "dense": dense_bytes / GIB},
         "rows": rows,

@@ -14,8 +14,8 @@ from sparsekit.errors import SparsekitError
 from sparsekit.progress import Progress
 
 
-def default_output(model: str, method: str, pattern: str, sparsity: float) -> Path:
-    """``out/<model>-<method>-<tag>``: the output directory when none is given."""
+def default_output(model: str, method: str, pattern: str, sparsity: float, cats: float | None = None) -> Path:
+    """``out/<model>-<method>-<tag>`` (``-cats<pct>`` added for stacked CATS): the output directory when none is given."""
     name = Path(str(model).rstrip("/")).name or "model"
     pct = f"{sparsity * 100:.4g}".replace(".", "p")  # 0.333 -> 33p3, not 33 (0.334 would collide)
     if pattern == "unstructured":
@@ -24,6 +24,8 @@ def default_output(model: str, method: str, pattern: str, sparsity: float) -> Pa
         tag = f"{pattern.replace(':', '')}-{pct}"
     else:
         tag = pattern.replace(":", "of")
+    if cats is not None:
+        tag += "-cats" + f"{cats * 100:.4g}".replace(".", "p")
     return Path("out") / f"{name}-{method}-{tag}"
 
 
@@ -63,6 +65,7 @@ def prune(
     batch_size: int | None = None,
     progress: Progress | None = None,
     warn: Callable[[str], None] = print,
+    cats: float | None = None,
 ) -> dict[str, Any]:
     """Prune ``model`` and write the result to ``output``; returns the report (``sparsekit.json``
     plus timings, peak device memory and per-module-type sparsity).
@@ -77,6 +80,11 @@ def prune(
     (``sparsity`` is the fraction of gate activations to zero; see ``sparsekit.pruning.methods.cats``), and
     ``sparsekit.json`` records them under ``cats`` (``load_model`` installs them); ``skip`` patterns
     also name MLPs to leave dense.
+
+    ``cats`` (with a weight method: ``prune(m, method="wanda", sparsity=0.5, cats=0.5)``) stacks both:
+    each decoder layer's weights are pruned, then CATS thresholds for this activation sparsity are
+    calibrated on the pruned layer; ``sparsekit.json`` holds the weight method's fields and the
+    ``cats`` entry, and ``encode`` and the loader keep both.
     """
     from sparsekit.hf.atomic import claim_output
     from sparsekit.pruning.recipes import resolve_settings
@@ -84,19 +92,19 @@ def prune(
     t0 = time.perf_counter()
     s = resolve_settings(recipe, method=method, pattern=pattern, sparsity=sparsity, dataset=calib,
                          nsamples=nsamples, seqlen=seqlen, seed=seed, skip=skip, prune_lm_head=prune_lm_head,
-                         blocksize=blocksize, damp=damp)
+                         blocksize=blocksize, damp=damp, cats=cats)
     if note := s.ignored_calibration(calib=calib, nsamples=nsamples, seqlen=seqlen):
         warn(note)
     if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1):
         raise SparsekitError(f"batch size must be a positive number of windows, got {batch_size!r}: drop --batch-size for the default")
-    out = Path(output) if output is not None else default_output(model, s.method, s.pattern, s.sparsity)
+    out = Path(output) if output is not None else default_output(model, s.method, s.pattern, s.sparsity, s.cats)
     with claim_output(out, overwrite=overwrite, warn=warn) as claim:  # checked and locked before any work
         return _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, progress, warn, t0)
 
 
 def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, progress, warn, t0) -> dict[str, Any]:
     from sparsekit.hf import checkpoint
-    from sparsekit.pruning.methods.cats import read_thresholds, thresholds_in_force
+    from sparsekit.pruning.methods.cats import cats_metadata, read_thresholds, require_gated_mlps, thresholds_in_force
     from sparsekit.hf.models import load_model, model_context, resolve_device, resolve_dtype, resolve_model
     from sparsekit.pruning import engine
     from sparsekit.pruning.methods import METHODS
@@ -111,10 +119,12 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, prog
     claim.check_room(_weights_bytes(location))
     net, tokenizer = load_model(location, device="cpu", dtype=torch_dtype)
     meth.check_model(net, s.skip)  # before the calibration data is read
+    if s.cats is not None:
+        require_gated_mlps(net, skip=s.skip, fix="drop --cats")
     _warn_unmatched_skip(meth.skip_targets(net), s.skip, warn)
     calib_ids = None
     calibration: dict[str, Any]
-    if meth.needs_calibration:
+    if meth.needs_calibration or s.cats is not None:
         from sparsekit.hf.data import calibration_windows
 
         ctx = model_context(net)
@@ -128,13 +138,13 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, prog
         calibration = {"dataset": None, "nsamples": 0, "seqlen": None, "seed": None}
 
     # a CATS checkpoint as the source: its thresholds stay in force while a weight method prunes it
-    # (CATS itself calibrates afresh)
-    source_thresholds = read_thresholds(location) if meth.changes_weights else {}
+    # (CATS itself, alone or stacked, calibrates afresh)
+    source_thresholds = read_thresholds(location) if meth.changes_weights and s.cats is None else {}
     with thresholds_in_force(net, source_thresholds):
         report = engine.prune_model(
             net, calib_ids, method=meth, sparsity=s.sparsity, pattern=Pattern.parse(s.pattern),
             skip=s.skip, device=dev, blocksize=s.blocksize, percdamp=s.damp, batch_size=batch_size,
-            progress=progress, warn=warn, seed=s.seed,
+            progress=progress, warn=warn, seed=s.seed, cats=s.cats,
         )
     if not report["layers"] and meth.changes_weights:
         raise SparsekitError(f"no linear layer was pruned: the skip patterns {s.skip} exclude them all")
@@ -145,10 +155,12 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, prog
     else:
         save_dtype = torch_dtype
     elapsed = time.perf_counter() - t0
+    extra = meth.metadata(report, s.sparsity)
+    if s.cats is not None:  # stacked: the same entry as --method cats writes
+        extra["cats"] = cats_metadata(report["cats"], s.cats)
     meta = checkpoint.build_metadata(
         model=str(model), method=s.method, pattern=s.pattern, sparsity=s.sparsity,
-        calibration=calibration, skip=s.skip, layers=report["layers"], elapsed_s=elapsed,
-        **meth.metadata(report, s.sparsity),
+        calibration=calibration, skip=s.skip, layers=report["layers"], elapsed_s=elapsed, **extra,
     )
     checkpoint.save_pruned(net, tokenizer, out, meta, overwrite=overwrite)
     return {

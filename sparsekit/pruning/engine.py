@@ -7,7 +7,9 @@
    object for linears fed the same tensor, e.g. q/k/v) if the method needs them, every linear is
    pruned (``linears.py``), and the layer's outputs are recomputed with the pruned weights: the next
    layer's inputs. A method that changes no weight (CATS) calibrates the layer instead
-   (``Method.calibrate_layer``), writing the next layer's inputs itself. The layer goes back to the CPU.
+   (``Method.calibrate_layer``), writing the next layer's inputs itself. Stacked CATS (``cats=``, a
+   weight method) does both: the layer's linears are pruned, then CATS calibrates the pruned layer and
+   writes the next layer's inputs, thresholds applied (no recompute pass). The layer goes back to the CPU.
 3. Linears outside the decoder stack follow ``outside.py``.
 
 Peak device memory is one layer plus the calibration activations (kept in a single buffer that
@@ -29,6 +31,7 @@ from sparsekit.progress import Progress, report
 from sparsekit.pruning.capture import Activations, capture_inputs, default_batch_size
 from sparsekit.pruning.linears import prune_linears, weight_report
 from sparsekit.pruning.methods import METHODS, get_method
+from sparsekit.pruning.methods.cats import require_gated_mlps
 from sparsekit.pruning.offload import LayerMover
 from sparsekit.pruning.outside import check_outside_linears, prune_outside_linears
 from sparsekit.pruning.stats import collect_stats
@@ -75,6 +78,7 @@ def prune_model(
     observer: Callable[[int, Activations], None] | None = None,
     cats_sample_size: int | None = None,
     seed: int = 0,
+    cats: float | None = None,
 ) -> dict:
     """Prune ``model`` in place (it stays on the CPU; one layer at a time visits ``device``).
 
@@ -93,13 +97,19 @@ def prune_model(
     (``cats_sample_size`` values at most, default ``sparsekit.pruning.methods.cats.SAMPLE_SIZE``, drawn with
     ``seed``). The model is left as it was: ``sparsekit.runtime.cats.install_thresholds`` installs
     the thresholds.
+
+    ``cats`` (with a weight method) stacks CATS on the pruning: once a layer's linears are pruned, its
+    gated MLPs get thresholds for this activation sparsity, calibrated on the pruned layer (so layer i's
+    thresholds see layers < i pruned and thresholded); the report's ``cats`` holds them as above.
     """
     if isinstance(method, str) and method not in METHODS:
         raise SparsekitError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
     meth = get_method(method)
+    stacked = None if cats is None else stacked_cats(meth)
     device = torch.device(device)
     skip = list(skip)
-    if meth.needs_calibration and calib is None:
+    needs_calibration = meth.needs_calibration or stacked is not None
+    if needs_calibration and calib is None:
         raise SparsekitError(f"{meth.name} needs calibration data: pass calibration windows")
     model.eval()
     stack_name, layers = L.find_decoder_layers(model)
@@ -107,11 +117,13 @@ def prune_model(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     meth.check_model(layers, skip)
+    if stacked is not None:
+        require_gated_mlps(layers, skip=skip, fix="drop --cats")
     check_outside_linears(model, stack_name, skip, meth)
 
     acts = None
     t_capture = 0.0
-    if meth.needs_calibration:
+    if needs_calibration:
         t0 = time.perf_counter()
         bs = batch_size or default_batch_size(calib.shape[1])
         acts = capture_inputs(model, calib, device, bs, progress)
@@ -143,9 +155,14 @@ def prune_model(
                     phases.mark("stats")
                 rep = prune_linears(linears, stats, meth, sparsity, pattern, warn, blocksize, percdamp)
                 phases.mark("prune")
-                if acts is not None and not last:
+                if acts is not None and not last and stacked is None:
                     acts.run(layer, write=True)  # the pruned layer's outputs: next layer's inputs
                     phases.mark("recompute")
+                if stacked is not None:  # CATS on the pruned layer; writes the next layer's inputs, thresholded
+                    method_reports.update(stacked.calibrate_layer(layer, prefix, acts, sparsity=cats, skip=skip,
+                                                                  seed=seed, sample_size=cats_sample_size,
+                                                                  write=not last))
+                    phases.mark(stacked.name)
             else:
                 rep = weight_report(linears)
                 method_reports.update(meth.calibrate_layer(layer, prefix, acts, sparsity=sparsity, skip=skip,
@@ -178,6 +195,15 @@ def prune_model(
         "device": str(device),
         "decoder_stack": stack_name,
     }
-    if meth.report_key:
-        out[meth.report_key] = method_reports
+    key = stacked.report_key if stacked is not None else meth.report_key
+    if key:
+        out[key] = method_reports
     return out
+
+
+def stacked_cats(meth):
+    """The CATS method that ``prune_model(..., cats=)`` stacks on ``meth`` (which must change weights)."""
+    if not meth.changes_weights:
+        raise SparsekitError(f"--cats stacks CATS thresholds on a weight method, and {meth.name} changes no weight: "
+                             "drop --cats")
+    return get_method("cats")

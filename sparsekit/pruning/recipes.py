@@ -8,6 +8,7 @@ A recipe is a small YAML file::
     calibration: {dataset: wikitext2, nsamples: 128, seqlen: 2048, seed: 0}
     skip: [lm_head]
     sparsegpt: {blocksize: 128, damp: 0.01}   # optional
+    cats: 0.5               # optional: CATS thresholds (this activation sparsity) on top of a weight method
 
 ``description`` is free text (the line ``sparsekit recipes`` shows). Any other key is an error.
 :func:`resolve_settings` returns a validated ``PruneSettings``.
@@ -36,9 +37,10 @@ DEFAULTS: dict[str, Any] = {
     "prune_lm_head": False,  # lm_head stays dense whatever --skip says, unless this is set
     "blocksize": 128,
     "damp": 0.01,
+    "cats": None,  # stacked CATS: target activation sparsity calibrated after a weight method, or None
 }
 
-_TOP_KEYS = {"description", "method", "pattern", "sparsity", "calibration", "skip", "sparsegpt"}
+_TOP_KEYS = {"description", "method", "pattern", "sparsity", "calibration", "skip", "sparsegpt", "cats"}
 _CALIB_KEYS = {"dataset", "nsamples", "seqlen", "seed"}
 _SPARSEGPT_KEYS = {"blocksize", "damp"}
 
@@ -70,7 +72,7 @@ def _bundled_files() -> dict[str, Any]:
         root = resources.files(BUNDLED_PACKAGE)
     except ModuleNotFoundError:
         return {}
-    return {f.name.rsplit(".", 1)[0]: f for f in sorted(root.iterdir(), key=lambda f: f.name)
+    return {f.name.rsplit(".", 1)[0]: f for f in sorted(root.iterdir(), key=lambda f: f.name.rsplit(".", 1)[0])
             if f.is_file() and f.name.endswith(_SUFFIXES)}
 
 
@@ -127,7 +129,7 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
         raise SparsekitError(f"recipe {path} must be a YAML mapping (method: ..., pattern: ...)")
     _check_keys("the recipe", data, _TOP_KEYS, path)
     out: dict[str, Any] = {}
-    for key in ("method", "pattern", "sparsity", "skip"):
+    for key in ("method", "pattern", "sparsity", "skip", "cats"):
         if key in data:
             out[key] = data[key]
     if isinstance(out.get("pattern"), int):
@@ -174,6 +176,24 @@ def resolve_settings(recipe: str | Path | None = None, **overrides: Any) -> Prun
     return validate(settings)
 
 
+def _check_cats(cats: Any, method) -> float | None:
+    """The stacked CATS target (``--cats``): None, or an activation sparsity in [0, 1) after a weight method."""
+    if cats is None:
+        return None
+    if not method.changes_weights:
+        raise SparsekitError(f"--cats stacks CATS thresholds on a weight method, and {method.name} is CATS itself: "
+                             f"drop --cats and pass the activation sparsity with --sparsity")
+    try:
+        if isinstance(cats, bool):
+            raise TypeError
+        cats = float(cats)
+    except (TypeError, ValueError):
+        raise SparsekitError(f"cats must be a number (the activation sparsity, e.g. 0.5), got {cats!r}") from None
+    if not 0.0 <= cats < 1.0:
+        raise SparsekitError(f"activation sparsity {cats} (--cats) is out of range: use a fraction in [0, 1), e.g. 0.5")
+    return cats
+
+
 def validate(s: dict[str, Any]) -> PruneSettings:
     """Check and normalize raw settings (``DEFAULTS``' keys, plus ``recipe``) into ``PruneSettings``."""
     from sparsekit.hf.data import MIN_SEQLEN
@@ -215,4 +235,5 @@ def validate(s: dict[str, Any]) -> PruneSettings:
     elif "lm_head" not in s["skip"]:
         s["skip"] = ["lm_head", *s["skip"]]
     s["dataset"] = DEFAULTS["dataset"] if s["dataset"] is None else str(s["dataset"])  # was 'None', a hub id
+    s["cats"] = _check_cats(s.get("cats"), method)
     return PruneSettings(**s)

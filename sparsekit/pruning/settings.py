@@ -22,6 +22,7 @@ class PruneSettings:
     prune_lm_head: bool
     blocksize: int  # SparseGPT column block size
     damp: float  # SparseGPT dampening, fraction of the mean Hessian diagonal
+    cats: float | None = None  # CATS activation sparsity stacked on a weight method (--cats), or None
     recipe: str | None = None  # the recipe file, if one was used
 
     def as_dict(self) -> dict[str, Any]:
@@ -38,7 +39,7 @@ class PruneSettings:
         from sparsekit.pruning.methods import METHODS
 
         names = [name for name, value in given.items() if value is not None]
-        if not names or METHODS[self.method].needs_calibration:
+        if not names or METHODS[self.method].needs_calibration or self.cats is not None:
             return None
         return (f"method {self.method} uses no calibration data: {', '.join(names)} "
                 f"{'is' if len(names) == 1 else 'are'} ignored")

@@ -89,14 +89,14 @@ class ActivationSample:
         return threshold_for(self.values(), sparsity)
 
 
-def require_gated_mlps(model: nn.Module, skip=()) -> dict[str, nn.Module]:
-    """:func:`find_gated_mlps`, refusing a model without one."""
+def require_gated_mlps(model: nn.Module, skip=(), fix: str = "use --method wanda or sparsegpt") -> dict[str, nn.Module]:
+    """:func:`find_gated_mlps`, refusing a model without one (``fix``: what the one-line error advises)."""
     mlps = find_gated_mlps(model, skip=skip)
     if not mlps:
         what = "left after --skip" if find_gated_mlps(model) else "in this model"
         raise SparsekitError(
             f"CATS needs gated MLPs (gate_proj/up_proj/down_proj/act_fn, as in Llama, Mistral, Qwen2, SmolLM2), "
-            f"and there is none {what} ({type(model).__name__}): use --method wanda or sparsegpt"
+            f"and there is none {what} ({type(model).__name__}): {fix}"
         )
     return mlps
 
