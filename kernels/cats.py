@@ -87,7 +87,7 @@ def cats_up(g: torch.Tensor, x: torch.Tensor, up, threshold: torch.Tensor, out: 
     thr = threshold.reshape(1).to(torch.float32)
     common = (g.reshape(-1).view(torch.int16), x.reshape(-1).view(torch.int64))
     if rows:
-        tensors = (*common, up.masks.reshape(-1), up.values.view(torch.int16), up.goff, thr,
+        tensors = (*common, up.masks.reshape(-1).view(torch.uint32), up.values.view(torch.int16), up.goff, thr,
                    out.view(-1).view(torch.int16))
         scalars = (i, h_in // 4, n, up.groups)
     else:
@@ -144,7 +144,7 @@ def cats_down(h: torch.Tensor, down_t, out: torch.Tensor | None = None, *, split
     ws, cnt = _workspace(h.device, s * token_bucket(n) * hid if s > 1 else 1, cb)
     hv, yv = h.reshape(-1).view(torch.int16), out.view(-1).view(torch.int16)
     if rows:
-        tensors = (hv, down_t.masks.reshape(-1), down_t.values.view(torch.int16), down_t.goff, yv, ws, cnt)
+        tensors = (hv, down_t.masks.reshape(-1).view(torch.uint32), down_t.values.view(torch.int16), down_t.goff, yv, ws, cnt)
         scalars = (i, hid, n, jc, s, down_t.groups, cb)
     else:
         tensors = (hv, down_t.reshape(-1).view(torch.int64), yv, ws, cnt)

@@ -159,6 +159,14 @@ def get_up(nt: int, rows: bool, r: int = 0, u: int = 0):
         for r in range(R):
             finish(scr, tid, acc, r * NT, a[r], h, j0 + r, I, N)
 
+    @cuda.jit(device=True, inline=True)
+    def pair_prefix(scr, tid, mw):
+        """This lane's exclusive warp prefix of the popcounts of the 4 mask bytes of ``mw``, as two
+        uint32 words holding 16-bit fields (groups 0, 1 and groups 2, 3): two scans for four groups."""
+        a = np.uint32(cuda.popc(mw & np.uint32(0xFF))) | (np.uint32(cuda.popc((mw >> np.uint32(8)) & np.uint32(0xFF))) << np.uint32(16))
+        b = np.uint32(cuda.popc((mw >> np.uint32(16)) & np.uint32(0xFF))) | (np.uint32(cuda.popc(mw >> np.uint32(24))) << np.uint32(16))
+        return scan_incl(scr, tid, a) - a, scan_incl(scr, tid, b) - b
+
     @cuda.jit
     def up_rows(g, x, masks, vals, goff, thr, h, I, H4, N, G):
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
@@ -170,25 +178,34 @@ def get_up(nt: int, rows: bool, r: int = 0, u: int = 0):
         acc = cuda.local.array(NT, np.float32)
         for n in range(NT):
             acc[n] = np.float32(0.0)
-        if on > 0:
-            for gi in range(G):
-                m = np.uint32(masks[(j * G + gi) * 32 + lane])
-                pre = scan_incl(scr, tid, np.uint32(cuda.popc(m))) - np.uint32(cuda.popc(m))
-                if m != 0:
-                    off = goff[j * G + gi] + np.int32(pre)
-                    xw = (gi * 256 + lane * 8) >> 2
-                    for n in range(NT):
-                        if n < N:
-                            xa = x[n * H4 + xw]
-                            xb = x[n * H4 + xw + 1]
-                            o = off
-                            s = np.float32(0.0)
-                            for b in range(8):
-                                if (m >> b) & 1:
-                                    xv = xa if b < 4 else xb
-                                    s += h2f(vals[o]) * h2f((xv >> (16 * (b & 3))) & 0xFFFF)
-                                    o += 1
-                            acc[n] += s
+        vf = cuda.local.array(32, np.float32)
+        GQ = G >> 2
+        nq = GQ if on > 0 else 0
+        for qd in range(nq):         # 4 groups at a time: one mask load, two scans, 32 loads in flight
+            mw = np.uint32(masks[(j * GQ + qd) * 32 + lane])
+            ea, eb = pair_prefix(scr, tid, mw)
+            gb = (j * GQ + qd) * 4
+            for i in range(4):
+                m = (mw >> np.uint32(8 * i)) & np.uint32(0xFF)
+                e = ea if i < 2 else eb
+                o = goff[gb + i] + np.int32((e >> np.uint32(16 * (i & 1))) & np.uint32(0xFFFF))
+                for b in range(8):
+                    vf[8 * i + b] = np.float32(0.0)
+                    if (m >> np.uint32(b)) & np.uint32(1):
+                        vf[8 * i + b] = h2f(vals[o])
+                        o += 1
+            for n in range(NT):
+                if n < N:
+                    sacc = np.float32(0.0)
+                    for i in range(4):
+                        if (mw >> np.uint32(8 * i)) & np.uint32(0xFF):
+                            xw = n * H4 + (((qd * 4 + i) * 256 + lane * 8) >> 2)
+                            xa = x[xw]
+                            xb = x[xw + 1]
+                            for b in range(4):
+                                sacc += vf[8 * i + b] * h2f((xa >> (16 * b)) & 0xFFFF)
+                                sacc += vf[8 * i + 4 + b] * h2f((xb >> (16 * b)) & 0xFFFF)
+                    acc[n] += sacc
         finish(scr, tid, acc, 0, a, h, j, I, N)
 
     return up_rows if rows else up_dense
@@ -373,21 +390,42 @@ def get_down(nt: int, rows: bool):
         acc = cuda.local.array(NACC, np.float32)
         for i in range(NACC):
             acc[i] = np.float32(0.0)
-        for i in range(count):   # every warp scans: the exchanges stay uniform across the block
-            jj = lst[i]
-            j = j0 + jj
-            m = np.uint32(0)
+        GQ = G >> 2
+        mq = (gi >> 2) * 32 + lane          # this lane's mask word in a row: 4 groups, one byte each
+        sh = np.uint32(8 * (gi & 3))
+        vf = cuda.local.array(16, np.float32)
+        i = 0
+        while i < count:             # two neurons at a time: one scan for both; every warp scans
+            ja = lst[i]
+            jb = lst[i + 1] if i + 1 < count else ja
+            mb = np.uint32(0) if i + 1 < count else np.uint32(1)   # the second is a repeat: drop it
+            ma = np.uint32(0)
+            mc = np.uint32(0)
             if gi < G:
-                m = np.uint32(masks[(j * G + gi) * 32 + lane])
-            pre = scan_incl(scr, tid, np.uint32(cuda.popc(m))) - np.uint32(cuda.popc(m))
-            if m != 0:
-                o = goff[j * G + gi] + np.int32(pre)
+                ma = (np.uint32(masks[(j0 + ja) * GQ * 32 + mq]) >> sh) & np.uint32(0xFF)
+                mc = (np.uint32(masks[(j0 + jb) * GQ * 32 + mq]) >> sh) & np.uint32(0xFF)
+                if mb:
+                    mc = np.uint32(0)
+            pc = np.uint32(cuda.popc(ma)) | (np.uint32(cuda.popc(mc)) << np.uint32(16))
+            e = scan_incl(scr, tid, pc) - pc
+            if ma | mc:
+                oa = goff[(j0 + ja) * G + gi] + np.int32(e & np.uint32(0xFFFF))
+                oc = goff[(j0 + jb) * G + gi] + np.int32(e >> np.uint32(16))
                 for b in range(8):
-                    if (m >> b) & 1:
-                        v = h2f(vals[o])
-                        o += 1
-                        for n in range(NT):
-                            acc[n * 8 + b] += hs[jj * NT + n] * v
+                    vf[b] = np.float32(0.0)
+                    vf[8 + b] = np.float32(0.0)
+                    if (ma >> np.uint32(b)) & np.uint32(1):
+                        vf[b] = h2f(vals[oa])
+                        oa += 1
+                    if (mc >> np.uint32(b)) & np.uint32(1):
+                        vf[8 + b] = h2f(vals[oc])
+                        oc += 1
+                for n in range(NT):
+                    ha = hs[ja * NT + n]
+                    hc = hs[jb * NT + n]
+                    for b in range(8):
+                        acc[n * 8 + b] += ha * vf[b] + hc * vf[8 + b]
+            i += 2
         reduce_out(acc, y, ws, cnt, flag, tid, cb, s, S, N, H, col0, 8, gi < G and col0 < H)
 
     return down_rows if rows else down_dense

@@ -3,11 +3,14 @@
 A gated MLP under CATS reads only the rows of ``up`` (and of ``down`` transposed) that belong to
 active neurons, so skipping a neuron must skip its bytes: each row of the weight is stored on its
 own, never interleaved with other rows as TCA-BME's tiles are. A row of ``cols`` weights is cut
-into groups of 256 columns (the last one padded), each group into 32 segments of 8 columns:
+into groups of 256 columns (padded to a multiple of 4 groups), each group into 32 segments of 8
+columns:
 
 * ``masks``  uint8 ``[rows, groups * 32]``: bit ``b`` of segment ``s``'s byte says that column
   ``8 s + b`` of the group holds a stored value (any nonzero fp16 bit pattern, -0.0 included, so the
-  round trip is bit-exact);
+  round trip is bit-exact). The bytes of 4 consecutive groups are interleaved per segment
+  (``[rows, groups / 4, 32 segments, 4 groups]``), so one 4-byte load gives a lane its segment's
+  masks in 4 groups;
 * ``values`` fp16: the stored values in row-major order (row, then column), padded to a multiple of 4;
 * ``goff``   int32 ``[rows * groups]``: the index in ``values`` of each group's first value.
 
@@ -50,12 +53,13 @@ def rowpack(w: torch.Tensor) -> RowPacked:
     if w.dim() != 2 or w.dtype != torch.float16:
         raise ValueError(f"rowpack needs a 2-D fp16 weight, got {tuple(w.shape)} {w.dtype}")
     rows, cols = w.shape
-    groups = -(-cols // GROUP)
+    groups = -(-cols // (4 * GROUP)) * 4
     padded = torch.zeros((rows, groups * GROUP), dtype=torch.float16, device=w.device)
     padded[:, :cols] = w
     nz = padded.view(torch.int16) != 0                       # bit patterns: -0.0 is a value
     weights = (1 << torch.arange(SEGMENT, device=w.device, dtype=torch.int32))
     masks = (nz.view(rows, groups * 32, SEGMENT).to(torch.int32) * weights).sum(-1).to(torch.uint8)
+    masks = masks.view(rows, groups // 4, 4, 32).transpose(2, 3).reshape(rows, groups * 32)
     counts = nz.view(rows * groups, GROUP).sum(-1, dtype=torch.int64)
     goff = torch.zeros(rows * groups, dtype=torch.int64, device=w.device)
     goff[1:] = torch.cumsum(counts, 0)[:-1]
@@ -64,13 +68,15 @@ def rowpack(w: torch.Tensor) -> RowPacked:
     values[: flat.numel()] = flat
     if flat.numel() >= 2**31:
         raise ValueError("rowpack: more than 2**31 stored values in one weight")
-    return RowPacked(masks.contiguous(), values, goff.to(torch.int32), (rows, cols))
+    return RowPacked(masks, values, goff.to(torch.int32), (rows, cols))
 
 
 def rowunpack(p: RowPacked) -> torch.Tensor:
     """The dense fp16 weight back, bit-exact."""
     rows, cols = p.shape
-    bits = (p.masks.to(torch.int32).unsqueeze(-1) >> torch.arange(SEGMENT, device=p.masks.device)) & 1
+    groups = p.groups
+    masks = p.masks.view(rows, groups // 4, 32, 4).transpose(2, 3).reshape(rows, groups * 32)
+    bits = (masks.to(torch.int32).unsqueeze(-1) >> torch.arange(SEGMENT, device=p.masks.device)) & 1
     nz = bits.reshape(rows, -1).bool()
     out = torch.zeros(nz.shape, dtype=torch.float16, device=p.masks.device)
     out[nz] = p.values[: int(nz.sum())]
