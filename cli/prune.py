@@ -6,6 +6,7 @@ from typing import List, Optional
 import typer
 
 from sparsekit.cli.common import JSON_OPTION, console, emit_json, err_console, handle_errors
+from sparsekit.cli.render import host_memory_text
 
 HELP = (
     "Prune a causal LM layer by layer and write an HF checkpoint (dense weights with zeros).\n\n"
@@ -45,6 +46,7 @@ def prune_cmd(
     blocksize: Optional[int] = typer.Option(None, "--blocksize", help="SparseGPT column block size (default: 128)"),
     damp: Optional[float] = typer.Option(None, "--damp", help="SparseGPT dampening, fraction of the mean Hessian diagonal (default: 0.01)"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Calibration windows per forward (default: ~16k tokens)"),
+    offload: str = typer.Option("auto", "--offload", help="auto | memory | disk: disk streams a safetensors checkpoint from disk layer by layer and writes each pruned layer at once (host memory: a few layers); auto streams when the model would not fit comfortably in free host memory."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     from transformers.utils import logging as hf_logging
@@ -61,7 +63,7 @@ def prune_cmd(
         report = prune(
             model, method=method, sparsity=sparsity, pattern=pattern, calib=calib, nsamples=nsamples,
             seqlen=seqlen, seed=seed, skip=skip, prune_lm_head=prune_lm_head or None, device=device, dtype=dtype, output=output,
-            overwrite=overwrite, blocksize=blocksize, damp=damp, recipe=recipe, batch_size=batch_size,
+            overwrite=overwrite, blocksize=blocksize, damp=damp, recipe=recipe, batch_size=batch_size, offload=offload,
             progress=bars.update, warn=warn,
         )
     if json_out:
@@ -114,6 +116,7 @@ def summary_table(report: dict):
         head.add_row("calibration", f"{cal['dataset']}: {cal['nsamples']} x {cal['seqlen']} tokens, seed {cal['seed']}")
     head.add_row("device", f"{report['device']} ({report['dtype']} compute, saved as {report['saved_dtype']}), "
                  f"peak device memory {_mib(report['peak_mem_bytes'])}")
+    head.add_row("host", host_memory_text(report))
     head.add_row("time", f"{report['elapsed_s']:.1f} s total, {report['prune_seconds']:.1f} s pruning "
                  f"({report['capture_seconds']:.1f} s capture)")
     if report.get("cats"):
