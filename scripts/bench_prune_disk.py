@@ -180,7 +180,7 @@ def disk_bench(args) -> int:
             print(json.dumps({"checkpoint": str(src), **ck}), flush=True)
             vocab = _config(shape, n)[0].vocab_size
             calib = torch.randint(0, vocab, (nsamples, seqlen), generator=torch.Generator().manual_seed(0))
-            if args.warmup or args.smoke:
+            if (args.warmup or args.smoke) and spec == jobs[0][0]:  # CUDA / kernel warm-up, once
                 prune_once(src, work / "warmup", "disk", "wanda", calib[: min(8, nsamples), : min(512, seqlen)], device)
                 shutil.rmtree(work / "warmup", ignore_errors=True)
             for method in args.methods:
