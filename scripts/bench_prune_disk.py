@@ -231,6 +231,8 @@ def markdown(rows: list[dict], info: dict) -> str:
             m = by[(shape, n, method, "memory")]
             lines.append(f"\n{shape} ({n} layers) {method}: streamed / in memory = {r['seconds'] / m['seconds']:.3f} end to end, "
                          f"{r['loop_s'] / m['loop_s']:.3f} layer loop")
+    if any(not r["host_peak_exact"] for r in rows):
+        lines.append("\npeak host: /proc/self/clear_refs was not writable, so each figure is the process peak so far")
     lines.append("\ns/layer: mean over the measured layers but the first; extrapolated: end-to-end time with the "
                  "measured layers replaced by s/layer x the full depth (an estimate, not a measurement)")
     return "\n".join(lines)

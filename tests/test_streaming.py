@@ -64,17 +64,19 @@ def _prune(work: Path, model: str, method: str, offload: str, **kw) -> dict:
                  device="cpu", output=work / f"{model}-{method}-{offload}", offload=offload, warn=lambda m: None, **kw)
 
 
-@pytest.mark.parametrize("model,method", [("llama", "magnitude"), ("llama", "wanda"), ("llama", "sparsegpt"),
-                                          ("gpt2", "wanda")])
-def test_streamed_and_in_memory_write_the_same_checkpoint(work, model, method):
+@pytest.mark.parametrize("model,method,kw", [("llama", "magnitude", {}), ("llama", "wanda", {}),
+                                             ("llama", "sparsegpt", {}), ("gpt2", "wanda", {}),
+                                             ("llama", "magnitude", {"prune_lm_head": True}), ("llama", "cats", {})])
+def test_streamed_and_in_memory_write_the_same_checkpoint(work, model, method, kw):
     assert len(list((work / model).glob("*.safetensors"))) > 1  # the source really is sharded
-    mem, disk = (_prune(work, model, method, mode) for mode in ("memory", "disk"))
+    mem, disk = (_prune(work, model, method, mode, overwrite=True, **kw) for mode in ("memory", "disk"))
     assert (mem["offload"], disk["offload"]) == ("memory", "disk")
     a, b = tensors(Path(mem["output"])), tensors(Path(disk["output"]))
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(bits(a[k]), bits(b[k])), k
-    assert mem["layers"] == disk["layers"] and disk["overall_sparsity"] > 0.4
+    assert mem["layers"] == disk["layers"]
+    assert ("lm_head" in disk["layers"]) is bool(kw) and (method == "cats" or disk["overall_sparsity"] > 0.4)
     for f in ("config.json", "sparsekit.json"):
         x, y = (json.loads((Path(r["output"]) / f).read_text()) for r in (mem, disk))
         if f == "sparsekit.json":
@@ -194,3 +196,29 @@ def test_streamed_peak_host_memory_stays_within_a_few_layers(work, tmp_path):
     grew = json.loads(child.stdout.strip().splitlines()[-1])
     assert grew["memory"] > 0.9 * model  # the measure sees a whole model in memory
     assert grew["disk"] <= 3 * layer + embed + 32 * 2**20, (grew, layer)
+
+
+def test_export_bitmask_of_a_many_shard_packed_dir_holds_the_packed_weights(tmp_path):
+    """export-bitmask reads a packed directory shard by shard now (no whole-checkpoint load): the
+    result still holds exactly what the packed checkpoint decodes to."""
+    from sparsekit.packed.encoding import encode
+    from sparsekit.packed.interchange import export_bitmask, import_bitmask
+    from sparsekit.packed.shards import read_packed
+    from sparsekit.packed.tcabme import decode
+
+    from test_packing import make_pruned
+
+    make_pruned(tmp_path / "pruned")
+    encode(tmp_path / "pruned", tmp_path / "packed", max_shard_size="8KB")
+    assert len(list((tmp_path / "packed").glob("*.safetensors"))) > 3
+    export_bitmask(tmp_path / "packed", tmp_path / "bitmask", max_shard_size="8KB")
+    import_bitmask(tmp_path / "bitmask", tmp_path / "dense")
+    ck = read_packed(tmp_path / "packed")
+    want = dict(ck.dense)
+    for module, p in ck.packed.items():
+        w = decode(p)
+        want[f"{module}.weight"] = w.t().contiguous() if ck.layers[module].get("transposed") else w
+    got = tensors(tmp_path / "dense")
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(bits(got[k]), bits(want[k])), k

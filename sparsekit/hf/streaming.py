@@ -124,7 +124,8 @@ class SafetensorsSource:
         try:
             if device.type == "cpu":
                 out = torch.empty(shape, dtype=want)
-                out.view(-1).copy_(raw.view(dt) if a % raw.view(dt).element_size() == 0 else raw.clone().view(dt))
+                aligned = a % torch.empty((), dtype=dt).element_size() == 0  # view(dtype) needs an aligned offset
+                out.view(-1).copy_((raw if aligned else raw.clone()).view(dt))
             else:
                 out = raw.to(device).view(dt).reshape(shape).to(want)
         finally:
