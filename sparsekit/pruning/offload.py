@@ -126,7 +126,7 @@ class DiskLayerMover:
     own buffers that the checkpoint does not hold (computed in ``__init__``) go to the device and back.
     On CUDA (``overlap``) one worker thread reads the next layer onto the device on a side stream
     while the current one computes, and another writes pruned layers out on a second side stream;
-    :meth:`finish` waits for the writes.
+    :meth:`finish` waits for the writes. At most two layers wait to be written.
     """
 
     def __init__(self, layers: nn.ModuleList, device: torch.device, overlap: bool, store):
@@ -195,6 +195,8 @@ class DiskLayerMover:
                     self.store.write(name, t)
             self.out_stream.synchronize()
 
+        if len(self.writes) >= 2:  # a disk slower than the compute: wait rather than pile layers up on the device
+            self.writes.pop(0).result()
         self.writes.append(self.writers.submit(write_out))
 
     def __enter__(self) -> "DiskLayerMover":
