@@ -44,11 +44,9 @@ def choose_offload(offload: str | None, location: str, dtype: torch.dtype) -> tu
         raise SparsekitError(f"unknown --offload {offload!r}: choose one of {', '.join(OFFLOAD_MODES)}")
     if offload == "memory":
         return "memory", None, "asked for"
-    directory = location
-    if not Path(location).is_dir():  # a hub id: its snapshot directory (from_pretrained would download it too)
-        from sparsekit.hf.models import local_model_dir
-
-        directory = local_model_dir(location)
+    directory = location if Path(location).is_dir() else _snapshot(location, required=offload == "disk")
+    if directory is None:
+        return "memory", None, "the hub snapshot could not be fetched to stream it"
     if not safetensors_files(directory):
         if offload == "disk":
             raise SparsekitError(f"{location} holds no safetensors weights: --offload disk streams safetensors "
@@ -61,6 +59,24 @@ def choose_offload(offload: str | None, location: str, dtype: torch.dtype) -> tu
     if free is not None and need > COMFORT * free:
         return "disk", directory, f"the model needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB of host memory is free"
     return "memory", None, "the model fits in host memory"
+
+
+SNAPSHOT_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt"]
+
+
+def _snapshot(repo_id: str, required: bool) -> str | None:
+    """The local snapshot of hub model ``repo_id`` with its safetensors, config and tokenizer files
+    (what ``from_pretrained`` downloads too, into the same cache); None when ``auto`` cannot get it
+    (``from_pretrained`` then reports the problem itself)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=SNAPSHOT_FILES)
+    except Exception as e:
+        if required:
+            raise SparsekitError(f"cannot fetch the snapshot of {repo_id} to stream it ({type(e).__name__}): "
+                                 "download it first or use --offload memory") from None
+        return None
 
 
 class StreamedModel:
