@@ -41,7 +41,7 @@ def prune_cmd(
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Bundled recipe name (see `sparsekit recipes`, e.g. wanda-2of4) or a YAML file; flags override it."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Output directory (default: out/<model>-<method>-<pattern>)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu: where each layer is pruned (the model itself stays in CPU memory)."),
+    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu: where each layer is pruned (the rest of the model stays in host memory, or on disk with --offload disk)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (fp16 on CUDA, fp32 on CPU) | float16 | bfloat16 | float32"),
     blocksize: Optional[int] = typer.Option(None, "--blocksize", help="SparseGPT column block size (default: 128)"),
     damp: Optional[float] = typer.Option(None, "--damp", help="SparseGPT dampening, fraction of the mean Hessian diagonal (default: 0.01)"),
