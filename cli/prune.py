@@ -6,6 +6,7 @@ from typing import List, Optional
 import typer
 
 from sparsekit.cli.common import JSON_OPTION, console, emit_json, err_console, handle_errors
+from sparsekit.cli.render import host_memory_text
 
 HELP = (
     "Prune a causal LM layer by layer and write an HF checkpoint (dense weights with zeros).\n\n"
@@ -43,13 +44,14 @@ def prune_cmd(
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Bundled recipe name (see `sparsekit recipes`, e.g. wanda-2of4) or a YAML file; flags override it."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Output directory (default: out/<model>-<method>-<pattern>)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu: where each layer is pruned (the model itself stays in CPU memory)."),
+    device: str = typer.Option("auto", "--device", help="auto | cuda | cpu: where each layer is pruned (the rest of the model stays in host memory, or on disk with --offload disk)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (fp16 on CUDA, fp32 on CPU) | float16 | bfloat16 | float32"),
     blocksize: Optional[int] = typer.Option(None, "--blocksize", help="SparseGPT column block size (default: 128)"),
     damp: Optional[float] = typer.Option(None, "--damp", help="SparseGPT dampening, fraction of the mean Hessian diagonal (default: 0.01)"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Calibration windows per forward (default: ~16k tokens)"),
     cats: Optional[float] = typer.Option(None, "--cats", help="Also calibrate CATS thresholds zeroing this fraction of the gate "
                                          "activations of each gated MLP, on the pruned model (a weight method only)."),
+    offload: str = typer.Option("auto", "--offload", help="auto | memory | disk: disk streams a safetensors checkpoint from disk layer by layer and writes each pruned layer at once (host memory: a few layers); auto streams when the model would not fit comfortably in free host memory."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     from transformers.utils import logging as hf_logging
@@ -67,7 +69,7 @@ def prune_cmd(
             model, method=method, sparsity=sparsity, pattern=pattern, calib=calib, nsamples=nsamples,
             seqlen=seqlen, seed=seed, skip=skip, prune_lm_head=prune_lm_head or None, device=device, dtype=dtype, output=output,
             overwrite=overwrite, blocksize=blocksize, damp=damp, recipe=recipe, batch_size=batch_size,
-            progress=bars.update, warn=warn, cats=cats,
+            progress=bars.update, warn=warn, cats=cats, offload=offload,
         )
     if json_out:
         emit_json(report)
@@ -119,6 +121,7 @@ def summary_table(report: dict):
         head.add_row("calibration", f"{cal['dataset']}: {cal['nsamples']} x {cal['seqlen']} tokens, seed {cal['seed']}")
     head.add_row("device", f"{report['device']} ({report['dtype']} compute, saved as {report['saved_dtype']}), "
                  f"peak device memory {_mib(report['peak_mem_bytes'])}")
+    head.add_row("host", host_memory_text(report))
     head.add_row("time", f"{report['elapsed_s']:.1f} s total, {report['prune_seconds']:.1f} s pruning "
                  f"({report['capture_seconds']:.1f} s capture)")
     stacked = bool(report.get("cats")) and report["method"] != "cats"

@@ -166,3 +166,10 @@ def plot_speed(report: dict[str, Any], path) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def host_memory_text(report: dict) -> str:
+    """The prune summary's host line: where the weights lived and the peak host RSS."""
+    where = "streamed from disk layer by layer" if report.get("offload") == "disk" else "loaded in host memory"
+    peak = report.get("peak_host_bytes")
+    return f"weights {where}, peak host memory (RSS) {'-' if peak is None else f'{peak / 2**20:,.0f} MiB'}"

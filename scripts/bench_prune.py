@@ -2,6 +2,12 @@
 
     python scripts/bench_prune.py --shape llama2-7b --methods wanda sparsegpt --json out.json
     python scripts/bench_prune.py --shape smollm2-135m --methods magnitude wanda sparsegpt
+    python scripts/bench_prune.py --disk --compare llama2-7b:4 --stream llama2-70b:8   # streamed pruning
+
+With ``--disk`` (see ``disk_bench``) a random-weight fp16 checkpoint of the first N layers of a
+shape is written to disk first and pruned from there: ``--compare SHAPE:N`` prunes it in memory
+(from_pretrained, prune, save_pretrained) and streamed (``--offload disk``), ``--stream SHAPE:N``
+streamed only; the times of the N layers are extrapolated to the full depth and say so.
 
 The model is built fast: on the meta device, then ``to_empty`` on the CPU and filled with random
 fp16 values generated on the GPU layer by layer (HF's own init would take minutes on 7B). The
@@ -28,6 +34,13 @@ SHAPES = {
     "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
                       tie_word_embeddings=False),
+    # Llama-2-70B: 80 layers, hidden 8192, MLP 28672, 64 heads with 8 KV heads (GQA), vocab 32000
+    "llama2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                       num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
+                       tie_word_embeddings=False),
+    # a toy shape for --smoke runs on the CPU
+    "toy": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512, tie_word_embeddings=False),
     # SmolLM2-135M (the demo model): 30 layers, hidden 576, MLP 1536, 9 heads, 3 kv heads, vocab 49152
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
@@ -120,7 +133,18 @@ def main(argv=None) -> int:
     ap.add_argument("--no-overlap", action="store_true", help="move layers synchronously (no background copies)")
     ap.add_argument("--warmup", action="store_true", help="run the first (shape, method) once untimed first")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--disk", action="store_true", help="disk-backed mode: write checkpoints, prune them from disk")
+    ap.add_argument("--compare", nargs="*", default=[], metavar="SHAPE:N", help="--disk: in memory vs streamed")
+    ap.add_argument("--stream", nargs="*", default=[], metavar="SHAPE:N", help="--disk: streamed only")
+    ap.add_argument("--workdir", default="bench-prune-work", help="--disk: where checkpoints are written (removed after)")
+    ap.add_argument("--warm-cache", action="store_true", help="--disk: leave the written checkpoint in the page cache")
+    ap.add_argument("--budget-s", type=float, default=None, help="--disk: skip runs that would end past this many seconds")
+    ap.add_argument("--smoke", action="store_true", help="--disk: toy shape, 4 x 64 tokens, CPU (a test of the script)")
     args = ap.parse_args(argv)
+    if args.disk:
+        from bench_prune_disk import disk_bench
+
+        return disk_bench(args)
 
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -12,9 +12,12 @@ should break here:
 * ``decode_forward_kwargs``: which optional arguments a model's ``forward`` takes.
 * ``is_llama_rms_norm``: recognising the Llama-form RMSNorm by its source and ``variance_epsilon``.
 * ``is_silu``: recognising SiLU among the activation classes of ``transformers.activations``.
+* ``meta_skeleton``: a model with meta parameters and real buffers (no public ``init_empty_weights``
+  in transformers 5), for streamed pruning.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -114,3 +117,33 @@ def is_silu(module: nn.Module) -> bool:
     """SiLU as a module: torch's ``nn.SiLU`` or transformers' ``SiLUActivation`` (``ACT2FN["silu"]``,
     also registered as ``"swish"``), whose class is not part of its public API."""
     return isinstance(module, nn.SiLU) or type(module).__name__ in ("SiLUActivation", "SiLU")
+
+
+# ----------------------------------------------------------------------------- skeletons
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Build modules with their parameters on the meta device and their buffers real (rotary tables,
+    masks: computed in ``__init__``, not stored in checkpoints). transformers 5 has no public
+    ``init_empty_weights``; this patches ``nn.Module.register_parameter`` for the duration."""
+    original = nn.Module.register_parameter
+
+    def register(self, name, param):
+        if param is not None and param.device.type != "meta":
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def meta_skeleton(config, dtype: torch.dtype) -> nn.Module:
+    """The causal LM of ``config`` with meta parameters (``dtype``) and real buffers, in eval mode:
+    built as ``from_pretrained`` builds it, without allocating or initialising any weight."""
+    from transformers import AutoModelForCausalLM
+
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()

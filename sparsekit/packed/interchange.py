@@ -78,19 +78,55 @@ def bitmask_decompress(parts: dict[str, torch.Tensor], name: str = "weight") -> 
     return torch.from_numpy(raw).view(values.dtype)
 
 
-def _dense_tensors(src: Path):
-    """(name, tensor, is_linear_weight, info) over a pruned HF checkpoint or a packed directory."""
-    if sh.is_packed_dir(src):
-        from sparsekit.packed.tcabme import decode
+def _packed_tensors(src: Path):
+    """Like ``_dense_tensors`` over a packed directory, one shard open at a time: a packed weight is
+    decoded as soon as its five tensors are read (they share a shard), each tensor checked against
+    the index's sha256."""
+    from safetensors import safe_open
 
-        ck = sh.read_packed(src)
-        yield len(ck.dense) + len(ck.packed)
-        dense_linear = {info.get("weight", f"{m}.weight") for m, info in ck.layers.items() if not info.get("packed")}
-        for name, t in ck.dense.items():
-            yield name, t, name in dense_linear
-        for module, p in ck.packed.items():
-            w = decode(p)
-            yield f"{module}.weight", (w.t().contiguous() if ck.layers[module].get("transposed") else w), True
+    from sparsekit.packed.tcabme import FIELDS, TcaBme, decode
+
+    index = sh.load_index(src)
+    layers, checksums = index["layers"], index.get("checksums", {})
+    parts = {f"{m}{sh.TCABME_INFIX}{f}": m for m, info in layers.items() if info.get("packed") for f in FIELDS}
+    dense_linear = {info.get("weight", f"{m}.weight") for m, info in layers.items() if not info.get("packed")}
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in index["weight_map"].items():
+        by_shard.setdefault(shard, []).append(name)
+    yield len(index["weight_map"]) - len(parts) + len(set(parts.values()))
+    got: dict[str, dict[str, torch.Tensor]] = {}
+    for shard, names in by_shard.items():
+        sh.read_header(src / shard)  # clear errors for missing / truncated shards
+        try:
+            with safe_open(str(src / shard), framework="pt", device="cpu") as f:
+                present = set(f.keys())
+                for name in names:
+                    if name not in present:
+                        raise SparsekitError(f"shard {shard} lacks tensor {name} listed in {sh.INDEX_NAME}: "
+                                             "the checkpoint is corrupt; re-run `sparsekit encode`")
+                    t = f.get_tensor(name)
+                    if name in checksums and sh.tensor_sha256(t) != checksums[name]:
+                        raise SparsekitError(f"corrupt shard {shard}, tensor {name}: sha256 mismatch (its bytes were "
+                                             "changed); re-run `sparsekit encode`")
+                    if name not in parts:
+                        yield name, t, name in dense_linear
+                        continue
+                    module = parts[name]
+                    got.setdefault(module, {})[name] = t
+                    if len(got[module]) == len(FIELDS):
+                        w = decode(TcaBme.from_tensors(got.pop(module), module))
+                        yield f"{module}.weight", (w.t().contiguous() if layers[module].get("transposed") else w), True
+        except SparsekitError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for damaged files
+            raise SparsekitError(f"shard {shard} cannot be read ({e}): re-run `sparsekit encode`") from None
+
+
+def _dense_tensors(src: Path):
+    """(name, tensor, is_linear_weight) over a pruned HF checkpoint or a packed directory, after
+    their count; one tensor (one packed weight) and one open shard at a time."""
+    if sh.is_packed_dir(src):
+        yield from _packed_tensors(src)
         return
     files = checkpoint_files(src)
     modules = linear_modules(src, load_json(src / "config.json"), load_json(src / "sparsekit.json"))
@@ -227,11 +263,12 @@ def import_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
     grouped = {n for parts in groups.values() for n in parts.values()}
     from safetensors import safe_open
 
-    handles: dict[Path, Any] = {}
+    handles: dict[Path, Any] = {}   # one shard open at a time: its mapped pages leave with it
 
     def get(name: str) -> torch.Tensor:
         file = files[name]
         if file not in handles:
+            handles.clear()
             handles[file] = safe_open(str(file), framework="pt", device="cpu")
         return handles[file].get_tensor(name)
 

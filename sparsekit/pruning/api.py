@@ -63,6 +63,7 @@ def prune(
     damp: float | None = None,
     recipe: str | Path | None = None,
     batch_size: int | None = None,
+    offload: str | None = None,
     progress: Progress | None = None,
     warn: Callable[[str], None] = print,
     cats: float | None = None,
@@ -75,6 +76,12 @@ def prune(
     Arguments left as None take the recipe's value, else the default (wanda, 50% unstructured,
     128 wikitext2 windows of 2048 tokens capped to the model context, seed 0, skip lm_head).
     ``skip`` patterns add to the lm_head exclusion; ``prune_lm_head=True`` lifts it.
+
+    ``offload``: ``memory`` loads the whole model into host memory; ``disk`` streams a local (or hub
+    snapshot) safetensors checkpoint layer by layer and writes each pruned layer at once (see
+    ``sparsekit.pruning.streamed``); ``auto`` (default) streams when the model would not fit comfortably
+    in free host memory. Both write the same tensors. The report has ``offload`` and the peak host RSS
+    (``peak_host_bytes``) beside the peak device memory.
 
     ``method="cats"`` changes no weight: it calibrates one activation threshold per gated MLP
     (``sparsity`` is the fraction of gate activations to zero; see ``sparsekit.pruning.methods.cats``), and
@@ -99,17 +106,22 @@ def prune(
         raise SparsekitError(f"batch size must be a positive number of windows, got {batch_size!r}: drop --batch-size for the default")
     out = Path(output) if output is not None else default_output(model, s.method, s.pattern, s.sparsity, s.cats)
     with claim_output(out, overwrite=overwrite, warn=warn) as claim:  # checked and locked before any work
-        return _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, progress, warn, t0)
+        return _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offload, progress, warn, t0)
 
 
-def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, progress, warn, t0) -> dict[str, Any]:
+def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offload, progress, warn, t0) -> dict[str, Any]:
+    import contextlib
+
     from sparsekit.hf import checkpoint
+    from sparsekit.hf.hostmem import HostPeak
+    from sparsekit.pruning.streamed import StreamedModel, choose_offload
     from sparsekit.pruning.methods.cats import cats_metadata, read_thresholds, require_gated_mlps, thresholds_in_force
-    from sparsekit.hf.models import load_model, model_context, resolve_device, resolve_dtype, resolve_model
+    from sparsekit.hf.models import load_model, model_context, open_tokenizer, resolve_device, resolve_dtype, resolve_model
     from sparsekit.pruning import engine
     from sparsekit.pruning.methods import METHODS
     from sparsekit.pruning.patterns import Pattern
 
+    host = HostPeak()
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     meth = METHODS[s.method]
@@ -117,7 +129,16 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, prog
     location = resolve_model(model)
     claim.add_sources([location])
     claim.check_room(_weights_bytes(location))
-    net, tokenizer = load_model(location, device="cpu", dtype=torch_dtype)
+    save_dtype = _checkpoint_dtype(location)
+    if save_dtype not in _half_dtypes():
+        save_dtype = torch_dtype
+    mode, directory, why = choose_offload(offload, location, torch_dtype)
+    stream = None
+    if mode == "disk":
+        stream = StreamedModel(directory, torch_dtype, save_dtype)
+        net, tokenizer = stream.model, open_tokenizer(location)
+    else:
+        net, tokenizer = load_model(location, device="cpu", dtype=torch_dtype)
     meth.check_model(net, s.skip)  # before the calibration data is read
     if s.cats is not None:
         require_gated_mlps(net, skip=s.skip, fix="drop --cats")
@@ -140,29 +161,37 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, prog
     # a CATS checkpoint as the source: its thresholds stay in force while a weight method prunes it
     # (CATS itself, alone or stacked, calibrates afresh)
     source_thresholds = read_thresholds(location) if meth.changes_weights and s.cats is None else {}
-    with thresholds_in_force(net, source_thresholds):
-        report = engine.prune_model(
-            net, calib_ids, method=meth, sparsity=s.sparsity, pattern=Pattern.parse(s.pattern),
-            skip=s.skip, device=dev, blocksize=s.blocksize, percdamp=s.damp, batch_size=batch_size,
-            progress=progress, warn=warn, seed=s.seed, cats=s.cats,
+    with stream.writing(claim) if stream else contextlib.nullcontext() as staged:
+        if stream:
+            stream.load_outside(s.skip)
+        with thresholds_in_force(net, source_thresholds):
+            report = engine.prune_model(
+                net, calib_ids, method=meth, sparsity=s.sparsity, pattern=Pattern.parse(s.pattern),
+                skip=s.skip, device=dev, blocksize=s.blocksize, percdamp=s.damp, batch_size=batch_size,
+                progress=progress, warn=warn, seed=s.seed, cats=s.cats,
+                layer_mover=stream.mover if stream else None,
+            )
+        if not report["layers"] and meth.changes_weights:
+            raise SparsekitError(f"no linear layer was pruned: the skip patterns {s.skip} exclude them all")
+        if stream:
+            stream.write_outside()
+        if save_dtype != torch_dtype:  # a value rounding to zero in the saved dtype counts as pruned
+            if stream:
+                stream.recount(report["layers"])
+            else:
+                _recount_sparsity(net.to(save_dtype), report["layers"])
+        elapsed = time.perf_counter() - t0
+        extra = meth.metadata(report, s.sparsity)
+        if s.cats is not None:  # stacked: the same entry as --method cats writes
+            extra["cats"] = cats_metadata(report["cats"], s.cats)
+        meta = checkpoint.build_metadata(
+            model=str(model), method=s.method, pattern=s.pattern, sparsity=s.sparsity,
+            calibration=calibration, skip=s.skip, layers=report["layers"], elapsed_s=elapsed, **extra,
         )
-    if not report["layers"] and meth.changes_weights:
-        raise SparsekitError(f"no linear layer was pruned: the skip patterns {s.skip} exclude them all")
-    save_dtype = _checkpoint_dtype(location)
-    if save_dtype in _half_dtypes() and save_dtype != torch_dtype:
-        net.to(save_dtype)
-        _recount_sparsity(net, report["layers"])  # a value rounding to zero would count as pruned
-    else:
-        save_dtype = torch_dtype
-    elapsed = time.perf_counter() - t0
-    extra = meth.metadata(report, s.sparsity)
-    if s.cats is not None:  # stacked: the same entry as --method cats writes
-        extra["cats"] = cats_metadata(report["cats"], s.cats)
-    meta = checkpoint.build_metadata(
-        model=str(model), method=s.method, pattern=s.pattern, sparsity=s.sparsity,
-        calibration=calibration, skip=s.skip, layers=report["layers"], elapsed_s=elapsed, **extra,
-    )
-    checkpoint.save_pruned(net, tokenizer, out, meta, overwrite=overwrite)
+        if stream:
+            stream.finish(staged, tokenizer, meta)
+        else:
+            checkpoint.save_pruned(net, tokenizer, out, meta, overwrite=overwrite)
     return {
         **meta,
         "output": str(out),
@@ -173,6 +202,9 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, prog
         "prune_seconds": report["seconds"],
         "capture_seconds": report["capture_seconds"],
         "peak_mem_bytes": report["peak_mem_bytes"],
+        "peak_host_bytes": host.peak(),
+        "offload": mode,
+        "offload_reason": why,
         "per_layer": report["per_layer"],
         "by_type": sparsity_by_type(report["layers"]),
         "overall_sparsity": overall_sparsity(report["layers"]),

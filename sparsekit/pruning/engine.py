@@ -79,12 +79,15 @@ def prune_model(
     cats_sample_size: int | None = None,
     seed: int = 0,
     cats: float | None = None,
+    layer_mover: Callable | None = None,
 ) -> dict:
     """Prune ``model`` in place (it stays on the CPU; one layer at a time visits ``device``).
 
     ``method`` is a name of ``METHODS`` (or a ``Method``). ``calib`` is a LongTensor
     [nsamples, seqlen] of token ids (ignored by magnitude).
     ``overlap`` (CUDA only) moves layers in and out in the background while others compute.
+    ``layer_mover(layers, device, overlap)``, if given, replaces ``offload.LayerMover`` (streamed
+    pruning passes ``sparsekit.pruning.streamed.StreamedModel.mover``).
     ``observer(idx, acts)``, if given, sees each layer's captured inputs before its stats pass.
     ``progress`` gets ("calibration", ...) for the capture, then the method's ``progress_stage``
     ("layers"; CATS: "thresholds") per layer.
@@ -134,7 +137,7 @@ def prune_model(
     layer_reports = []
     linear_reports: dict[str, dict] = {}
     method_reports: dict[str, dict] = {}
-    with torch.no_grad(), LayerMover(layers, device, overlap) as mover:
+    with torch.no_grad(), (layer_mover or LayerMover)(layers, device, overlap) as mover:
         for idx, layer in enumerate(layers):
             t0 = time.perf_counter()
             phases = _Phases(device)

@@ -1,4 +1,5 @@
-"""Moving decoder layers to the device and back, one at a time (on CUDA, in the background)."""
+"""Moving decoder layers to the device and back, one at a time (on CUDA, in the background):
+``LayerMover`` for a model in host memory, ``DiskLayerMover`` for one streamed from disk."""
 from __future__ import annotations
 
 import torch
@@ -114,3 +115,105 @@ class LayerMover:
                 f.result()
             self.pending.clear()
             self.pool.shutdown()
+
+
+class DiskLayerMover:
+    """``LayerMover``'s interface over a checkpoint on disk (``sparsekit.pruning.streamed.StreamedModel``).
+
+    ``load`` puts decoder layer ``idx``'s tensors, read from the memory-mapped shards in the compute
+    dtype, into the meta skeleton; ``offload`` hands the pruned tensors to the output shards (cast
+    to the save dtype) and puts the meta tensors back, so no layer stays in host memory. The layer's
+    own buffers that the checkpoint does not hold (computed in ``__init__``) go to the device and back.
+    On CUDA (``overlap``) one worker thread reads the next layer onto the device on a side stream
+    while the current one computes, and another writes pruned layers out on a second side stream;
+    :meth:`finish` waits for the writes. At most two layers wait to be written.
+    """
+
+    def __init__(self, layers: nn.ModuleList, device: torch.device, overlap: bool, store):
+        self.layers, self.device, self.store = layers, device, store
+        self.overlap = overlap and device.type == "cuda"
+        self.pending: dict[int, object] = {}
+        self.writes: list = []
+        self.others: dict[int, list[str]] = {}
+        if self.overlap:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self.readers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsekit-reader")
+            self.writers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsekit-writer")
+            self.in_stream, self.out_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def _read(self, idx: int):
+        names = [n for n in self.store.layer_names[idx] if n in self.store.keys]
+        if not self.overlap:
+            return {n: self.store.read(n, self.device) for n in names}, None
+        with torch.cuda.stream(self.in_stream):
+            tensors = {n: self.store.read(n, self.device) for n in names}
+            ev = torch.cuda.Event()
+            ev.record(self.in_stream)
+        return tensors, ev
+
+    def prefetch(self, idx: int) -> None:
+        if self.overlap and 0 <= idx < len(self.layers) and idx not in self.pending:
+            self.pending[idx] = self.readers.submit(self._read, idx)
+
+    def load(self, idx: int) -> nn.Module:
+        if self.overlap:
+            self.prefetch(idx)
+            tensors, ev = self.pending.pop(idx).result()
+            main = torch.cuda.current_stream(self.device)
+            main.wait_event(ev)
+            for t in tensors.values():
+                t.record_stream(main)  # made on the side stream, used and freed on the main one
+        else:
+            tensors, _ = self._read(idx)
+        slots = self.store.slots
+        for name, t in tensors.items():
+            slots.set(name, t)
+        self.others[idx] = [n for n in self.store.layer_names[idx] if n not in tensors]
+        for name in self.others[idx]:
+            slots.set(name, slots.original[name].to(self.device))
+        return self.layers[idx]
+
+    def offload(self, idx: int) -> None:
+        slots = self.store.slots
+        tensors = {n: slots.get(n).data for n in self.store.layer_names[idx] if n in self.store.keys}
+        for name in list(tensors) + self.others.pop(idx, []):
+            slots.reset(name)
+        if not self.overlap:
+            for name, t in tensors.items():
+                self.store.write(name, t)
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        for t in tensors.values():
+            t.record_stream(self.out_stream)
+
+        def write_out():
+            self.out_stream.wait_event(done)
+            with torch.cuda.stream(self.out_stream):
+                for name, t in tensors.items():
+                    self.store.write(name, t)
+            self.out_stream.synchronize()
+
+        if len(self.writes) >= 2:  # a disk slower than the compute: wait rather than pile layers up on the device
+            self.writes.pop(0).result()
+        self.writes.append(self.writers.submit(write_out))
+
+    def __enter__(self) -> "DiskLayerMover":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.finish()
+
+    def finish(self) -> None:
+        if self.overlap:
+            try:
+                for f in self.writes:
+                    f.result()
+                for f in self.pending.values():
+                    f.result()
+            finally:
+                self.writes.clear()
+                self.pending.clear()
+                self.readers.shutdown()
+                self.writers.shutdown()
