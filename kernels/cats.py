@@ -19,16 +19,20 @@ from sparsekit.packed.rowpack import RowPacked
 
 MAX_TOKENS = 8
 UP_WARPS = 4          # warps (neurons) per up block
+DOWN_TILE = 128       # columns per tile of dense down^T (128 v: v words per lane)
 DOWN_THREADS = 256    # threads per dense down block: 8 warps sharing 128 output columns
-DOWN_WARPS = 4        # warps per row-packed down block (4 groups of 256 columns)
+DOWN_WARPS = 4        # warps per row-packed down block (sharing 4 groups of 256 columns)
 
 _work: dict = {}
 
 
-def token_bucket(n: int) -> int:
-    """The compiled token count serving ``n`` tokens (1, 2, 4 or 8)."""
-    if not 1 <= n <= MAX_TOKENS:
-        raise ValueError(f"the CATS kernels take 1 to {MAX_TOKENS} tokens, got {n}")
+def token_bucket(n: int, rows: bool = False) -> int:
+    """The compiled token count serving ``n`` tokens (1, 2, 4 or 8; row-packed weights: 1 or 2)."""
+    from .cats_kernels import ROWS_MAX_TOKENS
+
+    top = ROWS_MAX_TOKENS if rows else MAX_TOKENS
+    if not 1 <= n <= top:
+        raise ValueError(f"the CATS kernels take 1 to {top} tokens{' on row-packed weights' if rows else ''}, got {n}")
     return 1 if n == 1 else 2 if n == 2 else 4 if n <= 4 else 8
 
 
@@ -43,14 +47,15 @@ def _workspace(device: torch.device, floats: int, blocks: int):
     return ws, cnt
 
 
-def tile_down(down_t: torch.Tensor) -> torch.Tensor:
-    """``down^T`` ([I, H], dense fp16) in the tiled layout ``cats_down`` reads: [ceil(H / 128), I, 128],
-    zero-padded columns."""
+def tile_down(down_t: torch.Tensor, width: int | None = None) -> torch.Tensor:
+    """``down^T`` ([I, H], dense fp16) in the tiled layout ``cats_down`` reads: [ceil(H / width), I,
+    width] (``width`` a multiple of 128, default ``DOWN_TILE``), zero-padded columns."""
+    width = width or DOWN_TILE
     i, hid = down_t.shape
-    cb = -(-hid // 128)
-    padded = torch.zeros((i, cb * 128), dtype=down_t.dtype, device=down_t.device)
+    cb = -(-hid // width)
+    padded = torch.zeros((i, cb * width), dtype=down_t.dtype, device=down_t.device)
     padded[:, :hid] = down_t
-    return padded.view(i, cb, 128).permute(1, 0, 2).contiguous()
+    return padded.view(i, cb, width).permute(1, 0, 2).contiguous()
 
 
 def _check(name, t, shape, dtype=torch.float16):
@@ -79,7 +84,7 @@ def cats_up(g: torch.Tensor, x: torch.Tensor, up, threshold: torch.Tensor, out: 
     if out is None:
         out = torch.empty((n, i), dtype=torch.float16, device=g.device)
     _check("out", out, (n, i))
-    kern = get_up(token_bucket(n), rows, rows_per_warp, unroll)
+    kern = get_up(token_bucket(n, rows), rows, rows_per_warp, unroll)
     from .cats_kernels import UP_ROWS
 
     wpb = warps or (1 if SIM and rows else UP_WARPS)
@@ -98,19 +103,20 @@ def cats_up(g: torch.Tensor, x: torch.Tensor, up, threshold: torch.Tensor, out: 
     return out
 
 
-def down_plan(i: int, cb: int, sms: int, splits: int | None = None) -> tuple[int, int]:
+def down_plan(i: int, cb: int, sms: int, splits: int | None = None, nt: int = 1) -> tuple[int, int]:
     """(chunk size, chunks) for ``i`` neurons over ``cb`` column blocks: about 4 blocks per SM,
-    chunks of at most ``JMAX`` neurons."""
-    from .cats_kernels import JMAX
+    chunks of at most ``jmax(nt)`` neurons."""
+    from .cats_kernels import jmax
 
+    top = jmax(nt)
     if splits is None:
-        splits = max(-(-i // JMAX), min(-(-4 * sms // cb), -(-i // 32)))
-    jc = min(JMAX, -(-i // max(1, splits)))
+        splits = max(-(-i // top), min(-(-4 * sms // cb), -(-i // 32)))
+    jc = min(top, -(-i // max(1, splits)))
     return jc, -(-i // jc)
 
 
 def cats_down(h: torch.Tensor, down_t, out: torch.Tensor | None = None, *, splits: int | None = None,
-              threads: int | None = None) -> torch.Tensor:
+              threads: int | None = None, unroll: int = 0, regs: int = 0) -> torch.Tensor:
     """``y[N, H] = h @ down_t`` reading only the rows of ``down_t`` whose ``h`` column is nonzero."""
     from . import launch
     from .cats_kernels import get_down
@@ -122,26 +128,26 @@ def cats_down(h: torch.Tensor, down_t, out: torch.Tensor | None = None, *, split
             raise ValueError(f"down_t must have {i} rows (the neurons), got {tuple(down_t.shape)}")
         hid = down_t.shape[1]
     else:   # tiled (tile_down): [blocks, I, 128]; the hidden size comes from out, else blocks * 128
-        if down_t.dim() != 3 or down_t.shape[1] != i or down_t.shape[2] != 128:
-            raise ValueError(f"down_t must be tile_down's [blocks, {i}, 128], got {tuple(down_t.shape)}")
-        hid = out.shape[1] if out is not None else down_t.shape[0] * 128
+        if down_t.dim() != 3 or down_t.shape[1] != i or down_t.shape[2] % 128 or down_t.shape[2] > 512:
+            raise ValueError(f"down_t must be tile_down's [blocks, {i}, 128 v], got {tuple(down_t.shape)}")
+        hid = out.shape[1] if out is not None else down_t.shape[0] * down_t.shape[2]
     if hid % 8:
         raise ValueError(f"the CATS kernels need a hidden size divisible by 8, got {hid}")
     _check("h", h, (n, i))
     if out is None:
         out = torch.empty((n, hid), dtype=torch.float16, device=h.device)
     _check("out", out, (n, hid))
-    kern = get_down(token_bucket(n), rows)
+    kern = get_down(token_bucket(n, rows), rows, unroll, regs, 1 if rows else down_t.shape[2] // 128)
     if rows:
         threads = 32 * DOWN_WARPS
-        cb = -(-down_t.groups // DOWN_WARPS)
+        cb = down_t.groups // 4
     else:
-        if down_t.shape[0] != -(-hid // 128) or not down_t.is_contiguous():
-            raise ValueError(f"down_t has {down_t.shape[0]} column blocks, {hid} columns need {-(-hid // 128)}")
+        if down_t.shape[0] != -(-hid // down_t.shape[2]) or not down_t.is_contiguous():
+            raise ValueError(f"down_t has {down_t.shape[0]} column blocks of {down_t.shape[2]}: not {hid} columns")
         threads = threads or DOWN_THREADS
         cb = down_t.shape[0]
-    jc, s = down_plan(i, cb, launch.sm_count(h.device), splits)
-    ws, cnt = _workspace(h.device, s * token_bucket(n) * hid if s > 1 else 1, cb)
+    jc, s = down_plan(i, cb, launch.sm_count(h.device), splits, token_bucket(n, rows))
+    ws, cnt = _workspace(h.device, s * token_bucket(n, rows) * hid if s > 1 else 1, cb)
     hv, yv = h.reshape(-1).view(torch.int16), out.view(-1).view(torch.int16)
     if rows:
         tensors = (hv, down_t.masks.reshape(-1).view(torch.uint32), down_t.values.view(torch.int16), down_t.goff, yv, ws, cnt)

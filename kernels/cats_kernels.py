@@ -33,12 +33,17 @@ import math
 import numpy as np
 from numba import cuda
 
-from ._intrinsics import SCRATCH_WORDS, f2h, h2f, shfl_idx, shfl_up, shfl_xor
+from ._intrinsics import SCRATCH_WORDS, SIM, f2h, h2f, shfl_idx, shfl_up, shfl_xor
 
 UP_ROWS = 1       # neurons per warp in up_dense (x converted once for all of them)
 UP_UNROLL = 8     # 8-byte words per lane and neuron in flight in up_dense
-DOWN_WARPS_MAX = 8  # warps per down block at most (shared partials)
-JMAX = 256        # neurons per down chunk (shared-memory list and staged activations)
+DOWN_WARPS_MAX = 8  # warps per dense down block at most (shared partials)
+DOWN_UNROLL = 8     # neurons per warp in flight in down_dense
+ROWS_WARPS = 4      # warps per row-packed down block
+ROWS_MAX_TOKENS = 2 # tokens the row-packed kernels take (their accumulators grow with N)
+def jmax(nt: int) -> int:
+    """Neurons per down chunk at most (its shared-memory list and staged activations)."""
+    return 1024 if nt <= 2 else 512 if nt <= 4 else 256
 ACTS = ("silu",)  # activations computed inside ``up``; others run torch's path
 
 
@@ -90,6 +95,15 @@ def gate_act(g, lane, j, I, N, t):
         if abs(av) >= t:
             a = av
     return a
+
+
+@cuda.jit(device=True, inline=True)
+def pair_prefix(scr, tid, mw):
+    """This lane's exclusive warp prefix of the popcounts of the 4 mask bytes of ``mw``, as two
+    uint32 words holding 16-bit fields (groups 0, 1 and groups 2, 3): two scans for four groups."""
+    a = np.uint32(cuda.popc(mw & np.uint32(0xFF))) | (np.uint32(cuda.popc((mw >> np.uint32(8)) & np.uint32(0xFF))) << np.uint32(16))
+    b = np.uint32(cuda.popc((mw >> np.uint32(16)) & np.uint32(0xFF))) | (np.uint32(cuda.popc(mw >> np.uint32(24))) << np.uint32(16))
+    return scan_incl(scr, tid, a) - a, scan_incl(scr, tid, b) - b
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,14 +173,6 @@ def get_up(nt: int, rows: bool, r: int = 0, u: int = 0):
         for r in range(R):
             finish(scr, tid, acc, r * NT, a[r], h, j0 + r, I, N)
 
-    @cuda.jit(device=True, inline=True)
-    def pair_prefix(scr, tid, mw):
-        """This lane's exclusive warp prefix of the popcounts of the 4 mask bytes of ``mw``, as two
-        uint32 words holding 16-bit fields (groups 0, 1 and groups 2, 3): two scans for four groups."""
-        a = np.uint32(cuda.popc(mw & np.uint32(0xFF))) | (np.uint32(cuda.popc((mw >> np.uint32(8)) & np.uint32(0xFF))) << np.uint32(16))
-        b = np.uint32(cuda.popc((mw >> np.uint32(16)) & np.uint32(0xFF))) | (np.uint32(cuda.popc(mw >> np.uint32(24))) << np.uint32(16))
-        return scan_incl(scr, tid, a) - a, scan_incl(scr, tid, b) - b
-
     @cuda.jit
     def up_rows(g, x, masks, vals, goff, thr, h, I, H4, N, G):
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
@@ -212,13 +218,21 @@ def get_up(nt: int, rows: bool, r: int = 0, u: int = 0):
 
 
 @functools.lru_cache(maxsize=None)
-def get_down(nt: int, rows: bool):
-    """The ``down`` kernel for up to ``nt`` tokens; ``rows``: row-packed ``down^T``, else dense."""
+def get_down(nt: int, rows: bool, unroll: int = 0, regs: int = 0, v: int = 1):
+    """The ``down`` kernel for up to ``nt`` tokens; ``rows``: row-packed ``down^T``, else dense with
+    ``v`` 8-byte words per lane and neuron (tiles of ``128 v`` columns); ``unroll``: neurons per
+    warp in flight, ``regs``: a register cap (0: the defaults)."""
     NT = nt
-    NACC = NT * (8 if rows else 4)
+    V = v
+    TWW = 32 * V
+    DU = unroll or max(1, DOWN_UNROLL // V)
+    DUV = DU * V
+    JMAX = jmax(nt)
     HS = JMAX * NT
-    PER = NACC // NT     # output columns per lane
-    RED = DOWN_WARPS_MAX * NACC * 32
+    ROWS = rows
+    NACC = NT * (32 if rows else 4 * V)
+    PER = NACC // NT     # output columns per lane and token
+    RED = (ROWS_WARPS if rows else DOWN_WARPS_MAX) * NACC * 32
 
     @cuda.jit(device=True, inline=True)
     def stage(scr, tid, h, hs, lst, I, N, j0, JC):
@@ -247,44 +261,38 @@ def get_down(nt: int, rows: bool):
         return count
 
     @cuda.jit(device=True, inline=True)
-    def reduce_out(acc, y, ws, cnt, flag, tid, cb, s, S, N, H, col0, ncol, ok):
-        """y[:, col0:col0+ncol] = sum over chunks of the partials ``acc`` (ncol columns per thread)."""
-        if S == 1:
-            if ok:
-                for n in range(NT):
-                    if n < N:
-                        for q in range(NACC // NT):
-                            y[n * H + col0 + q] = np.int16(f2h(acc[n * (NACC // NT) + q]))
-            return
-        if ok:
-            for n in range(NT):
-                if n < N:
-                    for q in range(NACC // NT):
-                        ws[(s * NT + n) * H + col0 + q] = acc[n * (NACC // NT) + q]
-        cuda.threadfence()
-        cuda.syncthreads()
-        if tid == 0:
-            old = cuda.atomic.add(cnt, cb, 1)
-            flag[0] = 1 if old == S - 1 else 0
-        cuda.syncthreads()
-        if flag[0] == 1:
-            cuda.threadfence()
-            if ok:
-                for n in range(NT):
-                    if n < N:
-                        for q in range(NACC // NT):
-                            t = np.float32(0.0)
-                            for sp in range(S):
-                                t += ws[(sp * NT + n) * H + col0 + q]
-                            y[n * H + col0 + q] = np.int16(f2h(t))
-            if tid == 0:
-                cnt[cb] = 0
+    def colof(c0, lane, q):
+        """Output column of a lane's accumulator ``q`` (per token): dense, 4 consecutive columns per
+        lane; row-packed, 8 columns per lane in each of the block's 4 groups of 256."""
+        if ROWS:
+            return c0 + (q >> 3) * 256 + lane * 8 + (q & 7)
+        return c0 + ((q >> 2) * 32 + lane) * 4 + (q & 3)
+
+    @cuda.jit(device=True, inline=True)
+    def chunk_sum(ws, base, stride, S):
+        """sum over sp < S of ws[base + sp * stride], 8 loads in flight."""
+        v0 = np.float32(0.0)
+        v1 = np.float32(0.0)
+        v2 = np.float32(0.0)
+        v3 = np.float32(0.0)
+        sp = 0
+        while sp + 7 < S:
+            a = base + sp * stride
+            v0 += ws[a] + ws[a + 4 * stride]
+            v1 += ws[a + stride] + ws[a + 5 * stride]
+            v2 += ws[a + 2 * stride] + ws[a + 6 * stride]
+            v3 += ws[a + 3 * stride] + ws[a + 7 * stride]
+            sp += 8
+        while sp < S:
+            v0 += ws[base + sp * stride]
+            sp += 1
+        return (v0 + v1) + (v2 + v3)
 
     @cuda.jit(device=True, inline=True)
     def block_out(acc, red, y, ws, cnt, flag, tid, cb, s, S, N, H, c0, ncols):
-        """Sum the block's warps' partials (``acc``: NACC per lane; lane ``l`` of every warp holds
-        columns ``c0 + l * PER + q``), then write them to ``y`` (one chunk) or as this chunk's fp32
-        partials, the last block of the column slice summing all chunks into ``y``."""
+        """Sum the block's warps' partials (``acc``: NACC per lane, PER per token, at columns
+        ``colof``), then write them to ``y`` (one chunk) or as this chunk's fp32 partials, the last
+        block of the column slice summing all chunks into ``y``."""
         lane = tid & 31
         wpb = cuda.blockDim.x >> 5
         for q in range(NACC):
@@ -293,7 +301,7 @@ def get_down(nt: int, rows: bool):
         for e in range(tid, NACC * 32, cuda.blockDim.x):
             q = e >> 5
             n = q // PER
-            col = c0 + (e & 31) * PER + (q - n * PER)
+            col = colof(c0, e & 31, q - n * PER)
             v = np.float32(0.0)
             for wi in range(wpb):
                 v += red[(wi * NACC + q) * 32 + (e & 31)]
@@ -314,16 +322,13 @@ def get_down(nt: int, rows: bool):
                 for e in range(tid, NACC * 32, cuda.blockDim.x):
                     q = e >> 5
                     n = q // PER
-                    col = c0 + (e & 31) * PER + (q - n * PER)
+                    col = colof(c0, e & 31, q - n * PER)
                     if n < N and col < ncols:
-                        v = np.float32(0.0)
-                        for sp in range(S):
-                            v += ws[(sp * NT + n) * H + col]
-                        y[n * H + col] = np.int16(f2h(v))
+                        y[n * H + col] = np.int16(f2h(chunk_sum(ws, n * H + col, NT * H, S)))
                 if tid == 0:
                     cnt[cb] = 0
 
-    @cuda.jit
+    @cuda.jit(**({} if SIM or not regs else {"max_registers": regs}))
     def down_dense(h, w, y, ws, cnt, I, H4, N, JC, S, CB):
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
         hs = cuda.shared.array(HS, np.float32)
@@ -338,94 +343,78 @@ def get_down(nt: int, rows: bool):
         s = cuda.blockIdx.x // CB
         j0 = s * JC
         count = stage(scr, tid, h, hs, lst, I, N, j0, JC)
-        c = cb * 32 + lane          # this lane's word (4 columns); the block's warps share the columns
-        tile = cb * I * 32 + lane   # down^T is tiled: [column block, neuron, 32 words]
+        tile = cb * I * TWW + lane  # down^T tiled: [column block, neuron, TWW words]; lane: words lane + 32 v
         acc = cuda.local.array(NACC, np.float32)
         for i in range(NACC):
             acc[i] = np.float32(0.0)
-        if c < H4:
-            i = warp                # the warps split the active neurons
-            while i + 3 * wpb < count:
-                ja = lst[i]
-                jb = lst[i + wpb]
-                jc = lst[i + 2 * wpb]
-                jd = lst[i + 3 * wpb]
-                wa = w[tile + (j0 + ja) * 32]
-                wb = w[tile + (j0 + jb) * 32]
-                wc = w[tile + (j0 + jc) * 32]
-                wd = w[tile + (j0 + jd) * 32]
-                for q in range(4):
-                    fa = h2f((wa >> (16 * q)) & 0xFFFF)
-                    fb = h2f((wb >> (16 * q)) & 0xFFFF)
-                    fc = h2f((wc >> (16 * q)) & 0xFFFF)
-                    fd = h2f((wd >> (16 * q)) & 0xFFFF)
-                    for n in range(NT):
-                        acc[n * 4 + q] += (hs[ja * NT + n] * fa + hs[jb * NT + n] * fb) + (
-                            hs[jc * NT + n] * fc + hs[jd * NT + n] * fd)
-                i += 4 * wpb
-            while i < count:
-                ja = lst[i]
-                wa = w[tile + (j0 + ja) * 32]
+        jv = cuda.local.array(DU, np.int32)
+        wv = cuda.local.array(DUV, np.int64)
+        i = warp                    # the warps split the active neurons, DU at a time each
+        while i + (DU - 1) * wpb < count:
+            for u in range(DU):
+                jv[u] = lst[i + u * wpb]
+            for u in range(DU):
+                for v in range(V):
+                    wv[u * V + v] = w[tile + (j0 + jv[u]) * TWW + 32 * v]
+            for u in range(DU):
+                for v in range(V):
+                    for q in range(4):
+                        f = h2f((wv[u * V + v] >> (16 * q)) & 0xFFFF)
+                        for n in range(NT):
+                            acc[n * PER + 4 * v + q] += hs[jv[u] * NT + n] * f
+            i += DU * wpb
+        while i < count:
+            ja = lst[i]
+            for v in range(V):
+                wa = w[tile + (j0 + ja) * TWW + 32 * v]
                 for q in range(4):
                     fa = h2f((wa >> (16 * q)) & 0xFFFF)
                     for n in range(NT):
-                        acc[n * 4 + q] += hs[ja * NT + n] * fa
-                i += wpb
-        block_out(acc, red, y, ws, cnt, flag, tid, cb, s, S, N, H4 * 4, cb * 128, H4 * 4)
+                        acc[n * PER + 4 * v + q] += hs[ja * NT + n] * fa
+            i += wpb
+        block_out(acc, red, y, ws, cnt, flag, tid, cb, s, S, N, H4 * 4, cb * 128 * V, H4 * 4)
 
-    @cuda.jit
+    @cuda.jit(**({} if SIM or not regs else {"max_registers": regs}))
     def down_rows(h, masks, vals, goff, y, ws, cnt, I, H, N, JC, S, G, CB):
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
         hs = cuda.shared.array(HS, np.float32)
         lst = cuda.shared.array(JMAX, np.int32)
+        red = cuda.shared.array(RED, np.float32)
         flag = cuda.shared.array(1, np.int32)
         tid = cuda.threadIdx.x
         lane = tid & 31
-        cb = cuda.blockIdx.x % CB
+        warp = tid >> 5
+        wpb = cuda.blockDim.x >> 5
+        cb = cuda.blockIdx.x % CB     # 4 groups: 1024 output columns
         s = cuda.blockIdx.x // CB
         j0 = s * JC
         count = stage(scr, tid, h, hs, lst, I, N, j0, JC)
-        gi = cb * (cuda.blockDim.x >> 5) + (tid >> 5)
-        col0 = gi * 256 + lane * 8
+        GQ = G >> 2
         acc = cuda.local.array(NACC, np.float32)
         for i in range(NACC):
             acc[i] = np.float32(0.0)
-        GQ = G >> 2
-        mq = (gi >> 2) * 32 + lane          # this lane's mask word in a row: 4 groups, one byte each
-        sh = np.uint32(8 * (gi & 3))
-        vf = cuda.local.array(16, np.float32)
-        i = 0
-        while i < count:             # two neurons at a time: one scan for both; every warp scans
-            ja = lst[i]
-            jb = lst[i + 1] if i + 1 < count else ja
-            mb = np.uint32(0) if i + 1 < count else np.uint32(1)   # the second is a repeat: drop it
-            ma = np.uint32(0)
-            mc = np.uint32(0)
-            if gi < G:
-                ma = (np.uint32(masks[(j0 + ja) * GQ * 32 + mq]) >> sh) & np.uint32(0xFF)
-                mc = (np.uint32(masks[(j0 + jb) * GQ * 32 + mq]) >> sh) & np.uint32(0xFF)
-                if mb:
-                    mc = np.uint32(0)
-            pc = np.uint32(cuda.popc(ma)) | (np.uint32(cuda.popc(mc)) << np.uint32(16))
-            e = scan_incl(scr, tid, pc) - pc
-            if ma | mc:
-                oa = goff[(j0 + ja) * G + gi] + np.int32(e & np.uint32(0xFFFF))
-                oc = goff[(j0 + jb) * G + gi] + np.int32(e >> np.uint32(16))
-                for b in range(8):
-                    vf[b] = np.float32(0.0)
-                    vf[8 + b] = np.float32(0.0)
-                    if (ma >> np.uint32(b)) & np.uint32(1):
-                        vf[b] = h2f(vals[oa])
-                        oa += 1
-                    if (mc >> np.uint32(b)) & np.uint32(1):
-                        vf[8 + b] = h2f(vals[oc])
-                        oc += 1
-                for n in range(NT):
-                    ha = hs[ja * NT + n]
-                    hc = hs[jb * NT + n]
+        vf = cuda.local.array(32, np.float32)
+        trips = (count + wpb - 1) // wpb   # the same for every warp: the scans stay uniform
+        for t in range(trips):            # the warps split the active neurons
+            i = t * wpb + warp
+            jj = lst[i] if i < count else 0
+            mw = np.uint32(masks[((j0 + jj) * GQ + cb) * 32 + lane]) if i < count else np.uint32(0)
+            ea, eb = pair_prefix(scr, tid, mw)
+            if mw != 0:
+                gb = (j0 + jj) * G + cb * 4
+                for gi in range(4):
+                    m = (mw >> np.uint32(8 * gi)) & np.uint32(0xFF)
+                    e = ea if gi < 2 else eb
+                    o = goff[gb + gi] + np.int32((e >> np.uint32(16 * (gi & 1))) & np.uint32(0xFFFF))
                     for b in range(8):
-                        acc[n * 8 + b] += ha * vf[b] + hc * vf[8 + b]
-            i += 2
-        reduce_out(acc, y, ws, cnt, flag, tid, cb, s, S, N, H, col0, 8, gi < G and col0 < H)
+                        vf[8 * gi + b] = np.float32(0.0)
+                        if (m >> np.uint32(b)) & np.uint32(1):
+                            vf[8 * gi + b] = h2f(vals[o])
+                            o += 1
+                for n in range(NT):
+                    hv = hs[jj * NT + n]
+                    for q in range(32):
+                        acc[n * 32 + q] += hv * vf[q]
+        block_out(acc, red, y, ws, cnt, flag, tid, cb, s, S, N, H, cb * 1024, H)
 
     return down_rows if rows else down_dense

@@ -16,6 +16,7 @@ Llama-shaped model with random weights and thresholds, decoded by ``sparsekit.ev
 harness, dense vs CATS (and weight-sparse vs weight-sparse + CATS).
 
     python scripts/bench_cats.py --mlp [--shapes 7b,8b] [--batch-sizes 1,2,4,8] [--json out.json]
+    python scripts/bench_cats.py --e2e [--e2e-shape 7b] [--batch-sizes 1,2,4,8] [--max-tokens 1]
 """
 from __future__ import annotations
 
@@ -171,12 +172,98 @@ def bench_mlp(args) -> list[dict]:
 rows_cache: dict = {}
 
 
+def calibrate(model, sparsity: float, tokens: int = 512) -> dict[str, float]:
+    """Per gated MLP: the ``sparsity``-quantile of |act(gate(x))| on random tokens."""
+    from sparsekit.hf.modules import find_gated_mlps
+
+    samples, hooks = {}, []
+    for name, mlp in find_gated_mlps(model).items():
+        hooks.append(mlp.act_fn.register_forward_hook(
+            lambda m, i, o, name=name: samples.__setitem__(name, o.detach().abs().float().flatten())))
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device="cuda")
+    with torch.no_grad():
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return {n: float(torch.quantile(v[torch.randint(v.numel(), (1 << 20,), device=v.device)], sparsity))
+            for n, v in samples.items()}
+
+
+def bench_e2e(args) -> list[dict]:
+    """Dense, CATS on dense weights, weight-sparse, and weight-sparse + CATS, each on a fresh model."""
+    from bench_e2e import build_model, prune_
+
+    from sparsekit.evaluation.speed import measure_model
+    from sparsekit.runtime.cats import install_thresholds
+    from sparsekit.runtime.cats_mlp import CatsMLP
+    from sparsekit.runtime.dispatch import TOKEN_COUNTS, plan_dispatch
+    from sparsekit.runtime.fusion import prepare_for_decode
+    from sparsekit.runtime.swap import sparsify
+    from sparsekit.runtime.timing import model_bytes
+
+    hidden, inter = SHAPES[args.e2e_shape]
+    batches = [int(v) for v in args.batch_sizes.split(",")]
+    kw = dict(prompt_len=128, new_tokens=64, repeats=3, cuda_graphs=True, compile=not args.no_compile)
+    configs = [(c.split(":")[0], float(c.split(":")[1]), float(c.split(":")[2])) for c in args.configs.split(",")]
+    out = []
+    for label, wsp, asp in configs:
+        t0 = time.time()
+        torch.manual_seed(0)
+        model = build_model(args.layers, hidden, inter, 32, 32000)
+        if wsp:
+            prune_(model, wsp)
+        if asp:
+            install_thresholds(model, calibrate(model, asp))
+        if wsp:
+            sparsify(model, min_sparsity=0.3)
+        done = prepare_for_decode(model, equalize=not args.no_compile)
+        if wsp:
+            plan_dispatch(model, prefer="speed", token_counts=sorted(set(TOKEN_COUNTS) | set(batches)))
+        check = None
+        if asp:   # the kernel path against the module's own path, one decode-sized forward
+            ids = torch.randint(0, 32000, (1, 1), device="cuda")
+            with torch.no_grad():
+                CatsMLP.max_tokens = 0
+                ref = model(ids).logits.float()
+                CatsMLP.max_tokens = args.max_tokens
+                got = model(ids).logits.float()
+            check = float((got - ref).norm() / ref.norm())
+        row = {"config": label, "weights": wsp, "act": asp, "cats_mlps": done.get("cats_mlps"),
+               "weights_gib": round(model_bytes(model) / 2**30, 2), "logits_rel_err": check, "batches": {}}
+        for b in batches if label != "cats70" else batches[:1]:
+            r = measure_model(model, b, **kw)
+            row["batches"][b] = {k: r.get(k) for k in ("decode_tok_s", "ms_per_token", "prefill_tok_s")}
+        row["seconds"] = round(time.time() - t0, 1)
+        print(json.dumps(row), flush=True)
+        out.append(row)
+        del model
+        torch.cuda.empty_cache()
+    base = {r["config"]: r for r in out}
+    print("| config | " + " | ".join(f"b={b} tok/s (x dense)" for b in batches) + " |")
+    print("|---|" + "---:|" * len(batches))
+    for r in out:
+        cells = []
+        for b in batches:
+            d = base.get("dense", {}).get("batches", {}).get(b, {}).get("decode_tok_s")
+            v = r["batches"].get(b, {}).get("decode_tok_s")
+            cells.append(f"{v:.0f} ({v / d:.2f}x)" if v and d else "-")
+        print(f"| {r['config']} | " + " | ".join(cells) + " |")
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mlp", action="store_true", help="the gated MLP alone")
     ap.add_argument("--shapes", default="7b,8b")
     ap.add_argument("--batch-sizes", default="1,2,4,8")
     ap.add_argument("--copies", type=int, default=3)
+    ap.add_argument("--e2e", action="store_true", help="end to end: a Llama-shaped model, decode speed")
+    ap.add_argument("--e2e-shape", default="7b")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--configs", default="dense:0:0,cats50:0:0.5,cats70:0:0.7,sparse50:0.5:0,sparse50-cats50:0.5:0.5",
+                    help="label:weight sparsity:activation sparsity, comma-separated")
+    ap.add_argument("--max-tokens", type=int, default=1, help="CatsMLP.max_tokens for the CATS configs")
+    ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -186,6 +273,11 @@ def main(argv=None) -> int:
     result = {"gpu": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d"), "argv": sys.argv}
     if args.mlp:
         result["mlp"] = bench_mlp(args)
+    if args.e2e:
+        from sparsekit.runtime.cats_mlp import CatsMLP
+
+        CatsMLP.max_tokens = args.max_tokens
+        result["e2e"] = bench_e2e(args)
     result["seconds"] = time.time() - t0
     if args.json:
         with open(args.json, "w") as f:

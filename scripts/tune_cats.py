@@ -27,7 +27,8 @@ def main() -> None:
     from sparsekit.kernels.cats import tile_down
 
     ws = [(torch.randn(inter, hid, device="cuda").half() * 0.02, torch.randn(inter, hid, device="cuda").half() * 0.02,
-           tile_down(torch.randn(inter, hid, device="cuda").half() * 0.02)) for _ in range(args.copies)]
+           torch.randn(inter, hid, device="cuda").half() * 0.02) for _ in range(args.copies)]
+    tiles = {v: [tile_down(wd, 128 * v) for _, _, wd in ws] for v in (1, 2, 4)}
     big = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     ms = graph_ms_rotating([lambda: big.clone()])
     print(json.dumps({"copy_256MB_ms": ms, "GBps": 2 * 256 * 1.048576 / ms}), flush=True)
@@ -36,19 +37,23 @@ def main() -> None:
         x = torch.randn(n, hid, device="cuda").half()
         gs = [F.linear(x, wg) for wg, _, _ in ws]
         hs = [cats_up(g, x, wu, t) for g, (_, wu, _) in zip(gs, ws)]
-        for r, u, warps in [(1, 4, 4), (1, 8, 4), (1, 8, 8), (1, 8, 2)]:
+        ref = hs[0].double() @ ws[0][2].double()
+        for v in (1, 2, 4):
+            y = cats_down(hs[0], tiles[v][0], torch.full((n, hid), float('nan'), device='cuda').half())
+            print(json.dumps({'check_v': v, 'err': float((y.double() - ref).norm() / ref.norm())}), flush=True)
+        for r, u, warps in [(1, 8, 4)]:
             ms = graph_ms_rotating([lambda g=g, wu=wu: cats_up(g, x, wu, t, warps=warps, rows_per_warp=r, unroll=u)
                                     for g, (_, wu, _) in zip(gs, ws)])
             print(json.dumps({"n": n, "act": asp, "kernel": "up", "r": r, "u": u, "warps": warps, "ms": round(ms, 4),
                               "GBps_dense_equiv": round(inter * hid * 2 / ms / 1e6, 1)}), flush=True)
-        for threads, split_mult in itertools.product((128, 256), (0.5, 1, 2)):
+        for threads, split_mult, du, regs, v in [(t, m, 0, 0, v) for t in (128, 256) for m in (0.5, 1) for v in (1, 2)]:
             from sparsekit.kernels.cats import down_plan
             from sparsekit.kernels.launch import sm_count
-            _, s0 = down_plan(inter, hid // 128, sm_count(x.device))
+            _, s0 = down_plan(inter, hid // (128 * v), sm_count(x.device), nt=n)
             splits = max(1, int(s0 * split_mult))
-            ms = graph_ms_rotating([lambda h=h, wd=wd: cats_down(h, wd, splits=splits, threads=threads)
-                                    for h, (_, _, wd) in zip(hs, ws)])
-            print(json.dumps({"n": n, "act": asp, "kernel": "down", "threads": threads, "splits": splits,
+            ms = graph_ms_rotating([lambda h=h, wd=wd: cats_down(h, wd, splits=splits, threads=threads, unroll=du, regs=regs)
+                                    for h, wd in zip(hs, tiles[v])])
+            print(json.dumps({"n": n, "act": asp, "kernel": "down", "v": v, "threads": threads, "splits": splits,
                               "ms": round(ms, 4), "GBps_dense_equiv": round(inter * hid * 2 / ms / 1e6, 1)}), flush=True)
         ms = graph_ms_rotating([lambda wg=wg: F.linear(x, wg) for wg, _, _ in ws])
         print(json.dumps({"n": n, "kernel": "cublas_gate", "ms": round(ms, 4),

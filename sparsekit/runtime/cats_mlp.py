@@ -9,9 +9,13 @@ neurons are never read. Their layouts are made here, once:
 
 * dense up: its weight as it is (rows are contiguous); packed up: row-packed (``packed.rowpack``)
   from the decoded weight, beside the TCA-BME buffers;
-* dense down: ``down^T`` tiled (``kernels.cats.tile_down``), which replaces the weight: larger N
-  computes ``h @ down^T`` from the tiles (one batched matmul), so no second copy is kept;
-  packed down: ``down^T`` row-packed, beside the TCA-BME buffers (its larger-N path).
+* dense down: ``down^T`` tiled (``kernels.cats.tile_down``) beside the weight, which larger N
+  still use: one extra copy of down (``extra_bytes``); packed down: ``down^T`` row-packed.
+
+Packed (weight-sparse) up/down take the kernels only with ``SPARSEKIT_CATS_ROWS=1``: on an H100
+the row-packed kernels are slower than TCA-BME without CATS (docs/benchmarks.md), and a stacked
+model must never be slower than its weight sparsity alone. Such MLPs keep the thresholded
+activation on the TCA-BME path.
 
 More tokens take the original module (thresholded activation, the MLP's own linears): at batch
 > 1 the union of active neurons grows, and ``scripts/bench_cats.py`` measures where the kernels stop
@@ -19,7 +23,6 @@ paying (``DEFAULT_MAX_TOKENS``; env ``SPARSEKIT_CATS_MAX_TOKENS`` overrides).
 """
 from __future__ import annotations
 
-import copy
 import os
 
 import torch
@@ -75,50 +78,28 @@ def _cats_mlp_fake(x, g, threshold, up_w, up_masks, up_values, up_goff, down_w, 
     return x.new_empty((x.shape[0], hidden))
 
 
-class TiledDown(nn.Module):
-    """A dense down projection stored as ``tile_down(W^T)`` (what ``cats_down`` reads); ``forward``
-    is ``x @ W^T`` from the tiles (a batched matmul over the 128-column blocks)."""
-
-    def __init__(self, weight: torch.Tensor):
-        from sparsekit.kernels.cats import tile_down
-
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("tiles", tile_down(weight.t().contiguous()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(self.tiles.dtype)
-        y = torch.matmul(x2.unsqueeze(0), self.tiles)          # [blocks, N, 128]
-        y = y.permute(1, 0, 2).reshape(x2.shape[0], -1)[:, : self.out_features]
-        return y.reshape(*lead, self.out_features)
-
-
 class CatsMLP(nn.Module):
     """A gated MLP with a CATS threshold; the activation-sparse kernels for up to ``max_tokens`` tokens."""
 
     max_tokens: int = _env_max_tokens()
 
     def __init__(self, mlp: nn.Module):
+        from sparsekit.kernels.cats import tile_down
+
         super().__init__()
-        # the larger-N path: a shallow copy of the MLP (same gate, up and act_fn), so that the
-        # module it came from is left exactly as it was (eval --speed puts it back for dense)
-        mlp = copy.copy(mlp)
-        mlp._modules = dict(mlp._modules)
-        self.mlp = mlp
-        dev = mlp.gate_proj.weight.device if isinstance(mlp.gate_proj, nn.Linear) else mlp.gate_proj.values.device
+        self.mlp = mlp                                      # the larger-N path, left as it was
         up, down = mlp.up_proj, mlp.down_proj
+        dev = up.values.device if isinstance(up, SparseLinear) else up.weight.device
         e16, e8, e32 = _empty(dev, torch.float16), _empty(dev, torch.uint8), _empty(dev, torch.int32)
-        self.up_w, self.up_rows = (e16, rowpack(decode_dense(up.packed).to(torch.float16))) if isinstance(up, SparseLinear) \
-            else (up.weight, None)
+        if isinstance(up, SparseLinear):
+            self.up_w, self.up_rows = e16, rowpack(decode_dense(up.packed).to(torch.float16))
+        else:
+            self.up_w, self.up_rows = up.weight, None       # rows are contiguous already: no copy
         if isinstance(down, SparseLinear):
             self.down_w, self.down_rows = e16, rowpack(decode_dense(down.packed).to(torch.float16).t().contiguous())
         else:
-            tiled = TiledDown(down.weight.data)
-            mlp.down_proj = tiled        # in the copy: the tiles stand in for the weight (no second copy once
-                                         # the original module is dropped)
-            self.down_w, self.down_rows = tiled.tiles, None
-        self.hidden = mlp.down_proj.out_features
+            self.down_w, self.down_rows = tile_down(down.weight.data.t().contiguous()), None
+        self.hidden = down.out_features
         self.e8, self.e32, self.e16 = e8, e32, e16
 
     @property
@@ -126,8 +107,9 @@ class CatsMLP(nn.Module):
         return self.mlp.act_fn.threshold
 
     def extra_bytes(self) -> int:
-        """Bytes this module adds to the MLP it wraps (the row-packed copies of packed weights)."""
-        return sum(p.nbytes() for p in (self.up_rows, self.down_rows) if p is not None)
+        """Bytes this module adds to the MLP it wraps (down^T tiles, or row-packed copies)."""
+        rows = sum(p.nbytes() for p in (self.up_rows, self.down_rows) if p is not None)
+        return rows + (self.down_w.numel() * self.down_w.element_size() if self.down_rows is None else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -162,6 +144,10 @@ def eligible(mlp: nn.Module) -> str | None:
             return "weights not on a GPU"
     if mlp.up_proj.in_features % 8:
         return "hidden size not divisible by 8"
+    packed = [n for n in ("up_proj", "down_proj") if isinstance(getattr(mlp, n), SparseLinear)]
+    if packed and os.environ.get("SPARSEKIT_CATS_ROWS") != "1":
+        return (f"{' and '.join(packed)} packed: the row-packed CATS kernels are slower than TCA-BME alone "
+                "(scripts/bench_cats.py); SPARSEKIT_CATS_ROWS=1 uses them anyway")
     return None
 
 
