@@ -6,6 +6,7 @@ from typing import List, Optional
 import typer
 
 from sparsekit.cli.common import JSON_OPTION, console, emit_json, err_console, handle_errors
+from sparsekit.errors import SparsekitError
 
 HELP = (
     "Prune a causal LM layer by layer and write an HF checkpoint (dense weights with zeros).\n\n"
@@ -17,7 +18,11 @@ HELP = (
     "cats (gated MLPs: Llama, Mistral, Qwen2, SmolLM2) changes no weight: it calibrates one threshold per MLP "
     "and zeroes the gate activations act(gate(x)) smaller in magnitude, --sparsity being the fraction zeroed "
     "(unstructured only); the thresholds go into sparsekit.json, and `sparsekit eval` applies them.\n\n"
-    "Example: sparsekit prune smollm2-135m --method wanda --sparsity 0.5 -o out/wanda50"
+    "--learn-mask (hybrid or 2:4) learns the mask instead, weights frozen: logits per tile (dense or 2:4) and "
+    "per group of 4 (which 2 to keep), started from the method's one-shot choice and trained for --steps on "
+    "the calibration text; --allocation global ranks the hybrid tiles of the whole model at once.\n\n"
+    "Example: sparsekit prune smollm2-135m --method wanda --sparsity 0.5 -o out/wanda50\n\n"
+    "Example: sparsekit prune smollm2-135m --method sparsegpt --pattern hybrid --sparsity 0.35 --learn-mask --steps 300"
 )
 
 
@@ -45,6 +50,16 @@ def prune_cmd(
     blocksize: Optional[int] = typer.Option(None, "--blocksize", help="SparseGPT column block size (default: 128)"),
     damp: Optional[float] = typer.Option(None, "--damp", help="SparseGPT dampening, fraction of the mean Hessian diagonal (default: 0.01)"),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Calibration windows per forward (default: ~16k tokens)"),
+    allocation: Optional[str] = typer.Option(None, "--allocation", help="Hybrid tiles: layer (every linear at --sparsity) | global (one ranking over the model; sensitive linears stay denser) (default: layer)"),
+    learn_mask: bool = typer.Option(False, "--learn-mask", help="Learn the hybrid / 2:4 mask on the calibration text, weights frozen (see sparsekit.pruning.learn)."),
+    steps: int = typer.Option(300, "--steps", help="--learn-mask: optimizer steps"),
+    lr: float = typer.Option(0.1, "--lr", help="--learn-mask: Adam learning rate on the mask logits"),
+    learn_batch: int = typer.Option(8, "--learn-batch", help="--learn-mask: calibration windows per step"),
+    distill: bool = typer.Option(False, "--distill", help="--learn-mask: add KL divergence from the dense model to the LM loss"),
+    weight_update: Optional[bool] = typer.Option(None, "--weight-update/--no-weight-update", help="--learn-mask / global allocation: SparseGPT weight update on the final mask (default: with --method sparsegpt)"),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="--learn-mask: save the learning state every K steps (0: never)"),
+    checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="--learn-mask: where checkpoints go (default: OUTPUT-checkpoints)"),
+    resume: bool = typer.Option(False, "--resume", help="--learn-mask: continue from the latest checkpoint (same settings and --seed)"),
     json_out: bool = JSON_OPTION,
 ) -> None:
     from transformers.utils import logging as hf_logging
@@ -57,12 +72,22 @@ def prune_cmd(
     def warn(msg: str) -> None:
         err_console.print(f"[yellow]warning:[/] {msg}", highlight=False, soft_wrap=True)
 
+    learn = None
+    if learn_mask:
+        learn = dict(steps=steps, lr=lr, batch_size=learn_batch, distill=distill, weight_update=weight_update,
+                     checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, resume=resume)
+    elif resume or checkpoint_every or distill:
+        raise SparsekitError("--resume, --checkpoint-every and --distill go with --learn-mask")
+    elif weight_update is not None and allocation != "global":
+        raise SparsekitError("--weight-update goes with --learn-mask or --allocation global")
+    elif weight_update is not None:
+        learn = dict(steps=0, weight_update=weight_update)
     with bars:
         report = prune(
             model, method=method, sparsity=sparsity, pattern=pattern, calib=calib, nsamples=nsamples,
             seqlen=seqlen, seed=seed, skip=skip, prune_lm_head=prune_lm_head or None, device=device, dtype=dtype, output=output,
             overwrite=overwrite, blocksize=blocksize, damp=damp, recipe=recipe, batch_size=batch_size,
-            progress=bars.update, warn=warn,
+            allocation=allocation, learn=learn, progress=bars.update, warn=warn,
         )
     if json_out:
         emit_json(report)
@@ -75,7 +100,8 @@ class _Bars:
     """rich progress bars on stderr, one per stage ("calibration", "layers"), created on first use."""
 
     LABELS = {"calibration": "capturing calibration inputs", "layers": "pruning decoder layers",
-              "thresholds": "calibrating CATS thresholds"}
+              "thresholds": "calibrating CATS thresholds", "scores": "scoring (dense model)",
+              "learning": "learning masks", "update": "SparseGPT update on the mask"}
 
     def __init__(self, disable: bool = False):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -122,6 +148,12 @@ def summary_table(report: dict):
                      f"{len(c['mlps'])} gated MLPs (target {c['target']:.4g}); weights unchanged")
     else:
         head.add_row("overall sparsity", f"{report['overall_sparsity']:.4f} of {sum(v['params'] for v in report['by_type'].values()):,} pruned-layer weights")
+    if report.get("learning"):
+        lr_ = report["learning"]
+        cl = lr_["calibration_loss"]
+        loss = f", calibration loss {cl['init']:.4f} (one-shot) -> {cl['learned_mask']:.4f}" if cl.get("init") is not None else ""
+        head.add_row("mask", f"{lr_['allocation']} allocation, {lr_['steps']} learning steps from {lr_['init']} scores "
+                     f"({lr_['learn_seconds']:.1f} s){loss}{', SparseGPT update' if lr_['weight_update'] else ''}")
     head.add_row("output", report["output"])
     if report.get("cats"):
         return Group(head, cats_table(report["cats"]))

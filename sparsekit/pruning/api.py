@@ -61,6 +61,8 @@ def prune(
     damp: float | None = None,
     recipe: str | Path | None = None,
     batch_size: int | None = None,
+    allocation: str | None = None,
+    learn: Any = None,
     progress: Progress | None = None,
     warn: Callable[[str], None] = print,
 ) -> dict[str, Any]:
@@ -77,6 +79,11 @@ def prune(
     (``sparsity`` is the fraction of gate activations to zero; see ``sparsekit.pruning.methods.cats``), and
     ``sparsekit.json`` records them under ``cats`` (``load_model`` installs them); ``skip`` patterns
     also name MLPs to leave dense.
+
+    ``learn`` (a ``sparsekit.pruning.learn.LearnConfig``, or a dict of its fields) learns the mask
+    of a hybrid or 2:4 pattern instead (``sparsekit.pruning.learn``); ``allocation="global"`` ranks
+    hybrid tiles over the whole model (one-shot, or as the start of learning). Both record how the
+    mask was made under ``learning`` in ``sparsekit.json``.
     """
     from sparsekit.hf.atomic import claim_output
     from sparsekit.pruning.recipes import resolve_settings
@@ -84,17 +91,23 @@ def prune(
     t0 = time.perf_counter()
     s = resolve_settings(recipe, method=method, pattern=pattern, sparsity=sparsity, dataset=calib,
                          nsamples=nsamples, seqlen=seqlen, seed=seed, skip=skip, prune_lm_head=prune_lm_head,
-                         blocksize=blocksize, damp=damp)
+                         blocksize=blocksize, damp=damp, allocation=allocation)
+    if isinstance(learn, dict):
+        from sparsekit.pruning.learn import LearnConfig
+
+        learn = LearnConfig(**learn)
+    if learn is not None and prune_lm_head:
+        raise SparsekitError("--learn-mask learns the masks of the decoder linears: drop --prune-lm-head")
     if note := s.ignored_calibration(calib=calib, nsamples=nsamples, seqlen=seqlen):
         warn(note)
     if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1):
         raise SparsekitError(f"batch size must be a positive number of windows, got {batch_size!r}: drop --batch-size for the default")
     out = Path(output) if output is not None else default_output(model, s.method, s.pattern, s.sparsity)
     with claim_output(out, overwrite=overwrite, warn=warn) as claim:  # checked and locked before any work
-        return _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, progress, warn, t0)
+        return _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, progress, warn, t0, learn)
 
 
-def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, progress, warn, t0) -> dict[str, Any]:
+def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, progress, warn, t0, learn=None) -> dict[str, Any]:
     from sparsekit.hf import checkpoint
     from sparsekit.pruning.methods.cats import read_thresholds, thresholds_in_force
     from sparsekit.hf.models import load_model, model_context, resolve_device, resolve_dtype, resolve_model
@@ -103,6 +116,14 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, prog
     from sparsekit.pruning.patterns import Pattern
 
     dev = resolve_device(device)
+    learned = learn is not None or s.allocation == "global"
+    if learned:
+        from sparsekit.pruning.learn.pipeline import check_learnable
+
+        check_learnable(METHODS[s.method], Pattern.parse(s.pattern), s.sparsity, learn is not None and learn.steps > 0,
+                        s.allocation)
+        if dtype in (None, "auto"):
+            dtype = "float32"  # fp32 weights under bf16 autocast: the logits' gradients need the range
     torch_dtype = resolve_dtype(dtype, dev)
     meth = METHODS[s.method]
 
@@ -114,7 +135,7 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, prog
     _warn_unmatched_skip(meth.skip_targets(net), s.skip, warn)
     calib_ids = None
     calibration: dict[str, Any]
-    if meth.needs_calibration:
+    if meth.needs_calibration or (learn is not None and learn.steps > 0):
         from sparsekit.hf.data import calibration_windows
 
         ctx = model_context(net)
@@ -131,11 +152,14 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, prog
     # (CATS itself calibrates afresh)
     source_thresholds = read_thresholds(location) if meth.changes_weights else {}
     with thresholds_in_force(net, source_thresholds):
-        report = engine.prune_model(
-            net, calib_ids, method=meth, sparsity=s.sparsity, pattern=Pattern.parse(s.pattern),
-            skip=s.skip, device=dev, blocksize=s.blocksize, percdamp=s.damp, batch_size=batch_size,
-            progress=progress, warn=warn, seed=s.seed,
-        )
+        if learned:
+            report = _learn(net, calib_ids, s, meth, dev, learn, out, model, calibration, batch_size, progress, warn)
+        else:
+            report = engine.prune_model(
+                net, calib_ids, method=meth, sparsity=s.sparsity, pattern=Pattern.parse(s.pattern),
+                skip=s.skip, device=dev, blocksize=s.blocksize, percdamp=s.damp, batch_size=batch_size,
+                progress=progress, warn=warn, seed=s.seed,
+            )
     if not report["layers"] and meth.changes_weights:
         raise SparsekitError(f"no linear layer was pruned: the skip patterns {s.skip} exclude them all")
     save_dtype = _checkpoint_dtype(location)
@@ -150,6 +174,8 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, prog
         calibration=calibration, skip=s.skip, layers=report["layers"], elapsed_s=elapsed,
         **meth.metadata(report, s.sparsity),
     )
+    if "learning" in report:
+        meta["learning"] = report["learning"]
     checkpoint.save_pruned(net, tokenizer, out, meta, overwrite=overwrite)
     return {
         **meta,
@@ -166,6 +192,25 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, prog
         "overall_sparsity": overall_sparsity(report["layers"]),
         "elapsed_s": time.perf_counter() - t0,
     }
+
+
+def _learn(net, calib_ids, s, meth, dev, learn, out, model, calibration, batch_size, progress, warn) -> dict:
+    from sparsekit.pruning.learn import LearnConfig
+    from sparsekit.pruning.learn.pipeline import learn_prune
+    from sparsekit.pruning.patterns import Pattern
+
+    cfg = learn if learn is not None else LearnConfig(steps=0)
+    ckpt = cfg.checkpoint_dir or f"{Path(out)}-checkpoints"
+    fingerprint = {"model": str(model), "method": s.method, "pattern": s.pattern, "sparsity": s.sparsity,
+                   "allocation": s.allocation, "seed": s.seed, "calibration": calibration, "skip": list(s.skip),
+                   **cfg.fingerprint()}
+    rep = learn_prune(net, calib_ids, method=meth, pattern=Pattern.parse(s.pattern), sparsity=s.sparsity, skip=s.skip,
+                      device=dev, cfg=cfg, allocation=s.allocation, seed=s.seed, blocksize=s.blocksize,
+                      percdamp=s.damp, batch_size=batch_size, checkpoint_dir=ckpt, fingerprint=fingerprint,
+                      progress=progress, warn=warn)
+    if cfg.checkpoint_every:
+        rep["learning"]["checkpoint_dir"] = ckpt
+    return rep
 
 
 def _weights_bytes(location: str) -> int:

@@ -36,9 +36,10 @@ DEFAULTS: dict[str, Any] = {
     "prune_lm_head": False,  # lm_head stays dense whatever --skip says, unless this is set
     "blocksize": 128,
     "damp": 0.01,
+    "allocation": "layer",  # hybrid tiles: every linear at the target, or "global" (one ranking)
 }
 
-_TOP_KEYS = {"description", "method", "pattern", "sparsity", "calibration", "skip", "sparsegpt"}
+_TOP_KEYS = {"description", "method", "pattern", "sparsity", "calibration", "skip", "sparsegpt", "allocation"}
 _CALIB_KEYS = {"dataset", "nsamples", "seqlen", "seed"}
 _SPARSEGPT_KEYS = {"blocksize", "damp"}
 
@@ -127,7 +128,7 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
         raise SparsekitError(f"recipe {path} must be a YAML mapping (method: ..., pattern: ...)")
     _check_keys("the recipe", data, _TOP_KEYS, path)
     out: dict[str, Any] = {}
-    for key in ("method", "pattern", "sparsity", "skip"):
+    for key in ("method", "pattern", "sparsity", "skip", "allocation"):
         if key in data:
             out[key] = data[key]
     if isinstance(out.get("pattern"), int):
@@ -215,4 +216,9 @@ def validate(s: dict[str, Any]) -> PruneSettings:
     elif "lm_head" not in s["skip"]:
         s["skip"] = ["lm_head", *s["skip"]]
     s["dataset"] = DEFAULTS["dataset"] if s["dataset"] is None else str(s["dataset"])  # was 'None', a hub id
+    from sparsekit.pruning.learn.allocation import check_allocation
+
+    s["allocation"] = check_allocation(s.get("allocation") or "layer")
+    if s["allocation"] == "global" and not pattern.is_hybrid:
+        raise SparsekitError(f"--allocation global ranks hybrid tiles across the model: use it with --pattern hybrid[:T], not {pattern}")
     return PruneSettings(**s)
