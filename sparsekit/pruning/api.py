@@ -135,7 +135,7 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, prog
     _warn_unmatched_skip(meth.skip_targets(net), s.skip, warn)
     calib_ids = None
     calibration: dict[str, Any]
-    if meth.needs_calibration or (learn is not None and learn.steps > 0):
+    if meth.needs_calibration or (learn is not None and (learn.steps > 0 or learn.weight_update)):
         from sparsekit.hf.data import calibration_windows
 
         ctx = model_context(net)

@@ -102,35 +102,33 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
         del fmasks
     changed = sum(int((keep[n] != init_masks[n]).sum()) for n in keep)
     learn_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    with torch.no_grad():
-        for name, mod in linears.items():
-            w = L.weight_out_in(mod)
-            L.set_weight_out_in(mod, w.masked_fill(~keep[name].to(w.device), 0))
-    del logits, keep, init_masks
+    del logits, init_masks
     model.to("cpu")
+    keep = {n: k.cpu() for n, k in keep.items()}
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    t_update, upd = 0.0, None
+    upd = None
     if update:
-        t0 = time.perf_counter()
-        upd = sparsegpt_update_report(model, calib, skip, device, blocksize, percdamp, batch_size, progress, warn)
-        t_update = time.perf_counter() - t0
+        if calib is None:
+            raise SparsekitError("the SparseGPT update needs calibration data")
+        from sparsekit.pruning.learn.update import sparsegpt_update
+
+        upd = sparsegpt_update(model, calib, keep, device=device, blocksize=blocksize, percdamp=percdamp,
+                               batch_size=batch_size, progress=progress, warn=warn)
+    else:
+        with torch.no_grad():
+            for name, mod in linears.items():
+                w = L.weight_out_in(mod)
+                L.set_weight_out_in(mod, w.masked_fill(~keep[name], 0))
+    del keep
     layer_reports = upd["layers"] if upd else {n: layer_entry(m) for n, m in linears.items()}
     learning.update({
         "weight_update": bool(update), "temperature_schedule": sch.describe(cfg.steps, cfg.tau, cfg.noise),
         "loss": summarize(run["history"]), "calibration_loss": {"init": loss_init, "learned_mask": loss_final},
-        "mask_changes_from_init": changed, "learn_seconds": run["seconds"], "update_seconds": t_update,
+        "mask_changes_from_init": changed, "learn_seconds": run["seconds"], "update_seconds": upd["seconds"] if upd else 0.0,
         "resumed_from": run["resumed_from"], "peak_mem_bytes": learn_peak,
     })
     peaks = [p for p in (learn_peak, upd and upd.get("peak_mem_bytes")) if p]
-    return {"layers": layer_reports, "per_layer": upd["per_layer"] if upd else [],
-            "capture_seconds": upd["capture_seconds"] if upd else 0.0, "seconds": time.perf_counter() - t_start,
+    return {"layers": layer_reports, "per_layer": [], "capture_seconds": 0.0, "seconds": time.perf_counter() - t_start,
             "peak_mem_bytes": max(peaks) if peaks else None, "device": str(device), "decoder_stack": stack_name,
             "learning": learning}
-
-
-def sparsegpt_update_report(model, calib, skip, device, blocksize, percdamp, batch_size, progress, warn) -> dict:
-    from sparsekit.pruning.learn.update import sparsegpt_update
-
-    return sparsegpt_update(model, calib, skip=skip, device=device, blocksize=blocksize, percdamp=percdamp,
-                            batch_size=batch_size, progress=progress, warn=warn)
