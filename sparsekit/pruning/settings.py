@@ -22,8 +22,8 @@ class PruneSettings:
     prune_lm_head: bool
     blocksize: int  # SparseGPT column block size
     damp: float  # SparseGPT dampening, fraction of the mean Hessian diagonal
-    recipe: str | None = None  # the recipe file, if one was used
     allocation: str = "layer"  # hybrid tiles: per linear ("layer") or one ranking over the model ("global")
+    recipe: str | None = None  # the recipe file, if one was used
 
     def as_dict(self) -> dict[str, Any]:
         """The settings as a plain dict, in field order; ``recipe`` only when one was used."""
