@@ -123,6 +123,15 @@ def test_learned_mask_beats_one_shot(work, learned):
     assert _calib_loss(work, work / "learned") < _calib_loss(work, work / "oneshot")
 
 
+def test_zero_steps_is_the_one_shot_prune(work):
+    """The layer loop learning starts from gives exactly the engine's one-shot SparseGPT hybrid."""
+    _prune(work, "eng", method="sparsegpt", pattern=f"hybrid:{TILE}", sparsity=0.25)
+    rep = _prune(work, "zero", method="sparsegpt", pattern=f"hybrid:{TILE}", sparsity=0.25, learn=dict(steps=0))
+    assert rep["learning"]["steps"] == 0
+    a, b = load_file(str(work / "eng" / "model.safetensors")), load_file(str(work / "zero" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_resume_is_bit_identical(work, learned):
     ckpt = work / "learned-checkpoints"
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-000012.pt"]
@@ -147,6 +156,11 @@ def test_global_allocation_meets_global_target(work):
     per = sorted(float((w == 0).float().mean()) for w in layers.values())
     assert per[-1] - per[0] > 0.05  # linears differ: the ranking is global
     assert rep["settings"]["allocation"] == "global"
+    # SparseGPT with the same global ranking: its sweep picks 2:4 inside the tiles the ranking chose
+    _prune(work, "global-sgpt", method="sparsegpt", pattern=f"hybrid:{TILE}", sparsity=0.3, allocation="global")
+    _, sg = _linears(work / "global-sgpt")
+    assert sum(_tile_kinds(w, TILE)[1] for w in sg.values()) == sum(_tile_kinds(w, TILE)[1] for w in layers.values())
+    assert abs(_overall(sg) - 0.3) < 0.005
     # learning from the global allocation keeps the global target
     _prune(work, "global-learned", method="wanda", pattern=f"hybrid:{TILE}", sparsity=0.3, allocation="global",
            learn=dict(steps=3, batch_size=2))

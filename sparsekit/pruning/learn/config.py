@@ -14,7 +14,7 @@ class LearnConfig:
     lr: float = 0.1  # Adam learning rate on the logits
     batch_size: int = 8  # calibration windows per step
     tau: tuple[float, float] = (1.0, 0.2)  # relaxation temperature, start -> end (geometric)
-    noise: tuple[float, float] = (1.0, 0.05)  # scale of the Gumbel/logistic noise, start -> end (linear)
+    noise: tuple[float, float] = (0.5, 0.0)  # scale of the Gumbel/logistic noise, start -> end (linear)
     prior: float = 3.0  # initial logit of the one-shot 2:4 choice of each group (others 0)
     tile_prior: float = 2.0  # initial tile logits: +/- this for one-shot sparse / dense tiles
     reg: float = 1.0  # weight of the sparsity regularizer

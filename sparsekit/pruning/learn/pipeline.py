@@ -1,4 +1,4 @@
-"""``learn_prune``: one-shot scores -> initial mask (layer or global allocation) -> learned mask ->
+"""``learn_prune``: dense-model scores -> one-shot mask (layer or global allocation) -> learned mask ->
 optional SparseGPT update, on a whole model. What ``prune()`` runs for ``--learn-mask`` and for
 ``--allocation global``; it returns a report shaped like the engine's.
 """
@@ -15,14 +15,16 @@ from sparsekit.hf import modules as L
 from sparsekit.progress import Progress
 from sparsekit.pruning.learn import schedule as sch
 from sparsekit.pruning.learn.allocation import select_tiles, tile_costs
-from sparsekit.pruning.learn.choices import MaskLogits, choice_index
+from sparsekit.pruning.learn.choices import MaskLogits, choice_index, expand_tiles
 from sparsekit.pruning.learn.config import LearnConfig
+from sparsekit.pruning.learn.layerwise import prune_layerwise
 from sparsekit.pruning.learn.loop import calibration_loss, summarize, train
 from sparsekit.pruning.learn.masking import final_masks, masked
 from sparsekit.pruning.learn.scores import model_scores
-from sparsekit.pruning.linears import layer_entry
-from sparsekit.pruning.methods import Method
-from sparsekit.pruning.patterns import HYBRID_MAX_SPARSITY, nm_mask
+from sparsekit.pruning.methods import METHODS, Method
+from sparsekit.pruning.patterns import HYBRID_MAX_SPARSITY, nm_mask, tile_sums
+
+_NO_UPDATE = METHODS["magnitude"]  # layerwise with a fixed mask and a method without Hessian: zero the rest
 
 
 def check_learnable(method: Method, pattern, sparsity: float, learning: bool, allocation: str) -> None:
@@ -38,21 +40,27 @@ def check_learnable(method: Method, pattern, sparsity: float, learning: bool, al
         raise SparsekitError(f"{what} with pattern {pattern} needs a sparsity in (0, 0.5], got {sparsity:g}")
 
 
-def initial_logits(scores: dict[str, torch.Tensor], pattern, sparsity: float, allocation: str, cfg: LearnConfig
-                   ) -> dict[str, MaskLogits]:
-    """Logits that favour the one-shot mask: each group's top-2 scores, and the tiles of least cost.
+def initial_logits(scores: dict[str, torch.Tensor], oneshot: dict[str, torch.Tensor], pattern, cfg: LearnConfig,
+                   normalize: bool) -> dict[str, MaskLogits]:
+    """Logits that favour the one-shot mask ``oneshot`` {name: bool keep-mask}.
 
-    Tile logits are +/- ``cfg.tile_prior`` plus the tile's standardized one-shot preference clipped
-    to [-1, 1], so the one-shot ranking survives among tiles on the same side."""
+    Groups: ``cfg.prior`` on the one-shot 2:4 choice (in dense tiles, the top-2 ``scores`` of the
+    group). Tiles: +/- ``cfg.tile_prior`` for one-shot 2:4 / dense, plus the tile's standardized
+    one-shot preference (minus its cost) clipped to [-1, 1], so that the ranking survives among
+    tiles on the same side."""
     tile = pattern.tile if pattern.is_hybrid else 0
-    pref = {n: -tile_costs(s, tile, normalize=allocation == "global") for n, s in scores.items()} if tile else {}
-    sparse, thresh = select_tiles(pref, sparsity, allocation) if tile else ({}, {})
     out = {}
     for name, s in scores.items():
+        keep = oneshot[name].to(s.device)
         lg = MaskLogits(tuple(s.shape), tile, device=s.device)
-        lg.init_from(choice_index(nm_mask(s, 2, 4)), sparse.get(name), cfg.prior, cfg.tile_prior)
+        sparse = None
         if tile:
-            p = pref[name] - thresh[name]
+            sparse = tile_sums((~keep).float(), tile) > 0
+            keep = torch.where(expand_tiles(sparse, tile).bool(), keep, nm_mask(s, 2, 4))
+        lg.init_from(choice_index(keep), sparse, cfg.prior, cfg.tile_prior)
+        if tile:
+            p = -tile_costs(s, tile, normalize)
+            p = p - p.mean()
             with torch.no_grad():
                 lg.tiles.add_((p / p.std().clamp_min(1e-12) if p.numel() > 1 else p.sign()).clamp(-1, 1))
         out[name] = lg
@@ -63,7 +71,13 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
                 cfg: LearnConfig, allocation: str = "layer", seed: int = 0, blocksize: int = 128, percdamp: float = 0.01,
                 batch_size: int | None = None, checkpoint_dir: str | Path | None = None, fingerprint: dict | None = None,
                 progress: Progress | None = None, warn: Callable[[str], object] = print) -> dict:
-    """Mask ``model`` in place (it ends on the CPU); returns an engine-like report plus ``learning``."""
+    """Mask ``model`` in place (on the CPU); returns an engine-like report plus ``learning``.
+
+    1. Scores of the dense model (one pass), and for ``global`` the tiles ranked over the model.
+    2. The one-shot mask, layer by layer (``layerwise``; with ``cfg.steps == 0`` that is the result).
+    3. Learning from it on the dense weights (restored), then the final mask, with the SparseGPT
+       update for SparseGPT (or ``cfg.weight_update``).
+    """
     t_start = time.perf_counter()
     sparsity = 0.5 if pattern.is_nm else float(sparsity)
     check_learnable(method, pattern, sparsity, cfg.steps > 0, allocation)
@@ -74,61 +88,69 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
     for name, mod in linears.items():
         pattern.check_shape(*L.weight_out_in(mod).shape)
     update = cfg.weight_update if cfg.weight_update is not None else method.needs_hessian
+    learning_steps = cfg.steps > 0
     model.requires_grad_(False)
     model.eval()
-    model.to(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     bs = batch_size or cfg.batch_size
-    scores = model_scores(model, linears, calib, method, device, bs, percdamp, warn, progress)
-    logits = initial_logits(scores, pattern, sparsity, allocation, cfg)
-    del scores
-    init_masks = final_masks(logits, sparsity, allocation)
-    learning: dict = {"init": method.name, "allocation": allocation, "steps": cfg.steps, **cfg.as_dict()}
-    with masked(linears) as holders:
-        fmasks = {n: m.float() for n, m in init_masks.items()}
-        loss_init = calibration_loss(model, holders, fmasks, calib, device, bs) if calib is not None else None
-        del fmasks
-        run = {"history": [], "seconds": 0.0, "start_step": 0, "resumed_from": None}
-        if cfg.steps > 0:
-            if calib is None:
-                raise SparsekitError("--learn-mask needs calibration data")
+    kw = dict(method=method, pattern=pattern, sparsity=sparsity, device=device, blocksize=blocksize,
+              percdamp=percdamp, batch_size=batch_size, progress=progress, warn=warn)
+
+    scores, tiles = None, None
+    if learning_steps or allocation == "global":
+        model.to(device)
+        scores = model_scores(model, linears, calib, method, device, bs, percdamp, warn, progress)
+        model.to("cpu")
+        if allocation == "global":
+            pref = {n: -tile_costs(s, pattern.tile, normalize=True) for n, s in scores.items()}
+            tiles = {n: t.cpu() for n, t in select_tiles(pref, sparsity, "global")[0].items()}
+    dense = {n: L.weight_out_in(m).detach().clone() for n, m in linears.items()} if learning_steps else None
+    first = prune_layerwise(model, calib, list(linears), tiles=tiles, **kw)  # the one-shot mask
+    learning: dict = {"init": method.name, "allocation": allocation, **cfg.as_dict()}
+    run = {"history": [], "seconds": 0.0, "start_step": 0, "resumed_from": None}
+    loss_init = loss_final = None
+    final, changed, learn_peak = first, 0, first["peak_mem_bytes"]
+    if learning_steps:
+        if calib is None:
+            raise SparsekitError("--learn-mask needs calibration data")
+        with torch.no_grad():
+            for n, m in linears.items():  # learning masks the dense weights
+                L.set_weight_out_in(m, dense[n])
+        del dense
+        model.to(device)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        logits = initial_logits(scores, first["masks"], pattern, cfg, allocation == "global")
+        del scores
+        with masked(linears) as holders:
+            loss_init = calibration_loss(model, holders, _as_float(first["masks"], device), calib, device, bs)
             run = train(model, holders, logits, calib, sparsity=sparsity, allocation=allocation, cfg=cfg, seed=seed,
                         device=device, fingerprint=fingerprint or {}, checkpoint_dir=checkpoint_dir,
                         progress=progress, warn=warn)
-        keep = final_masks(logits, sparsity, allocation)
-        fmasks = {n: m.float() for n, m in keep.items()}
-        loss_final = calibration_loss(model, holders, fmasks, calib, device, bs) if calib is not None else None
-        del fmasks
-    changed = sum(int((keep[n] != init_masks[n]).sum()) for n in keep)
-    learn_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    del logits, init_masks
-    model.to("cpu")
-    keep = {n: k.cpu() for n, k in keep.items()}
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    upd = None
-    if update:
-        if calib is None:
-            raise SparsekitError("the SparseGPT update needs calibration data")
-        from sparsekit.pruning.learn.update import sparsegpt_update
-
-        upd = sparsegpt_update(model, calib, keep, device=device, blocksize=blocksize, percdamp=percdamp,
-                               batch_size=batch_size, progress=progress, warn=warn)
-    else:
-        with torch.no_grad():
-            for name, mod in linears.items():
-                w = L.weight_out_in(mod)
-                L.set_weight_out_in(mod, w.masked_fill(~keep[name], 0))
-    del keep
-    layer_reports = upd["layers"] if upd else {n: layer_entry(m) for n, m in linears.items()}
+            keep = {n: k.cpu() for n, k in final_masks(logits, sparsity, allocation).items()}
+            loss_final = calibration_loss(model, holders, _as_float(keep, device), calib, device, bs)
+        learn_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        changed = sum(int((keep[n] != first["masks"][n]).sum()) for n in keep)
+        del logits
+        model.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        final = prune_layerwise(model, calib, list(linears), keep=keep, stage="update",
+                                **{**kw, "method": METHODS["sparsegpt"] if update else _NO_UPDATE})
+    elif update and not method.needs_hessian:  # the SparseGPT update on a Wanda / magnitude one-shot mask
+        final = prune_layerwise(model, calib, list(linears), keep=first["masks"], stage="update",
+                                **{**kw, "method": METHODS["sparsegpt"]})
     learning.update({
         "weight_update": bool(update), "temperature_schedule": sch.describe(cfg.steps, cfg.tau, cfg.noise),
         "loss": summarize(run["history"]), "calibration_loss": {"init": loss_init, "learned_mask": loss_final},
-        "mask_changes_from_init": changed, "learn_seconds": run["seconds"], "update_seconds": upd["seconds"] if upd else 0.0,
+        "mask_changes_from_init": changed, "oneshot_seconds": first["seconds"], "learn_seconds": run["seconds"],
+        "update_seconds": final["seconds"] if final is not first else 0.0,
         "resumed_from": run["resumed_from"], "peak_mem_bytes": learn_peak,
     })
-    peaks = [p for p in (learn_peak, upd and upd.get("peak_mem_bytes")) if p]
-    return {"layers": layer_reports, "per_layer": [], "capture_seconds": 0.0, "seconds": time.perf_counter() - t_start,
+    peaks = [p for p in (learn_peak, first["peak_mem_bytes"], final["peak_mem_bytes"]) if p]
+    return {"layers": final["layers"], "per_layer": [], "capture_seconds": 0.0, "seconds": time.perf_counter() - t_start,
             "peak_mem_bytes": max(peaks) if peaks else None, "device": str(device), "decoder_stack": stack_name,
             "learning": learning}
+
+
+def _as_float(masks: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    return {n: m.to(device=device, dtype=torch.float32) for n, m in masks.items()}

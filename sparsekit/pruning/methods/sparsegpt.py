@@ -226,6 +226,7 @@ def sparsegpt_prune(
     warn: Callable[[str], object] = print,
     cuda_graph: "bool | None" = None,
     keep: "torch.Tensor | None" = None,
+    sparse_tiles: "torch.Tensor | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Prune ``weight`` [out, in] given H [in, in] -> (new weight, keep-mask, info).
 
@@ -241,6 +242,8 @@ def sparsegpt_prune(
 
     ``keep`` (bool [out, in], unstructured pattern only) fixes the mask instead of choosing it: the
     sweep prunes exactly the weights it marks False and updates the rest (a learned mask's update).
+    ``sparse_tiles`` (bool [out/T, in/T], hybrid only) fixes which tiles are 2:4 (a global allocation)
+    instead of choosing ``sparsity``'s share of them from the scores.
     """
     dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
     dev = weight.device
@@ -260,7 +263,7 @@ def sparsegpt_prune(
     info["blocksize"] = blocksize
     if keep is not None and not pattern.is_unstructured:
         raise SparsekitError("sparsegpt_prune: a fixed keep-mask goes with the unstructured pattern")
-    if sparsity == 0 and not pattern.is_nm and keep is None:
+    if sparsity == 0 and not pattern.is_nm and keep is None and sparse_tiles is None:
         if pattern.is_hybrid:
             info["sparse_tiles"] = 0
         return weight.detach().to(dtype, copy=True), torch.ones(rows, cols, dtype=torch.bool, device=dev), info
@@ -279,7 +282,8 @@ def sparsegpt_prune(
 
     sparse_cols = None  # hybrid: [cols, rows] bool, whether row r is 2:4 in the tile of column c
     if pattern.is_hybrid:
-        tiles = hybrid_sparse_tiles((W * inv_d).square(), sparsity, pattern.tile)
+        tiles = (hybrid_sparse_tiles((W * inv_d).square(), sparsity, pattern.tile) if sparse_tiles is None
+                 else sparse_tiles.to(device=dev, dtype=torch.bool))
         info["sparse_tiles"] = int(tiles.sum().item())
         sparse_cols = expand_tiles(tiles.t(), pattern.tile)
     budgets = _block_budgets(rows, cols, blocksize, sparsity) if pattern.is_unstructured and keep is None else None
