@@ -103,6 +103,26 @@ def test_choices_and_tile_selection():
     assert noise_scale(0, 10, (1.0, 0.0)) == 1.0 and noise_scale(9, 10, (1.0, 0.0)) == 0.0
 
 
+@pytest.mark.parametrize("tile", [0, 8])
+def test_mask_bank_layout(tile):
+    """The flat bank (tile-major for hybrid) maps back to each linear's own [R, C] layout."""
+    from sparsekit.pruning.learn.choices import MaskBank, apply_tiles, expand_tiles
+
+    shapes = {"a": (16, 32), "b": (8, 24 if not tile else 16)}
+    bank = MaskBank(shapes, tile)
+    choice = {n: torch.randint(0, 6, (r, c // 4)) for n, (r, c) in shapes.items()}
+    values = torch.cat([CHOICES[bank.to_bank(n, choice[n])] for n in shapes])
+    ind = torch.cat([torch.rand(r // tile, c // tile).round().reshape(-1) for r, c in shapes.values()]) if tile else None
+    if tile:
+        values = apply_tiles(values, ind, tile)
+    for n, (r, c) in shapes.items():
+        want = CHOICES[choice[n]].reshape(r, c)
+        if tile:
+            t = expand_tiles(bank.tile_view(n, ind), tile)
+            want = 1 - t * (1 - want)
+        assert torch.equal(bank.element_mask(n, values), want)
+
+
 def test_learned_hybrid_tiles_and_sparsity(work, learned):
     meta, layers = _linears(work / "learned")
     for w in layers.values():

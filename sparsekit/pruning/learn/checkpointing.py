@@ -31,14 +31,14 @@ def latest(directory: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def save(directory: str | Path, step: int, logits: dict[str, dict[str, torch.Tensor]], optimizer_state: dict,
+def save(directory: str | Path, step: int, logits: dict[str, torch.Tensor], optimizer_state: dict,
          history: list[float], fingerprint: dict) -> Path:
     """Write the state after ``step`` steps; returns the file."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(d, step)
     tmp = d / f".{path.name}.tmp-{os.getpid()}"
-    state = {"step": int(step), "logits": {n: {k: v.detach().cpu() for k, v in t.items()} for n, t in logits.items()},
+    state = {"step": int(step), "logits": {k: v.detach().cpu() for k, v in logits.items()},
              "optimizer": optimizer_state, "history": list(history), "fingerprint": fingerprint}
     torch.save(state, tmp)
     os.replace(tmp, path)

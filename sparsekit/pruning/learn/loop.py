@@ -52,27 +52,25 @@ def calibration_loss(model, holders, masks, calib: torch.Tensor, device: torch.d
     return total / max(1, n)
 
 
-def train(model, holders, logits: dict, calib: torch.Tensor, *, sparsity: float, allocation: str, cfg, seed: int,
+def train(model, holders, bank, calib: torch.Tensor, *, sparsity: float, allocation: str, cfg, seed: int,
           device: torch.device, fingerprint: dict, checkpoint_dir, progress: Progress | None = None,
           warn: Callable[[str], object] = print) -> dict:
     """Run ``cfg.steps`` steps (from a checkpoint with ``cfg.resume``); returns the loss history and timings."""
-    params = [p for lg in logits.values() for p in lg.parameters()]
-    opt = torch.optim.Adam(params, lr=cfg.lr)
+    opt = torch.optim.Adam(list(bank.parameters()), lr=cfg.lr)
     history: list[float] = []
     start, resumed = 0, None
     if cfg.resume:
         state = checkpointing.load(checkpoint_dir, fingerprint)
         with torch.no_grad():
-            for name, lg in logits.items():
-                for key, t in state["logits"][name].items():
-                    getattr(lg, key).copy_(t)
+            for key, t in state["logits"].items():
+                getattr(bank, key).copy_(t)
         opt.load_state_dict(state["optimizer"])
         start, history, resumed = state["step"], list(state["history"]), state["path"]
         warn(f"resuming mask learning from {resumed} (step {start} of {cfg.steps})")
     t0 = time.perf_counter()
     steps = cfg.steps
     for step in range(start, steps):
-        masks, reg = draw(logits, sparsity, allocation, step, steps, cfg, seed, device)
+        masks, reg = draw(bank, sparsity, allocation, step, steps, cfg, seed, device)
         ids = calib[sch.batch_indices(seed, step, calib.shape[0], cfg.batch_size)].to(device)
         teacher = None
         if cfg.distill:
@@ -94,8 +92,7 @@ def train(model, holders, logits: dict, calib: torch.Tensor, *, sparsity: float,
         del masks, out, teacher, loss, total
         done = step + 1
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < steps:
-            checkpointing.save(checkpoint_dir, done, {n: {k: v for k, v in lg.named_parameters()} for n, lg in logits.items()},
-                               opt.state_dict(), history, fingerprint)
+            checkpointing.save(checkpoint_dir, done, dict(bank.named_parameters()), opt.state_dict(), history, fingerprint)
         report(progress, "learning", done, steps)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

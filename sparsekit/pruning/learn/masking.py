@@ -15,7 +15,7 @@ from torch.nn.utils import parametrize
 from sparsekit.hf.modules import Conv1D
 from sparsekit.pruning.learn import schedule as sch
 from sparsekit.pruning.learn.allocation import select_tiles
-from sparsekit.pruning.learn.choices import CHOICES, MaskLogits, keep_mask, tile_relaxation
+from sparsekit.pruning.learn.choices import MaskBank, apply_tiles, relaxed_choices, tile_relaxation
 
 
 class MaskedWeight(nn.Module):
@@ -52,47 +52,54 @@ def set_masks(holders: dict[str, MaskedWeight], masks: dict[str, torch.Tensor] |
         h.mask = None if masks is None else masks[name]
 
 
-def draw(logits: dict[str, MaskLogits], sparsity: float, allocation: str, step: int, steps: int, cfg,
-         seed: int, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """The straight-through masks of step ``step`` and the sparsity regularizer (a 0-d tensor).
+def _select(bank: MaskBank, pref: torch.Tensor, sparsity: float, allocation: str
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat (sparse bool [NT], threshold [NT]) of the top-preference tiles per unit."""
+    views = {n: bank.tile_view(n, pref) for n in bank.names}
+    sparse, thresh = select_tiles(views, sparsity, allocation)
+    flat_sparse = torch.cat([sparse[n].reshape(-1) for n in bank.names])
+    flat_thr = torch.cat([thresh[n].reshape(1).expand(views[n].numel()) for n in bank.names])
+    return flat_sparse, flat_thr
 
-    The regularizer is ``(mean soft tile sparsity - target)^2`` per unit, where a tile's soft
-    probability of being 2:4 is ``sigmoid(logit - threshold)``: it keeps the logits centred on the
+
+def _unit_bounds(bank: MaskBank, allocation: str) -> list[tuple[int, int]]:
+    if allocation == "layer":
+        return [bank.t_slices[n] for n in bank.names]
+    return [(0, bank.tiles.numel())]
+
+
+def draw(bank: MaskBank, sparsity: float, allocation: str, step: int, steps: int, cfg,
+         seed: int, device: torch.device) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The straight-through masks {name: [R, C]} of step ``step`` and the sparsity regularizer.
+
+    The regularizer is the mean over units of ``(mean soft tile sparsity - target)^2``, a tile's soft
+    probability of being 2:4 being ``sigmoid(logit - threshold)``: it keeps the logits centred on the
     threshold that the hard top-k draw sets, so that the relaxed and the hard sparsity agree.
     """
     tau = sch.temperature(step, steps, cfg.tau)
     ns = sch.noise_scale(step, steps, cfg.noise)
     gen = sch.step_generator(seed, step, device)
-    pref, gum = {}, {}
-    for name, lg in logits.items():  # a fixed order of draws: the same numbers on every resume
-        gum[name] = ns * sch.gumbel(lg.groups.shape, gen, device) if ns > 0 else None
-        if lg.tiles is not None:
-            pref[name] = lg.tiles + (ns * sch.logistic(lg.tiles.shape, gen, device) if ns > 0 else 0.0)
-    sparse, thresh = select_tiles(pref, sparsity, allocation) if pref else ({}, {})
-    masks = {}
-    for name, lg in logits.items():
-        gm = lg.group_mask(gum[name], tau)
-        ind = tile_relaxation(pref[name], thresh[name], sparse[name], tau) if name in pref else None
-        masks[name] = keep_mask(gm, ind, lg.tile)
+    noise = ns * sch.gumbel(bank.groups.shape, gen, device) if ns > 0 else None
+    values = relaxed_choices(bank.groups, noise, tau)
     reg = torch.zeros((), device=device)
-    if pref:
-        units = [[n] for n in pref] if allocation == "layer" else [list(pref)]
+    if bank.tiles is not None:
+        pref = bank.tiles.detach() + (ns * sch.logistic(bank.tiles.shape, gen, device) if ns > 0 else 0.0)
+        sparse, thr = _select(bank, pref, sparsity, allocation)
+        values = apply_tiles(values, tile_relaxation(bank.tiles + (pref - bank.tiles.detach()), thr, sparse, tau),
+                             bank.tile)
+        soft = torch.sigmoid(bank.tiles - thr)
+        cs = torch.cat([soft.new_zeros(1), soft.cumsum(0)])
         target = sparsity / 0.5  # the fraction of tiles that are 2:4
-        for names in units:
-            soft = torch.cat([torch.sigmoid(logits[n].tiles - thresh[n]).reshape(-1) for n in names])
-            reg = reg + (soft.mean() - target) ** 2
-        reg = reg / len(units)
-    return masks, reg
+        devs = [((cs[b] - cs[a]) / (b - a) - target) ** 2 for a, b in _unit_bounds(bank, allocation)]
+        reg = torch.stack(devs).mean()
+    return {n: bank.element_mask(n, values) for n in bank.names}, reg
 
 
 @torch.no_grad()
-def final_masks(logits: dict[str, MaskLogits], sparsity: float, allocation: str) -> dict[str, torch.Tensor]:
+def final_masks(bank: MaskBank, sparsity: float, allocation: str) -> dict[str, torch.Tensor]:
     """The learned bool keep-masks: each group's most likely 2:4 choice, and the top tiles by logit."""
-    pref = {n: lg.tiles for n, lg in logits.items() if lg.tiles is not None}
-    sparse, _ = select_tiles(pref, sparsity, allocation) if pref else ({}, {})
-    out = {}
-    for name, lg in logits.items():
-        onehot = torch.zeros_like(lg.groups).scatter_(-1, lg.hard_group_choice().unsqueeze(-1), 1.0)
-        gm = (onehot @ CHOICES.to(onehot.device)).reshape(lg.shape)
-        out[name] = keep_mask(gm, sparse[name].float() if name in sparse else None, lg.tile) > 0.5
-    return out
+    values = relaxed_choices(bank.groups, None, 1.0)  # forward value: the argmax choice
+    if bank.tiles is not None:
+        sparse, _ = _select(bank, bank.tiles, sparsity, allocation)
+        values = apply_tiles(values, sparse.float(), bank.tile)
+    return {n: bank.element_mask(n, values) > 0.5 for n in bank.names}

@@ -15,7 +15,7 @@ from sparsekit.hf import modules as L
 from sparsekit.progress import Progress
 from sparsekit.pruning.learn import schedule as sch
 from sparsekit.pruning.learn.allocation import select_tiles, tile_costs
-from sparsekit.pruning.learn.choices import MaskLogits, choice_index, expand_tiles
+from sparsekit.pruning.learn.choices import MaskBank, choice_index, expand_tiles
 from sparsekit.pruning.learn.config import LearnConfig
 from sparsekit.pruning.learn.layerwise import prune_layerwise
 from sparsekit.pruning.learn.loop import calibration_loss, summarize, train
@@ -41,7 +41,7 @@ def check_learnable(method: Method, pattern, sparsity: float, learning: bool, al
 
 
 def initial_logits(scores: dict[str, torch.Tensor], oneshot: dict[str, torch.Tensor], pattern, cfg: LearnConfig,
-                   normalize: bool) -> dict[str, MaskLogits]:
+                   normalize: bool) -> MaskBank:
     """Logits that favour the one-shot mask ``oneshot`` {name: bool keep-mask}.
 
     Groups: ``cfg.prior`` on the one-shot 2:4 choice (in dense tiles, the top-2 ``scores`` of the
@@ -49,22 +49,19 @@ def initial_logits(scores: dict[str, torch.Tensor], oneshot: dict[str, torch.Ten
     one-shot preference (minus its cost) clipped to [-1, 1], so that the ranking survives among
     tiles on the same side."""
     tile = pattern.tile if pattern.is_hybrid else 0
-    out = {}
+    dev = next(iter(scores.values())).device
+    bank = MaskBank({n: tuple(s.shape) for n, s in scores.items()}, tile, device=dev)
     for name, s in scores.items():
         keep = oneshot[name].to(s.device)
-        lg = MaskLogits(tuple(s.shape), tile, device=s.device)
-        sparse = None
+        sparse = bias = None
         if tile:
             sparse = tile_sums((~keep).float(), tile) > 0
-            keep = torch.where(expand_tiles(sparse, tile).bool(), keep, nm_mask(s, 2, 4))
-        lg.init_from(choice_index(keep), sparse, cfg.prior, cfg.tile_prior)
-        if tile:
+            keep = torch.where(expand_tiles(sparse, tile), keep, nm_mask(s, 2, 4))
             p = -tile_costs(s, tile, normalize)
             p = p - p.mean()
-            with torch.no_grad():
-                lg.tiles.add_((p / p.std().clamp_min(1e-12) if p.numel() > 1 else p.sign()).clamp(-1, 1))
-        out[name] = lg
-    return out
+            bias = (p / p.std().clamp_min(1e-12) if p.numel() > 1 else p.sign()).clamp(-1, 1)
+        bank.init_from(name, choice_index(keep), sparse, cfg.prior, cfg.tile_prior, bias)
+    return bank
 
 
 def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity: float, skip, device: torch.device,
