@@ -56,7 +56,7 @@ def prune_cmd(
     lr: float = typer.Option(0.1, "--lr", help="--learn-mask: Adam learning rate on the mask logits"),
     learn_batch: int = typer.Option(8, "--learn-batch", help="--learn-mask: calibration windows per step"),
     distill: bool = typer.Option(False, "--distill", help="--learn-mask: add KL divergence from the dense model to the LM loss"),
-    weight_update: Optional[bool] = typer.Option(None, "--weight-update/--no-weight-update", help="--learn-mask / global allocation: SparseGPT weight update on the final mask (default: with --method sparsegpt)"),
+    weight_update: Optional[bool] = typer.Option(None, "--weight-update/--no-weight-update", help="--learn-mask / --allocation global: recompute the kept weights from the dense ones with SparseGPT's update on the final mask (default: off; learning keeps the one-shot weights frozen)"),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="--learn-mask: save the learning state every K steps (0: never)"),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="--learn-mask: where checkpoints go (default: OUTPUT-checkpoints)"),
     resume: bool = typer.Option(False, "--resume", help="--learn-mask: continue from the latest checkpoint (same settings and --seed)"),
@@ -74,7 +74,7 @@ def prune_cmd(
 
     learn = None
     if learn_mask:
-        learn = dict(steps=steps, lr=lr, batch_size=learn_batch, distill=distill, weight_update=weight_update,
+        learn = dict(steps=steps, lr=lr, batch_size=learn_batch, distill=distill, weight_update=bool(weight_update),
                      checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, resume=resume)
     elif resume or checkpoint_every or distill:
         raise SparsekitError("--resume, --checkpoint-every and --distill go with --learn-mask")

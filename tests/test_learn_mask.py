@@ -140,7 +140,9 @@ def test_learned_mask_beats_one_shot(work, learned):
     _prune(work, "oneshot", method="wanda", pattern=f"hybrid:{TILE}", sparsity=0.35, seed=3)
     _, one = _linears(work / "oneshot")
     assert abs(_overall(one) - _overall(_linears(work / "learned")[1])) < 1e-3  # equal sparsity
-    assert _calib_loss(work, work / "learned") < _calib_loss(work, work / "oneshot")
+    one_shot_loss = _calib_loss(work, work / "oneshot")
+    assert abs(cl["init"] - one_shot_loss) < 1e-4  # learning starts exactly at the one-shot prune
+    assert _calib_loss(work, work / "learned") < one_shot_loss
 
 
 def test_zero_steps_is_the_one_shot_prune(work):
@@ -182,14 +184,15 @@ def test_global_allocation_meets_global_target(work):
     assert sum(_tile_kinds(w, TILE)[1] for w in sg.values()) == sum(_tile_kinds(w, TILE)[1] for w in layers.values())
     assert abs(_overall(sg) - 0.3) < 0.005
     # learning from the global allocation keeps the global target
-    _prune(work, "global-learned", method="wanda", pattern=f"hybrid:{TILE}", sparsity=0.3, allocation="global",
-           learn=dict(steps=3, batch_size=2))
+    rep = _prune(work, "global-learned", method="wanda", pattern=f"hybrid:{TILE}", sparsity=0.3, allocation="global",
+                 learn=dict(steps=3, batch_size=2, distill=True))
+    assert rep["learning"]["distill"] and math.isfinite(rep["learning"]["loss"]["last"])
     _, layers = _linears(work / "global-learned")
     assert abs(_overall(layers) - 0.3) < 0.005
 
 
 def test_learned_2of4_with_sparsegpt_update(work):
-    rep = _prune(work, "l24", method="sparsegpt", pattern="2:4", learn=dict(steps=3, batch_size=2))
+    rep = _prune(work, "l24", method="sparsegpt", pattern="2:4", learn=dict(steps=3, batch_size=2, weight_update=True))
     assert rep["learning"]["weight_update"] is True
     _, layers = _linears(work / "l24")
     dense = load_file(str(work / "tiny" / "model.safetensors"))

@@ -19,7 +19,7 @@ class LearnConfig:
     tile_prior: float = 2.0  # initial tile logits: +/- this for one-shot sparse / dense tiles
     reg: float = 1.0  # weight of the sparsity regularizer
     distill: bool = False  # add KL(dense model || masked model) to the LM loss
-    weight_update: bool | None = None  # SparseGPT update on the final mask (None: when --method sparsegpt)
+    weight_update: bool = False  # recompute the kept weights with SparseGPT's sweep from the dense ones
     checkpoint_every: int = 0  # steps between checkpoints (0: none)
     checkpoint_dir: str | None = None  # default: <output>-checkpoints
     resume: bool = False  # continue from the latest checkpoint in checkpoint_dir

@@ -71,9 +71,11 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
     """Mask ``model`` in place (on the CPU); returns an engine-like report plus ``learning``.
 
     1. Scores of the dense model (one pass), and for ``global`` the tiles ranked over the model.
-    2. The one-shot mask, layer by layer (``layerwise``; with ``cfg.steps == 0`` that is the result).
-    3. Learning from it on the dense weights (restored), then the final mask, with the SparseGPT
-       update for SparseGPT (or ``cfg.weight_update``).
+    2. The one-shot prune, layer by layer (``layerwise``; with ``cfg.steps == 0`` that is the result).
+    3. Learning, starting exactly at the one-shot result: the frozen weights are the one-shot
+       weights where it kept them (SparseGPT's updated ones) and the dense weights where it pruned
+       them; the result is those weights under the learned mask. With ``cfg.weight_update``, SparseGPT's
+       sweep recomputes the kept weights from the dense ones for the final mask instead.
     """
     t_start = time.perf_counter()
     sparsity = 0.5 if pattern.is_nm else float(sparsity)
@@ -84,7 +86,7 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
         raise SparsekitError(f"no linear layer to prune: the skip patterns {list(skip)} exclude them all")
     for name, mod in linears.items():
         pattern.check_shape(*L.weight_out_in(mod).shape)
-    update = cfg.weight_update if cfg.weight_update is not None else method.needs_hessian
+    update = bool(cfg.weight_update)
     learning_steps = cfg.steps > 0
     model.requires_grad_(False)
     model.eval()
@@ -100,42 +102,46 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
         if allocation == "global":
             pref = {n: -tile_costs(s, pattern.tile, normalize=True) for n, s in scores.items()}
             tiles = {n: t.cpu() for n, t in select_tiles(pref, sparsity, "global")[0].items()}
-    dense = {n: L.weight_out_in(m).detach().clone() for n, m in linears.items()} if learning_steps else None
+    need_dense = learning_steps or (update and not method.needs_hessian)
+    dense = {n: L.weight_out_in(m).detach().clone() for n, m in linears.items()} if need_dense else None
     first = prune_layerwise(model, calib, list(linears), tiles=tiles, **kw)  # the one-shot mask
     learning: dict = {"init": method.name, "allocation": allocation, **cfg.as_dict()}
     run = {"history": [], "seconds": 0.0, "start_step": 0, "resumed_from": None}
     loss_init = loss_final = None
-    final, changed, learn_peak = first, 0, first["peak_mem_bytes"]
+    final, keep, changed, learn_peak = first, first["masks"], 0, first["peak_mem_bytes"]
     if learning_steps:
         if calib is None:
             raise SparsekitError("--learn-mask needs calibration data")
-        with torch.no_grad():
-            for n, m in linears.items():  # learning masks the dense weights
-                L.set_weight_out_in(m, dense[n])
-        del dense
+        with torch.no_grad():  # the frozen weights: the one-shot weights where it kept, the dense ones elsewhere
+            for n, m in linears.items():
+                L.set_weight_out_in(m, torch.where(first["masks"][n], L.weight_out_in(m), dense[n]))
         model.to(device)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        logits = initial_logits(scores, first["masks"], pattern, cfg, allocation == "global")
+        bank = initial_logits(scores, first["masks"], pattern, cfg, allocation == "global")
         del scores
         with masked(linears) as holders:
             loss_init = calibration_loss(model, holders, _as_float(first["masks"], device), calib, device, bs)
-            run = train(model, holders, logits, calib, sparsity=sparsity, allocation=allocation, cfg=cfg, seed=seed,
+            run = train(model, holders, bank, calib, sparsity=sparsity, allocation=allocation, cfg=cfg, seed=seed,
                         device=device, fingerprint=fingerprint or {}, checkpoint_dir=checkpoint_dir,
                         progress=progress, warn=warn)
-            keep = {n: k.cpu() for n, k in final_masks(logits, sparsity, allocation).items()}
+            keep = {n: k.cpu() for n, k in final_masks(bank, sparsity, allocation).items()}
             loss_final = calibration_loss(model, holders, _as_float(keep, device), calib, device, bs)
         learn_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         changed = sum(int((keep[n] != first["masks"][n]).sum()) for n in keep)
-        del logits
+        del bank
         model.to("cpu")
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if update and (learning_steps or not method.needs_hessian):  # SparseGPT's sweep, from the dense weights
+        with torch.no_grad():
+            for n, m in linears.items():
+                L.set_weight_out_in(m, dense[n])
+        del dense
         final = prune_layerwise(model, calib, list(linears), keep=keep, stage="update",
-                                **{**kw, "method": METHODS["sparsegpt"] if update else _NO_UPDATE})
-    elif update and not method.needs_hessian:  # the SparseGPT update on a Wanda / magnitude one-shot mask
-        final = prune_layerwise(model, calib, list(linears), keep=first["masks"], stage="update",
                                 **{**kw, "method": METHODS["sparsegpt"]})
+    elif learning_steps:  # the frozen weights under the learned mask
+        final = prune_layerwise(model, calib, list(linears), keep=keep, stage="update", **{**kw, "method": _NO_UPDATE})
     learning.update({
         "weight_update": bool(update), "temperature_schedule": sch.describe(cfg.steps, cfg.tau, cfg.noise),
         "loss": summarize(run["history"]), "calibration_loss": {"init": loss_init, "learned_mask": loss_final},
