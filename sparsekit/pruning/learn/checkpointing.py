@@ -1,4 +1,5 @@
-"""Checkpoints of a learning run: the logits, the optimizer state, the step and the loss history.
+"""Checkpoints of a learning run: the logits, the optimizer and learning-rate states, the best mask
+so far on the held-out windows, the step and the loss history.
 
 One file per checkpoint, ``step-NNNNNN.pt`` in the checkpoint directory, written to a temporary
 name and renamed into place (a killed run never leaves half a checkpoint). A checkpoint records the
@@ -31,15 +32,16 @@ def latest(directory: str | Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def save(directory: str | Path, step: int, logits: dict[str, torch.Tensor], optimizer_state: dict,
+def save(directory: str | Path, step: int, logits: dict[str, torch.Tensor], loop_state: dict,
          history: list[float], fingerprint: dict) -> Path:
-    """Write the state after ``step`` steps; returns the file."""
+    """Write the state after ``step`` steps (``loop_state``: optimizer, scheduler, best mask so far);
+    returns the file."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     path = checkpoint_path(d, step)
     tmp = d / f".{path.name}.tmp-{os.getpid()}"
     state = {"step": int(step), "logits": {k: v.detach().cpu() for k, v in logits.items()},
-             "optimizer": optimizer_state, "history": list(history), "fingerprint": fingerprint}
+             **loop_state, "history": list(history), "fingerprint": fingerprint}
     torch.save(state, tmp)
     os.replace(tmp, path)
     return path

@@ -1,8 +1,8 @@
 """The learning loop: Adam on the mask logits, the weights frozen.
 
 Each step draws the masks of every linear (``masking.draw``), runs a batch of calibration windows
-through the masked model and minimizes the language-modelling loss (plus, with ``distill``, the KL
-divergence from the dense model's next-token distribution) plus ``reg`` times the sparsity
+through the masked model and minimizes the language-modelling loss (with ``distill``, the KL
+divergence from the dense model's next-token distribution instead) plus ``reg`` times the sparsity
 regularizer. On CUDA the forward runs under bf16 autocast; logits and optimizer state stay fp32.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from sparsekit.progress import Progress, report
 from sparsekit.pruning.learn import checkpointing, schedule as sch
-from sparsekit.pruning.learn.masking import draw, set_masks
+from sparsekit.pruning.learn.masking import draw, final_masks, set_masks
 
 
 def autocast(device: torch.device):
@@ -52,23 +52,47 @@ def calibration_loss(model, holders, masks, calib: torch.Tensor, device: torch.d
     return total / max(1, n)
 
 
+def _heldout_loss(model, holders, bank, heldout, sparsity, allocation, device, batch_size) -> float:
+    masks = {n: m.float() for n, m in final_masks(bank, sparsity, allocation).items()}
+    return calibration_loss(model, holders, masks, heldout, device, batch_size)
+
+
+def _snapshot(bank) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in bank.named_parameters()}
+
+
 def train(model, holders, bank, calib: torch.Tensor, *, sparsity: float, allocation: str, cfg, seed: int,
-          device: torch.device, fingerprint: dict, checkpoint_dir, progress: Progress | None = None,
-          warn: Callable[[str], object] = print) -> dict:
-    """Run ``cfg.steps`` steps (from a checkpoint with ``cfg.resume``); returns the loss history and timings."""
+          device: torch.device, fingerprint: dict, checkpoint_dir, heldout: torch.Tensor | None = None,
+          progress: Progress | None = None, warn: Callable[[str], object] = print) -> dict:
+    """Run ``cfg.steps`` steps (from a checkpoint with ``cfg.resume``) and leave in ``bank`` the logits
+    whose mask had the lowest LM loss on the ``heldout`` windows (checked every ``eval_every`` steps
+    and at the end; the starting mask counts, so learning never returns a mask worse there than the
+    one it started from). Returns the loss history, the selection and timings."""
     opt = torch.optim.Adam(list(bank.parameters()), lr=cfg.lr)
+    steps = cfg.steps
+    warmup = max(1, int(round(steps * cfg.warmup)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / warmup))
+    eval_every = max(1, steps // 20)
+    ev = dict(sparsity=sparsity, allocation=allocation, device=device, batch_size=cfg.batch_size)
     history: list[float] = []
     start, resumed = 0, None
+    best = {"step": 0, "loss": None, "state": None, "curve": []}
     if cfg.resume:
         state = checkpointing.load(checkpoint_dir, fingerprint)
         with torch.no_grad():
             for key, t in state["logits"].items():
                 getattr(bank, key).copy_(t)
         opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
         start, history, resumed = state["step"], list(state["history"]), state["path"]
-        warn(f"resuming mask learning from {resumed} (step {start} of {cfg.steps})")
+        best = state["best"]
+        if best["state"] is not None:
+            best["state"] = {k: v.to(device) for k, v in best["state"].items()}
+        warn(f"resuming mask learning from {resumed} (step {start} of {steps})")
+    elif heldout is not None:
+        best.update(loss=_heldout_loss(model, holders, bank, heldout, **ev), state=_snapshot(bank))
+        best["curve"].append([0, best["loss"]])
     t0 = time.perf_counter()
-    steps = cfg.steps
     for step in range(start, steps):
         masks, reg = draw(bank, sparsity, allocation, step, steps, cfg, seed, device)
         ids = calib[sch.batch_indices(seed, step, calib.shape[0], cfg.batch_size)].to(device)
@@ -80,23 +104,40 @@ def train(model, holders, bank, calib: torch.Tensor, *, sparsity: float, allocat
         set_masks(holders, masks)
         with autocast(device):
             out = model(input_ids=ids, use_cache=False).logits
-        loss = lm_loss(out, ids)
-        if teacher is not None:
-            loss = loss + kl_loss(out, teacher)
+        loss = lm_loss(out, ids) if teacher is None else kl_loss(out, teacher)
         total = loss + cfg.reg * reg
         opt.zero_grad(set_to_none=True)
         total.backward()
         opt.step()
+        sched.step()
         set_masks(holders, None)
         history.append(float(loss.detach()))
         del masks, out, teacher, loss, total
         done = step + 1
+        if heldout is not None and (done % eval_every == 0 or done == steps):
+            val = _heldout_loss(model, holders, bank, heldout, **ev)
+            best["curve"].append([done, val])
+            if val < best["loss"]:
+                best.update(step=done, loss=val, state=_snapshot(bank))
         if cfg.checkpoint_every and done % cfg.checkpoint_every == 0 and done < steps:
-            checkpointing.save(checkpoint_dir, done, dict(bank.named_parameters()), opt.state_dict(), history, fingerprint)
+            saved_best = {**best, "state": None if best["state"] is None else {k: v.cpu() for k, v in best["state"].items()}}
+            checkpointing.save(checkpoint_dir, done, dict(bank.named_parameters()),
+                               {"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "best": saved_best},
+                               history, fingerprint)
         report(progress, "learning", done, steps)
+    if heldout is not None:
+        with torch.no_grad():
+            for key, p in bank.named_parameters():
+                p.copy_(best["state"][key])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return {"history": history, "seconds": time.perf_counter() - t0, "start_step": start, "resumed_from": resumed}
+    selection = None
+    if heldout is not None:
+        selection = {"heldout_windows": int(heldout.shape[0]), "eval_every": eval_every, "best_step": best["step"],
+                     "heldout_loss_start": best["curve"][0][1] if best["curve"] else None,
+                     "heldout_loss_best": best["loss"], "heldout_curve": best["curve"]}
+    return {"history": history, "seconds": time.perf_counter() - t0, "start_step": start, "resumed_from": resumed,
+            "selection": selection}
 
 
 def summarize(history: list[float], points: int = 20) -> dict:

@@ -106,7 +106,7 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
     dense = {n: L.weight_out_in(m).detach().clone() for n, m in linears.items()} if need_dense else None
     first = prune_layerwise(model, calib, list(linears), tiles=tiles, **kw)  # the one-shot mask
     learning: dict = {"init": method.name, "allocation": allocation, **cfg.as_dict()}
-    run = {"history": [], "seconds": 0.0, "start_step": 0, "resumed_from": None}
+    run = {"history": [], "seconds": 0.0, "start_step": 0, "resumed_from": None, "selection": None}
     loss_init = loss_final = None
     final, keep, changed, learn_peak = first, first["masks"], 0, first["peak_mem_bytes"]
     if learning_steps:
@@ -122,7 +122,9 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
         del scores
         with masked(linears) as holders:
             loss_init = calibration_loss(model, holders, _as_float(first["masks"], device), calib, device, bs)
-            run = train(model, holders, bank, calib, sparsity=sparsity, allocation=allocation, cfg=cfg, seed=seed,
+            n_hold = min(calib.shape[0] - 1, max(1, round(calib.shape[0] * cfg.holdout))) if cfg.holdout else 0
+            run = train(model, holders, bank, calib[:calib.shape[0] - n_hold], sparsity=sparsity, allocation=allocation,
+                        cfg=cfg, seed=seed, heldout=calib[calib.shape[0] - n_hold:] if n_hold else None,
                         device=device, fingerprint=fingerprint or {}, checkpoint_dir=checkpoint_dir,
                         progress=progress, warn=warn)
             keep = {n: k.cpu() for n, k in final_masks(bank, sparsity, allocation).items()}
@@ -147,7 +149,7 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
         "loss": summarize(run["history"]), "calibration_loss": {"init": loss_init, "learned_mask": loss_final},
         "mask_changes_from_init": changed, "oneshot_seconds": first["seconds"], "learn_seconds": run["seconds"],
         "update_seconds": final["seconds"] if final is not first else 0.0,
-        "resumed_from": run["resumed_from"], "peak_mem_bytes": learn_peak,
+        "resumed_from": run["resumed_from"], "peak_mem_bytes": learn_peak, "selection": run["selection"],
     })
     peaks = [p for p in (learn_peak, first["peak_mem_bytes"], final["peak_mem_bytes"]) if p]
     return {"layers": final["layers"], "per_layer": [], "capture_seconds": 0.0, "seconds": time.perf_counter() - t_start,
