@@ -52,9 +52,10 @@ def prune_cmd(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Calibration windows per forward (default: ~16k tokens)"),
     allocation: Optional[str] = typer.Option(None, "--allocation", help="Hybrid tiles: layer (every linear at --sparsity) | global (one ranking over the model; sensitive linears stay denser) (default: layer)"),
     learn_mask: bool = typer.Option(False, "--learn-mask", help="Learn the hybrid / 2:4 mask on the calibration text, weights frozen (see sparsekit.pruning.learn)."),
-    steps: int = typer.Option(300, "--steps", help="--learn-mask: optimizer steps"),
-    lr: float = typer.Option(0.1, "--lr", help="--learn-mask: Adam learning rate on the mask logits"),
-    learn_batch: int = typer.Option(8, "--learn-batch", help="--learn-mask: calibration windows per step"),
+    steps: Optional[int] = typer.Option(None, "--steps", help="--learn-mask: optimizer steps (default: 300)"),
+    lr: Optional[float] = typer.Option(None, "--lr", help="--learn-mask: Adam learning rate on the mask logits (default: 0.1)"),
+    learn_batch: Optional[int] = typer.Option(None, "--learn-batch", help="--learn-mask: calibration windows per step (default: 8)"),
+    holdout: Optional[float] = typer.Option(None, "--holdout", help="--learn-mask: fraction of the calibration windows held out to keep the best mask (default: 0.125; 0: keep the last)"),
     distill: bool = typer.Option(False, "--distill", help="--learn-mask: add KL divergence from the dense model to the LM loss"),
     weight_update: Optional[bool] = typer.Option(None, "--weight-update/--no-weight-update", help="--learn-mask / --allocation global: recompute the kept weights from the dense ones with SparseGPT's update on the final mask (default: off; learning keeps the one-shot weights frozen)"),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="--learn-mask: save the learning state every K steps (0: never)"),
@@ -74,10 +75,12 @@ def prune_cmd(
 
     learn = None
     if learn_mask:
-        learn = dict(steps=steps, lr=lr, batch_size=learn_batch, distill=distill, weight_update=bool(weight_update),
+        given = dict(steps=steps, lr=lr, batch_size=learn_batch, holdout=holdout)
+        learn = dict({k: v for k, v in given.items() if v is not None}, distill=distill, weight_update=bool(weight_update),
                      checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, resume=resume)
-    elif resume or checkpoint_every or distill:
-        raise SparsekitError("--resume, --checkpoint-every and --distill go with --learn-mask")
+    elif resume or checkpoint_every or distill or any(v is not None for v in (steps, lr, learn_batch, holdout)):
+        raise SparsekitError("--steps, --lr, --learn-batch, --holdout, --distill, --checkpoint-every and --resume "
+                             "go with --learn-mask")
     elif weight_update is not None and allocation != "global":
         raise SparsekitError("--weight-update goes with --learn-mask or --allocation global")
     elif weight_update is not None:

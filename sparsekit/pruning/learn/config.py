@@ -11,7 +11,7 @@ from sparsekit.errors import SparsekitError
 @dataclass
 class LearnConfig:
     steps: int = 300  # optimizer steps (0: the one-shot mask, e.g. for --allocation global alone)
-    lr: float = 0.05  # Adam learning rate on the logits (after a linear warm-up)
+    lr: float = 0.1  # Adam learning rate on the logits (after a linear warm-up)
     warmup: float = 0.1  # fraction of the steps over which the learning rate ramps up
     holdout: float = 0.125  # fraction of the calibration windows held out to pick the best mask (0: none)
     batch_size: int = 8  # calibration windows per step
