@@ -226,3 +226,22 @@ def test_cli_learn_mask_and_refusals(work):
                        (["--pattern", "hybrid", "--allocation", "row"], "allocation"), (["--resume"], "--learn-mask")):
         res = runner.invoke(app, base + extra + ["-o", str(work / "bad")])
         assert res.exit_code == 2 and msg in res.output, res.output
+
+
+def test_demo_script_smoke(tmp_path):
+    """scripts/learn_masks_demo.py end to end on a tiny random model (its --smoke mode)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "learn_masks_demo.py"
+    res = subprocess.run([sys.executable, str(script), "--smoke", "--sparsities", "0.35", "--out", str(tmp_path / "w"),
+                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rep = json.loads((tmp_path / "r.json").read_text())
+    rows = {r["row"]: r for r in rep["rows"]}
+    assert {"dense", "learned hybrid 0.35", "learned 2:4", "2:4 sparsegpt", "one-shot hybrid wanda 0.35",
+            "one-shot hybrid sparsegpt 0.35", "unstructured sparsegpt 0.35"} == set(rows)
+    assert abs(rows["learned hybrid 0.35"]["overall_sparsity"] - 0.35) < 0.005
+    assert all(math.isfinite(r["ppl"]) for r in rows.values())
+    assert "| learned hybrid 0.35 |" in res.stdout
