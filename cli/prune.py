@@ -104,7 +104,7 @@ class _Bars:
 
     LABELS = {"calibration": "capturing calibration inputs", "layers": "pruning decoder layers",
               "thresholds": "calibrating CATS thresholds", "scores": "scoring (dense model)",
-              "learning": "learning masks", "update": "SparseGPT update on the mask"}
+              "learning": "learning masks", "final": "final weights on the learned mask"}
 
     def __init__(self, disable: bool = False):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn

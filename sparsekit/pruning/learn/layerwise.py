@@ -63,7 +63,8 @@ def prune_layerwise(model, calib: torch.Tensor | None, names: list[str], *, meth
                     percdamp: float = 0.01, batch_size: int | None = None, progress: Progress | None = None,
                     stage: str = "layers", warn: Callable[[str], object] = print) -> dict:
     """Prune the linears ``names`` of ``model`` (on the CPU) in place; returns ``masks`` {name: bool
-    keep-mask on the CPU}, ``layers`` (report entries), ``seconds`` and ``peak_mem_bytes``."""
+    keep-mask on the CPU}, ``layers`` (report entries), ``per_layer`` (the engine's per-layer entries),
+    ``seconds`` and ``peak_mem_bytes``."""
     t0 = time.perf_counter()
     stack_name, layers = L.find_decoder_layers(model)
     wanted = set(names)
@@ -72,8 +73,9 @@ def prune_layerwise(model, calib: torch.Tensor | None, names: list[str], *, meth
     acts = None
     if method.needs_stats:
         acts = capture_inputs(model, calib, device, batch_size or default_batch_size(calib.shape[1]))
-    masks, entries = {}, {}
+    masks, entries, per_layer = {}, {}, []
     for idx, layer in enumerate(layers):
+        t_layer = time.perf_counter()
         layer.to(device)
         linears = {n: m for n, m in L.find_linears(layer, prefix=f"{stack_name}.{idx}").items() if n in wanted}
         stats = collect_stats(layer, linears, acts, method.needs_hessian, device) if acts is not None and linears else {}
@@ -88,7 +90,10 @@ def prune_layerwise(model, calib: torch.Tensor | None, names: list[str], *, meth
         if acts is not None and idx + 1 < len(layers):
             acts.run(layer, write=True)
         layer.to("cpu")
+        per_layer.append({"index": idx, "seconds": time.perf_counter() - t_layer, "phases": {},
+                          "peak_mem_bytes": None, "linears": list(linears)})
         report(progress, stage, idx + 1, len(layers))
     del acts
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"masks": masks, "layers": entries, "seconds": time.perf_counter() - t0, "peak_mem_bytes": peak}
+    return {"masks": masks, "layers": entries, "per_layer": per_layer, "seconds": time.perf_counter() - t0,
+            "peak_mem_bytes": peak}

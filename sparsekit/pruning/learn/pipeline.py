@@ -140,10 +140,10 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
             for n, m in linears.items():
                 L.set_weight_out_in(m, dense[n])
         del dense
-        final = prune_layerwise(model, calib, list(linears), keep=keep, stage="update",
+        final = prune_layerwise(model, calib, list(linears), keep=keep, stage="final",
                                 **{**kw, "method": METHODS["sparsegpt"]})
     elif learning_steps:  # the frozen weights under the learned mask
-        final = prune_layerwise(model, calib, list(linears), keep=keep, stage="update", **{**kw, "method": _NO_UPDATE})
+        final = prune_layerwise(model, calib, list(linears), keep=keep, stage="final", **{**kw, "method": _NO_UPDATE})
     learning.update({
         "weight_update": bool(update), "temperature_schedule": sch.describe(cfg.steps, cfg.tau, cfg.noise),
         "loss": summarize(run["history"]), "calibration_loss": {"init": loss_init, "learned_mask": loss_final},
@@ -152,7 +152,7 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
         "resumed_from": run["resumed_from"], "peak_mem_bytes": learn_peak, "selection": run["selection"],
     })
     peaks = [p for p in (learn_peak, first["peak_mem_bytes"], final["peak_mem_bytes"]) if p]
-    return {"layers": final["layers"], "per_layer": [], "capture_seconds": 0.0, "seconds": time.perf_counter() - t_start,
+    return {"layers": final["layers"], "per_layer": final["per_layer"], "capture_seconds": 0.0, "seconds": time.perf_counter() - t_start,
             "peak_mem_bytes": max(peaks) if peaks else None, "device": str(device), "decoder_stack": stack_name,
             "learning": learning}
 
