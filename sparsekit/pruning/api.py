@@ -142,7 +142,12 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, prog
         if ctx is not None and s.seqlen > ctx:
             warn(f"seqlen {s.seqlen} exceeds the model context {ctx}: using {ctx}")
             s.seqlen = ctx
-        calib_ids = calibration_windows(s.dataset, tokenizer, nsamples=s.nsamples, seqlen=s.seqlen, seed=s.seed)
+        if learn is not None and learn.steps > 0:  # held-out windows from text the training ones never see
+            from sparsekit.pruning.learn.data import learning_windows
+
+            calib_ids = learning_windows(s.dataset, tokenizer, s.nsamples, s.seqlen, s.seed, learn.heldout_windows(s.nsamples))
+        else:
+            calib_ids = calibration_windows(s.dataset, tokenizer, nsamples=s.nsamples, seqlen=s.seqlen, seed=s.seed)
         calibration = {"dataset": s.dataset, "nsamples": int(calib_ids.shape[0]),
                        "seqlen": int(calib_ids.shape[1]), "seed": s.seed}
     else:

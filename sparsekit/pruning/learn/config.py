@@ -47,6 +47,10 @@ class LearnConfig:
                                      f"numbers (start, end), got {getattr(self, name)!r}")
             setattr(self, name, pair)
 
+    def heldout_windows(self, n: int) -> int:
+        """How many of ``n`` calibration windows are held out (the last ones)."""
+        return min(n - 1, max(1, round(n * self.holdout))) if self.holdout and n > 1 else 0
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["tau"], d["noise"] = list(self.tau), list(self.noise)

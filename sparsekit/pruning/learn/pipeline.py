@@ -122,7 +122,7 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
         del scores
         with masked(linears) as holders:
             loss_init = calibration_loss(model, holders, _as_float(first["masks"], device), calib, device, bs)
-            n_hold = min(calib.shape[0] - 1, max(1, round(calib.shape[0] * cfg.holdout))) if cfg.holdout else 0
+            n_hold = cfg.heldout_windows(calib.shape[0])
             run = train(model, holders, bank, calib[:calib.shape[0] - n_hold], sparsity=sparsity, allocation=allocation,
                         cfg=cfg, seed=seed, heldout=calib[calib.shape[0] - n_hold:] if n_hold else None,
                         device=device, fingerprint=fingerprint or {}, checkpoint_dir=checkpoint_dir,
