@@ -15,14 +15,14 @@ from sparsekit.hf import modules as L
 from sparsekit.progress import Progress
 from sparsekit.pruning.learn import schedule as sch
 from sparsekit.pruning.learn.allocation import select_tiles, tile_costs
-from sparsekit.pruning.learn.choices import MaskBank, choice_index, expand_tiles
+from sparsekit.pruning.learn.choices import MaskBank, choice_index
 from sparsekit.pruning.learn.config import LearnConfig
 from sparsekit.pruning.learn.layerwise import prune_layerwise
 from sparsekit.pruning.learn.loop import calibration_loss, summarize, train
 from sparsekit.pruning.learn.masking import final_masks, masked
 from sparsekit.pruning.learn.scores import model_scores
 from sparsekit.pruning.methods import METHODS, Method
-from sparsekit.pruning.patterns import HYBRID_MAX_SPARSITY, nm_mask, tile_sums
+from sparsekit.pruning.patterns import HYBRID_MAX_SPARSITY, nm_mask
 
 _NO_UPDATE = METHODS["magnitude"]  # layerwise with a fixed mask and a method without Hessian: zero the rest
 
@@ -53,10 +53,14 @@ def initial_logits(scores: dict[str, torch.Tensor], oneshot: dict[str, torch.Ten
     bank = MaskBank({n: tuple(s.shape) for n, s in scores.items()}, tile, device=dev)
     for name, s in scores.items():
         keep = oneshot[name].to(s.device)
+        r, c = keep.shape
+        pruned = (~keep).reshape(r, c // 4, 4).sum(-1)  # per group; dead inputs (SparseGPT) add zeros
+        # groups the one-shot left exactly 2:4 keep its choice; the others (dense tiles, dead inputs)
+        # start from the scores' top 2
+        keep = torch.where((pruned == 2).repeat_interleave(4, dim=1), keep, nm_mask(s, 2, 4))
         sparse = bias = None
-        if tile:
-            sparse = tile_sums((~keep).float(), tile) > 0
-            keep = torch.where(expand_tiles(sparse, tile), keep, nm_mask(s, 2, 4))
+        if tile:  # a 2:4 tile prunes at least 2 of every group of 4
+            sparse = pruned.reshape(r // tile, tile, c // tile, tile // 4).amin(dim=(1, 3)) >= 2
             p = -tile_costs(s, tile, normalize)
             p = p - p.mean()
             bias = (p / p.std().clamp_min(1e-12) if p.numel() > 1 else p.sign()).clamp(-1, 1)
