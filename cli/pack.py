@@ -108,7 +108,9 @@ def encode_cmd(
     if report["cast_from"]:
         console.print(f"note: {report['cast_from']} weights were cast to {report['dtype']}")
     if dense_n:
-        console.print(f"{dense_n} layer{'s' if dense_n != 1 else ''} kept dense (see `sparsekit inspect`)")
+        name, info = next((n, i) for n, i in report["per_layer"].items() if not i["packed"])
+        console.print(f"{dense_n} layer{'s' if dense_n != 1 else ''} kept dense (see `sparsekit inspect`), e.g. "
+                      f"{name}: {info['reason']}", highlight=False)
 
 
 def _natural_key(name: str):

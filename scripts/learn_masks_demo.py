@@ -8,7 +8,7 @@ windows for learning; perplexity: the full WikiText-2 test string at seqlen 2048
 (``sparsekit.evaluation.ppl``, the protocol of docs/results.md). Records learning time and peak GPU
 memory of every learned run.
 
-Meant for ONE device call of at most 9 minutes on an H100: ``--budget`` (seconds, default 470) is
+Meant for ONE device call of at most 9 minutes on an H100: ``--budget`` (seconds, default 450) is
 the wall time the whole script aims at; learned runs get the time left after the one-shot rows, as
 steps measured from the first learned run's step time (``--steps N`` fixes them instead).
 
@@ -64,9 +64,9 @@ def main() -> int:
     ap.add_argument("--eval-seqlen", type=int, default=2048)
     ap.add_argument("--max-windows", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None, help="learning steps of every learned run (default: fit --budget)")
-    ap.add_argument("--first-steps", type=int, default=250, help="steps of the first learned run when --steps is not given")
+    ap.add_argument("--first-steps", type=int, default=150, help="steps of the first learned run when --steps is not given")
     ap.add_argument("--max-steps", type=int, default=1500)
-    ap.add_argument("--budget", type=float, default=470.0, help="target wall seconds of the whole script")
+    ap.add_argument("--budget", type=float, default=450.0, help="target wall seconds of the whole script")
     ap.add_argument("--lr", type=float, default=None)
     ap.add_argument("--learn-batch", type=int, default=None)
     ap.add_argument("--distill", action="store_true")
@@ -152,7 +152,7 @@ def main() -> int:
         else:  # the time left, shared by the learned runs left, minus each run's fixed cost
             left = args.budget - (time.perf_counter() - t_start)
             per_run = left / (len(learned) - i) - overhead
-            steps = int(max(50, min(args.max_steps, per_run / step_s)))
+            steps = int(max(30, min(args.max_steps, per_run / step_s)))
         learn = {"steps": steps}
         for key, val in (("lr", args.lr), ("batch_size", args.learn_batch)):
             if val is not None:
