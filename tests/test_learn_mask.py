@@ -257,3 +257,15 @@ def test_demo_script_smoke(tmp_path):
     assert abs(rows["learned hybrid 0.35"]["overall_sparsity"] - 0.35) < 0.005
     assert all(math.isfinite(r["ppl"]) for r in rows.values())
     assert "| learned hybrid 0.35 |" in res.stdout
+
+
+def test_allocation_in_recipes(tmp_path):
+    from sparsekit.pruning.recipes import resolve_settings
+
+    p = tmp_path / "r.yaml"
+    p.write_text('method: sparsegpt\npattern: "hybrid"\nsparsity: 0.35\nallocation: global\n')
+    assert resolve_settings(p).allocation == "global"
+    assert resolve_settings(p, allocation="layer").allocation == "layer"  # a flag overrides the recipe
+    assert resolve_settings().allocation == "layer"
+    with pytest.raises(SparsekitError, match="hybrid"):
+        resolve_settings(p, pattern="2:4")
