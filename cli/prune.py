@@ -56,7 +56,7 @@ def prune_cmd(
     lr: Optional[float] = typer.Option(None, "--lr", help="--learn-mask: Adam learning rate on the mask logits (default: 0.1)"),
     learn_batch: Optional[int] = typer.Option(None, "--learn-batch", help="--learn-mask: calibration windows per step (default: 8)"),
     holdout: Optional[float] = typer.Option(None, "--holdout", help="--learn-mask: fraction of the calibration windows held out to keep the best mask (default: 0.125; 0: keep the last)"),
-    distill: bool = typer.Option(False, "--distill", help="--learn-mask: add KL divergence from the dense model to the LM loss"),
+    distill: bool = typer.Option(False, "--distill", help="--learn-mask: minimize the KL divergence from the dense model's next-token distribution instead of the LM loss"),
     weight_update: Optional[bool] = typer.Option(None, "--weight-update/--no-weight-update", help="--learn-mask / --allocation global: recompute the kept weights from the dense ones with SparseGPT's update on the final mask (default: off; learning keeps the one-shot weights frozen)"),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="--learn-mask: save the learning state every K steps (0: never)"),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="--learn-mask: where checkpoints go (default: OUTPUT-checkpoints)"),
