@@ -8,13 +8,15 @@ import contextlib
 from pathlib import Path
 
 import typer
+from typing import Optional
 
 from sparsekit.cli.common import JSON_OPTION, console, emit_json, err_console, handle_errors
 
 ENCODE_HELP = (
     "Pack a pruned HF checkpoint (dense weights with zeros) as TCA-BME safetensors shards.\n\n"
-    "Each decoder linear weight is packed when its sparsity reaches --min-sparsity, otherwise it stays "
-    "dense and the reason is recorded (--force packs every layer). Embeddings, norms, lm_head and biases "
+    "Each decoder linear weight is packed when packing gains something for it: when its TCA-BME bytes are at "
+    "least 5% below its dense bytes (about 11% zeros or more, whatever the pattern); otherwise it stays dense "
+    "and the reason is recorded. --min-sparsity S packs by a sparsity threshold instead; --force packs every layer. Embeddings, norms, lm_head and biases "
     "are stored as they are; config, tokenizer and sparsekit.json are copied, so OUT is self-contained. "
     "float32 checkpoints are cast to float16 (bfloat16 if the config says so).\n\n"
     "Example: sparsekit encode out/wanda50 -o out/wanda50.tcabme"
@@ -80,7 +82,7 @@ def _ratio(r: float | None) -> str:
 def encode_cmd(
     pruned: Path = typer.Argument(..., help="Pruned HF checkpoint directory (output of `sparsekit prune`)."),
     output: Path = typer.Option(..., "-o", "--output", help="Output directory for the packed checkpoint."),
-    min_sparsity: float = typer.Option(0.3, "--min-sparsity", help="Layers sparser than this are packed; denser ones stay dense."),
+    min_sparsity: Optional[float] = typer.Option(None, "--min-sparsity", help="Pack layers with at least this fraction of zeros instead of by the bytes packing saves (default: by bytes)."),
     force: bool = typer.Option(False, "--force", help="Pack every linear layer, however dense."),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest shard file, e.g. 2GB, 500MB."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
@@ -106,7 +108,9 @@ def encode_cmd(
     if report["cast_from"]:
         console.print(f"note: {report['cast_from']} weights were cast to {report['dtype']}")
     if dense_n:
-        console.print(f"{dense_n} layer{'s' if dense_n != 1 else ''} kept dense (see `sparsekit inspect`)")
+        name, info = next((n, i) for n, i in report["per_layer"].items() if not i["packed"])
+        console.print(f"{dense_n} layer{'s' if dense_n != 1 else ''} kept dense (see `sparsekit inspect`), e.g. "
+                      f"{name}: {info['reason']}", highlight=False)
 
 
 def _natural_key(name: str):

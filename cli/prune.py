@@ -7,6 +7,7 @@ import typer
 
 from sparsekit.cli.common import JSON_OPTION, console, emit_json, err_console, handle_errors
 from sparsekit.cli.render import host_memory_text
+from sparsekit.errors import SparsekitError
 
 HELP = (
     "Prune a causal LM layer by layer and write an HF checkpoint (dense weights with zeros).\n\n"
@@ -21,7 +22,11 @@ HELP = (
     "--cats S stacks both on a weight method (any pattern): the weights are pruned first, then the CATS "
     "thresholds (activation sparsity S) are calibrated layer by layer on the pruned model; sparsekit.json "
     "records both, and `encode` keeps both.\n\n"
-    "Example: sparsekit prune smollm2-135m --method wanda --sparsity 0.5 -o out/wanda50"
+    "--learn-mask (hybrid or 2:4) learns the mask instead, weights frozen: logits per tile (dense or 2:4) and "
+    "per group of 4 (which 2 to keep), started from the method's one-shot choice and trained for --steps on "
+    "the calibration text; --allocation global ranks the hybrid tiles of the whole model at once.\n\n"
+    "Example: sparsekit prune smollm2-135m --method wanda --sparsity 0.5 -o out/wanda50\n\n"
+    "Example: sparsekit prune smollm2-135m --method sparsegpt --pattern hybrid --sparsity 0.35 --learn-mask --steps 300"
 )
 
 
@@ -52,6 +57,17 @@ def prune_cmd(
     cats: Optional[float] = typer.Option(None, "--cats", help="Also calibrate CATS thresholds zeroing this fraction of the gate "
                                          "activations of each gated MLP, on the pruned model (a weight method only)."),
     offload: str = typer.Option("auto", "--offload", help="auto | memory | disk: disk streams a safetensors checkpoint from disk layer by layer and writes each pruned layer at once (host memory: a few layers); auto streams when the model would not fit comfortably in free host memory."),
+    allocation: Optional[str] = typer.Option(None, "--allocation", help="Hybrid tiles: layer (every linear at --sparsity) | global (one ranking over the model; sensitive linears stay denser) (default: layer)"),
+    learn_mask: bool = typer.Option(False, "--learn-mask", help="Learn the hybrid / 2:4 mask on the calibration text, weights frozen (see sparsekit.pruning.learn)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="--learn-mask: optimizer steps (default: 300)"),
+    lr: Optional[float] = typer.Option(None, "--lr", help="--learn-mask: Adam learning rate on the mask logits (default: 0.1)"),
+    learn_batch: Optional[int] = typer.Option(None, "--learn-batch", help="--learn-mask: calibration windows per step (default: 8)"),
+    holdout: Optional[float] = typer.Option(None, "--holdout", help="--learn-mask: fraction of the calibration windows held out to keep the best mask (default: 0.125; 0: keep the last)"),
+    distill: bool = typer.Option(False, "--distill", help="--learn-mask: minimize the KL divergence from the dense model's next-token distribution instead of the LM loss"),
+    weight_update: Optional[bool] = typer.Option(None, "--weight-update/--no-weight-update", help="--learn-mask / --allocation global: recompute the kept weights from the dense ones with SparseGPT's update on the final mask (default: off; learning keeps the one-shot weights frozen)"),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="--learn-mask: save the learning state every K steps (0: never)"),
+    checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="--learn-mask: where checkpoints go (default: OUTPUT-checkpoints)"),
+    resume: bool = typer.Option(False, "--resume", help="--learn-mask: continue from the latest checkpoint (same settings and --seed)"),
     json_out: bool = JSON_OPTION,
 ) -> None:
     from transformers.utils import logging as hf_logging
@@ -64,12 +80,24 @@ def prune_cmd(
     def warn(msg: str) -> None:
         err_console.print(f"[yellow]warning:[/] {msg}", highlight=False, soft_wrap=True)
 
+    learn = None
+    if learn_mask:
+        given = dict(steps=steps, lr=lr, batch_size=learn_batch, holdout=holdout)
+        learn = dict({k: v for k, v in given.items() if v is not None}, distill=distill, weight_update=bool(weight_update),
+                     checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, resume=resume)
+    elif resume or checkpoint_every or distill or any(v is not None for v in (steps, lr, learn_batch, holdout)):
+        raise SparsekitError("--steps, --lr, --learn-batch, --holdout, --distill, --checkpoint-every and --resume "
+                             "go with --learn-mask")
+    elif weight_update is not None and allocation != "global":
+        raise SparsekitError("--weight-update goes with --learn-mask or --allocation global")
+    elif weight_update is not None:
+        learn = dict(steps=0, weight_update=weight_update)
     with bars:
         report = prune(
             model, method=method, sparsity=sparsity, pattern=pattern, calib=calib, nsamples=nsamples,
             seqlen=seqlen, seed=seed, skip=skip, prune_lm_head=prune_lm_head or None, device=device, dtype=dtype, output=output,
             overwrite=overwrite, blocksize=blocksize, damp=damp, recipe=recipe, batch_size=batch_size,
-            progress=bars.update, warn=warn, cats=cats, offload=offload,
+            allocation=allocation, learn=learn, progress=bars.update, warn=warn, cats=cats, offload=offload,
         )
     if json_out:
         emit_json(report)
@@ -82,7 +110,8 @@ class _Bars:
     """rich progress bars on stderr, one per stage ("calibration", "layers"), created on first use."""
 
     LABELS = {"calibration": "capturing calibration inputs", "layers": "pruning decoder layers",
-              "thresholds": "calibrating CATS thresholds"}
+              "thresholds": "calibrating CATS thresholds", "scores": "scoring (dense model)",
+              "learning": "learning masks", "final": "final weights on the learned mask"}
 
     def __init__(self, disable: bool = False):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -132,6 +161,12 @@ def summary_table(report: dict):
                      + ("; thresholds calibrated on the pruned weights" if stacked else "; weights unchanged"))
     if not report.get("cats") or stacked:
         head.add_row("overall sparsity", f"{report['overall_sparsity']:.4f} of {sum(v['params'] for v in report['by_type'].values()):,} pruned-layer weights")
+    if report.get("learning"):
+        lr_ = report["learning"]
+        cl = lr_["calibration_loss"]
+        loss = f", calibration loss {cl['init']:.4f} (one-shot) -> {cl['learned_mask']:.4f}" if cl.get("init") is not None else ""
+        head.add_row("mask", f"{lr_['allocation']} allocation, {lr_['steps']} learning steps from {lr_['init']} scores "
+                     f"({lr_['learn_seconds']:.1f} s){loss}{', SparseGPT update' if lr_['weight_update'] else ''}")
     head.add_row("output", report["output"])
     if report.get("cats") and not stacked:
         return Group(head, cats_table(report["cats"]))

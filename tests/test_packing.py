@@ -95,7 +95,7 @@ def test_min_sparsity_and_force(tmp_path):
     dense = {m for m, i in layers.items() if not i["packed"]}
     assert dense == {m for m in layers if m.endswith(("q_proj", "k_proj"))}
     for m in dense:
-        assert "min-sparsity" in layers[m]["reason"]
+        assert "kept dense" in layers[m]["reason"]
         assert layers[m]["stored_bytes"] == layers[m]["dense_bytes"]
     ck = read_packed(tmp_path / "a")
     for m in dense:  # a dense layer is stored as it is

@@ -113,6 +113,22 @@ def test_sparsify_leaves_dense_layers_alone():
 
     model = tiny_models.make_model("llama")  # nothing pruned: no layer reaches 30% zeros
     assert sparsify(model, min_sparsity=0.3) == []
+    assert sparsify(model) == []  # by bytes: packing a dense layer only costs
+
+
+def test_sparsify_packs_a_25pct_hybrid_layer_by_default():
+    """The default rule (packed bytes <= 0.95x dense, as `encode`): a 25% hybrid layer is packed."""
+    from sparsekit.hf.modules import find_decoder_layers, find_linears, set_weight_out_in, weight_out_in
+    from sparsekit.pruning.patterns import hybrid_mask
+    from sparsekit.runtime.swap import sparsify
+
+    model = tiny_models.make_model("llama")
+    prefix, stack = find_decoder_layers(model)
+    linears = find_linears(stack, prefix=prefix)
+    for mod in linears.values():
+        w = weight_out_in(mod)
+        set_weight_out_in(mod, w.masked_fill(~hybrid_mask(w.abs().float(), 0.25, 16), 0))
+    assert sorted(sparsify(model)) == sorted(linears)
 
 
 def test_no_gpu_notice_said_once(monkeypatch):

@@ -80,7 +80,7 @@ def test_index_and_metadata(packed):
         if info["packed"]:
             assert {f"{module}.tcabme.{f}" for f in ("bitmaps", "values", "gtile_offsets", "strip_offsets", "shape")} <= names
         else:
-            assert info["weight"] in names and "min-sparsity" in info["reason"]
+            assert info["weight"] in names and "kept dense" in info["reason"]
         assert {"sparsity", "pattern", "shape", "transposed", "dense_bytes", "stored_bytes"} <= set(info)
 
 

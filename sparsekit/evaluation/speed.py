@@ -106,8 +106,9 @@ def _open(model_dir, device, dtype, notes: list[str]) -> nn.Module:
     if not (path / "config.json").exists():
         raise SparsekitError(f"no model at {path}: pass a packed directory (from `sparsekit encode`) or a pruned HF directory")
     model = open_model(path, device, dtype)
-    swapped = sparsify(model, min_sparsity=0.3)
-    notes.append(f"{path} is not packed: {len(swapped)} linears with >= 30% zeros were encoded in memory")
+    swapped = sparsify(model)
+    notes.append(f"{path} is not packed: {len(swapped)} linears whose packed bytes gain were encoded in memory "
+                 "(the rule of `sparsekit encode`)")
     return model
 
 

@@ -168,7 +168,7 @@ def encode(
     pruned_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
-    min_sparsity: float = 0.3,
+    min_sparsity: float | None = None,
     force: bool = False,
     max_shard_size: int | str = "2GB",
     overwrite: bool = False,
@@ -178,13 +178,15 @@ def encode(
     """Pack ``pruned_dir`` into ``out_dir`` (atomic). Returns a report (per-layer info and totals).
 
     ``progress("encoding", done, total, item=tensor_name)`` is called after each source tensor when given.
+    ``min_sparsity`` None (the default) packs each linear when packing gains bytes for its pattern
+    (``sparsekit.packed.gain.worth_packing``); a number packs those with at least that fraction of zeros.
     ``max_shard_size`` is bytes or a string such as "2GB" / "500MB" / "1GiB". The output is locked,
     checked and written as ``sparsekit.hf.atomic`` describes; ``warn`` (default: stderr) hears about
     leftovers of killed runs that were cleaned up.
     """
     t0 = time.perf_counter()
     src, out = Path(pruned_dir), Path(out_dir)
-    if not 0.0 <= float(min_sparsity) <= 1.0:
+    if min_sparsity is not None and not 0.0 <= float(min_sparsity) <= 1.0:
         raise SparsekitError(f"--min-sparsity must be between 0 and 1, got {min_sparsity}")
     max_bytes = sh.parse_size(max_shard_size)
     if not src.exists():
@@ -268,7 +270,7 @@ def encode(
             "pattern": manifest.get("pattern"),
             "dtype": DTYPE_NAMES.get(cast_to if cast else _first_dtype(layers), "float16"),
             "cast_from": "float32" if cast else None,
-            "min_sparsity": float(min_sparsity),
+            "min_sparsity": None if min_sparsity is None else float(min_sparsity),
             "force": bool(force),
             "max_shard_size": max_bytes,
             "total_size": writer.total_bytes,
@@ -323,15 +325,19 @@ def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: 
     }
     if n_negative_zero:
         info["negative_zeros_cleared"] = n_negative_zero
-    if sparsity < min_sparsity and not force:
-        info.update(packed=False, stored_bytes=dense_bytes,
-                    reason=f"sparsity {sparsity:.1%} < min-sparsity {min_sparsity:.0%}: too dense to gain; "
-                           "kept dense (--force packs it anyway)")
+    if min_sparsity is None:  # by what packing gains for this layer (sparsekit.packed.gain)
+        from sparsekit.packed.gain import worth_packing
+
+        gains, _, why = worth_packing(w, info["pattern"])
+    else:
+        gains = sparsity >= min_sparsity
+        why = (f"sparsity {sparsity:.1%} >= min-sparsity {min_sparsity:.0%}" if gains else
+               f"sparsity {sparsity:.1%} < min-sparsity {min_sparsity:.0%}: too dense to gain; kept dense (--force packs it anyway)")
+    if not gains and not force:
+        info.update(packed=False, stored_bytes=dense_bytes, reason=why)
         return info, {}
     packed = tcabme.encode(w)
-    info.update(packed=True, stored_bytes=packed.nbytes, nnz=nnz,
-                reason="forced (--force)" if sparsity < min_sparsity else
-                f"sparsity {sparsity:.1%} >= min-sparsity {min_sparsity:.0%}")
+    info.update(packed=True, stored_bytes=packed.nbytes, nnz=nnz, reason=why if gains else "forced (--force)")
     return info, packed.tensors(module)
 
 

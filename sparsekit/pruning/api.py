@@ -64,6 +64,8 @@ def prune(
     recipe: str | Path | None = None,
     batch_size: int | None = None,
     offload: str | None = None,
+    allocation: str | None = None,
+    learn: Any = None,
     progress: Progress | None = None,
     warn: Callable[[str], None] = print,
     cats: float | None = None,
@@ -92,6 +94,10 @@ def prune(
     each decoder layer's weights are pruned, then CATS thresholds for this activation sparsity are
     calibrated on the pruned layer; ``sparsekit.json`` holds the weight method's fields and the
     ``cats`` entry, and ``encode`` and the loader keep both.
+    ``learn`` (a ``sparsekit.pruning.learn.LearnConfig``, or a dict of its fields) learns the mask
+    of a hybrid or 2:4 pattern instead (``sparsekit.pruning.learn``); ``allocation="global"`` ranks
+    hybrid tiles over the whole model (one-shot, or as the start of learning). Both record how the
+    mask was made under ``learning`` in ``sparsekit.json``.
     """
     from sparsekit.hf.atomic import claim_output
     from sparsekit.pruning.recipes import resolve_settings
@@ -99,17 +105,24 @@ def prune(
     t0 = time.perf_counter()
     s = resolve_settings(recipe, method=method, pattern=pattern, sparsity=sparsity, dataset=calib,
                          nsamples=nsamples, seqlen=seqlen, seed=seed, skip=skip, prune_lm_head=prune_lm_head,
-                         blocksize=blocksize, damp=damp, cats=cats)
+                         blocksize=blocksize, damp=damp, cats=cats, allocation=allocation)
+    if isinstance(learn, dict):
+        from sparsekit.pruning.learn import LearnConfig
+
+        learn = LearnConfig(**learn)
+    if learn is not None and prune_lm_head:
+        raise SparsekitError("--learn-mask learns the masks of the decoder linears: drop --prune-lm-head")
     if note := s.ignored_calibration(calib=calib, nsamples=nsamples, seqlen=seqlen):
         warn(note)
     if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1):
         raise SparsekitError(f"batch size must be a positive number of windows, got {batch_size!r}: drop --batch-size for the default")
     out = Path(output) if output is not None else default_output(model, s.method, s.pattern, s.sparsity, s.cats)
     with claim_output(out, overwrite=overwrite, warn=warn) as claim:  # checked and locked before any work
-        return _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offload, progress, warn, t0)
+        return _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offload, progress, warn, t0, learn)
 
 
-def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offload, progress, warn, t0) -> dict[str, Any]:
+def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offload, progress, warn, t0,
+                learn=None) -> dict[str, Any]:
     import contextlib
 
     from sparsekit.hf import checkpoint
@@ -123,6 +136,20 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
 
     host = HostPeak()
     dev = resolve_device(device)
+    learned = learn is not None or s.allocation == "global"
+    if learned:
+        from sparsekit.pruning.learn.pipeline import check_learnable
+
+        check_learnable(METHODS[s.method], Pattern.parse(s.pattern), s.sparsity, learn is not None and learn.steps > 0,
+                        s.allocation)
+        if s.cats is not None:
+            raise SparsekitError("--cats calibrates thresholds in the one-shot layer loop; a learned or globally "
+                                 "allocated mask is made elsewhere: drop --cats, then prune the result with --method cats")
+        if offload == "disk":
+            raise SparsekitError("--learn-mask and --allocation global need the whole model in memory: use --offload memory")
+        offload = "memory"
+        if dtype in (None, "auto"):
+            dtype = "float32"  # fp32 weights under bf16 autocast: the logits' gradients need the range
     torch_dtype = resolve_dtype(dtype, dev)
     meth = METHODS[s.method]
 
@@ -145,14 +172,19 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
     _warn_unmatched_skip(meth.skip_targets(net), s.skip, warn)
     calib_ids = None
     calibration: dict[str, Any]
-    if meth.needs_calibration or s.cats is not None:
+    if meth.needs_calibration or s.cats is not None or (learn is not None and (learn.steps > 0 or learn.weight_update)):
         from sparsekit.hf.data import calibration_windows
 
         ctx = model_context(net)
         if ctx is not None and s.seqlen > ctx:
             warn(f"seqlen {s.seqlen} exceeds the model context {ctx}: using {ctx}")
             s.seqlen = ctx
-        calib_ids = calibration_windows(s.dataset, tokenizer, nsamples=s.nsamples, seqlen=s.seqlen, seed=s.seed)
+        if learn is not None and learn.steps > 0:  # held-out windows from text the training ones never see
+            from sparsekit.pruning.learn.data import learning_windows
+
+            calib_ids = learning_windows(s.dataset, tokenizer, s.nsamples, s.seqlen, s.seed, learn.heldout_windows(s.nsamples))
+        else:
+            calib_ids = calibration_windows(s.dataset, tokenizer, nsamples=s.nsamples, seqlen=s.seqlen, seed=s.seed)
         calibration = {"dataset": s.dataset, "nsamples": int(calib_ids.shape[0]),
                        "seqlen": int(calib_ids.shape[1]), "seed": s.seed}
     else:
@@ -165,12 +197,15 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
         if stream:
             stream.load_outside(s.skip)
         with thresholds_in_force(net, source_thresholds):
-            report = engine.prune_model(
-                net, calib_ids, method=meth, sparsity=s.sparsity, pattern=Pattern.parse(s.pattern),
-                skip=s.skip, device=dev, blocksize=s.blocksize, percdamp=s.damp, batch_size=batch_size,
-                progress=progress, warn=warn, seed=s.seed, cats=s.cats,
-                layer_mover=stream.mover if stream else None,
-            )
+            if learned:
+                report = _learn(net, calib_ids, s, meth, dev, learn, out, model, calibration, batch_size, progress, warn)
+            else:
+                report = engine.prune_model(
+                    net, calib_ids, method=meth, sparsity=s.sparsity, pattern=Pattern.parse(s.pattern),
+                    skip=s.skip, device=dev, blocksize=s.blocksize, percdamp=s.damp, batch_size=batch_size,
+                    progress=progress, warn=warn, seed=s.seed, cats=s.cats,
+                    layer_mover=stream.mover if stream else None,
+                )
         if not report["layers"] and meth.changes_weights:
             raise SparsekitError(f"no linear layer was pruned: the skip patterns {s.skip} exclude them all")
         if stream:
@@ -188,6 +223,8 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
             model=str(model), method=s.method, pattern=s.pattern, sparsity=s.sparsity,
             calibration=calibration, skip=s.skip, layers=report["layers"], elapsed_s=elapsed, **extra,
         )
+        if "learning" in report:
+            meta["learning"] = report["learning"]
         if stream:
             stream.finish(staged, tokenizer, meta)
         else:
@@ -210,6 +247,25 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
         "overall_sparsity": overall_sparsity(report["layers"]),
         "elapsed_s": time.perf_counter() - t0,
     }
+
+
+def _learn(net, calib_ids, s, meth, dev, learn, out, model, calibration, batch_size, progress, warn) -> dict:
+    from sparsekit.pruning.learn import LearnConfig
+    from sparsekit.pruning.learn.pipeline import learn_prune
+    from sparsekit.pruning.patterns import Pattern
+
+    cfg = learn if learn is not None else LearnConfig(steps=0)
+    ckpt = cfg.checkpoint_dir or f"{Path(out)}-checkpoints"
+    fingerprint = {"model": str(model), "method": s.method, "pattern": s.pattern, "sparsity": s.sparsity,
+                   "allocation": s.allocation, "seed": s.seed, "calibration": calibration, "skip": list(s.skip),
+                   **cfg.fingerprint()}
+    rep = learn_prune(net, calib_ids, method=meth, pattern=Pattern.parse(s.pattern), sparsity=s.sparsity, skip=s.skip,
+                      device=dev, cfg=cfg, allocation=s.allocation, seed=s.seed, blocksize=s.blocksize,
+                      percdamp=s.damp, batch_size=batch_size, checkpoint_dir=ckpt, fingerprint=fingerprint,
+                      progress=progress, warn=warn)
+    if cfg.checkpoint_every:
+        rep["learning"]["checkpoint_dir"] = ckpt
+    return rep
 
 
 def _weights_bytes(location: str) -> int:

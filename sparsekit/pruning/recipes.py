@@ -38,9 +38,10 @@ DEFAULTS: dict[str, Any] = {
     "blocksize": 128,
     "damp": 0.01,
     "cats": None,  # stacked CATS: target activation sparsity calibrated after a weight method, or None
+    "allocation": "layer",  # hybrid tiles: every linear at the target, or "global" (one ranking)
 }
 
-_TOP_KEYS = {"description", "method", "pattern", "sparsity", "calibration", "skip", "sparsegpt", "cats"}
+_TOP_KEYS = {"description", "method", "pattern", "sparsity", "calibration", "skip", "sparsegpt", "cats", "allocation"}
 _CALIB_KEYS = {"dataset", "nsamples", "seqlen", "seed"}
 _SPARSEGPT_KEYS = {"blocksize", "damp"}
 
@@ -129,7 +130,7 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
         raise SparsekitError(f"recipe {path} must be a YAML mapping (method: ..., pattern: ...)")
     _check_keys("the recipe", data, _TOP_KEYS, path)
     out: dict[str, Any] = {}
-    for key in ("method", "pattern", "sparsity", "skip", "cats"):
+    for key in ("method", "pattern", "sparsity", "skip", "cats", "allocation"):
         if key in data:
             out[key] = data[key]
     if isinstance(out.get("pattern"), int):
@@ -236,4 +237,9 @@ def validate(s: dict[str, Any]) -> PruneSettings:
         s["skip"] = ["lm_head", *s["skip"]]
     s["dataset"] = DEFAULTS["dataset"] if s["dataset"] is None else str(s["dataset"])  # was 'None', a hub id
     s["cats"] = _check_cats(s.get("cats"), method)
+    from sparsekit.pruning.learn.allocation import check_allocation
+
+    s["allocation"] = check_allocation(s.get("allocation") or "layer")
+    if s["allocation"] == "global" and not pattern.is_hybrid:
+        raise SparsekitError(f"--allocation global ranks hybrid tiles across the model: use it with --pattern hybrid[:T], not {pattern}")
     return PruneSettings(**s)

@@ -23,6 +23,7 @@ class PruneSettings:
     blocksize: int  # SparseGPT column block size
     damp: float  # SparseGPT dampening, fraction of the mean Hessian diagonal
     cats: float | None = None  # CATS activation sparsity stacked on a weight method (--cats), or None
+    allocation: str = "layer"  # hybrid tiles: per linear ("layer") or one ranking over the model ("global")
     recipe: str | None = None  # the recipe file, if one was used
 
     def as_dict(self) -> dict[str, Any]:

@@ -12,15 +12,17 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from sparsekit.packed.gain import worth_packing
 from sparsekit.hf.modules import find_decoder_layers, find_linears, set_submodule, weight_out_in
 from sparsekit.progress import Progress, report
 from sparsekit.runtime.sparse_linear import SparseLinear, release_kernel_caches
 
 
-def sparsify(model: nn.Module, *, min_sparsity: float = 0.3, skip: Iterable[str] = ("lm_head",),
+def sparsify(model: nn.Module, *, min_sparsity: float | None = None, skip: Iterable[str] = ("lm_head",),
              dtype: torch.dtype | None = None, progress: Progress | None = None) -> list[str]:
-    """Replace, in place, every linear of the decoder stack whose zero fraction is at least
-    ``min_sparsity`` by a SparseLinear encoded on the layer's device. Returns the swapped names.
+    """Replace, in place, every linear of the decoder stack that packing gains for (the rule of
+    ``encode``, ``sparsekit.packed.gain.worth_packing``; or, given ``min_sparsity``, whose zero
+    fraction is at least that) by a SparseLinear encoded on the layer's device. Returns the swapped names.
 
     ``progress("sparsify", done, total)`` is called after each linear looked at.
     """
@@ -29,8 +31,11 @@ def sparsify(model: nn.Module, *, min_sparsity: float = 0.3, skip: Iterable[str]
     swapped = []
     for done, (name, mod) in enumerate(linears.items(), 1):
         w = weight_out_in(mod)
-        zero_frac = 1.0 - float(torch.count_nonzero(w)) / max(1, w.numel())
-        if zero_frac >= min_sparsity:
+        if min_sparsity is None:
+            gains = worth_packing(w)[0]
+        else:
+            gains = 1.0 - float(torch.count_nonzero(w)) / max(1, w.numel()) >= min_sparsity
+        if gains:
             set_submodule(model, name, SparseLinear.from_linear(mod, dtype=dtype))
             swapped.append(name)
         del mod, w

@@ -225,6 +225,8 @@ def sparsegpt_prune(
     percdamp: float = 0.01,
     warn: Callable[[str], object] = print,
     cuda_graph: "bool | None" = None,
+    keep: "torch.Tensor | None" = None,
+    sparse_tiles: "torch.Tensor | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Prune ``weight`` [out, in] given H [in, in] -> (new weight, keep-mask, info).
 
@@ -237,6 +239,11 @@ def sparsegpt_prune(
     sequence is captured once per block shape in a CUDA graph and replayed (the same kernels on the
     same numbers as the eager sweep; a capture failure falls back to it with a warning). On a CPU
     device ``True`` only stages the blocks through the same buffers (a testing aid).
+
+    ``keep`` (bool [out, in], unstructured pattern only) fixes the mask instead of choosing it: the
+    sweep prunes exactly the weights it marks False and updates the rest (a learned mask's update).
+    ``sparse_tiles`` (bool [out/T, in/T], hybrid only) fixes which tiles are 2:4 (a global allocation)
+    instead of choosing ``sparsity``'s share of them from the scores.
     """
     dtype = torch.float64 if weight.dtype == torch.float64 else torch.float32
     dev = weight.device
@@ -254,7 +261,9 @@ def sparsegpt_prune(
     if structured:
         blocksize = -(-blocksize // m) * m
     info["blocksize"] = blocksize
-    if sparsity == 0 and not pattern.is_nm:
+    if keep is not None and not pattern.is_unstructured:
+        raise SparsekitError("sparsegpt_prune: a fixed keep-mask goes with the unstructured pattern")
+    if sparsity == 0 and not pattern.is_nm and keep is None and sparse_tiles is None:
         if pattern.is_hybrid:
             info["sparse_tiles"] = 0
         return weight.detach().to(dtype, copy=True), torch.ones(rows, cols, dtype=torch.bool, device=dev), info
@@ -273,10 +282,12 @@ def sparsegpt_prune(
 
     sparse_cols = None  # hybrid: [cols, rows] bool, whether row r is 2:4 in the tile of column c
     if pattern.is_hybrid:
-        tiles = hybrid_sparse_tiles((W * inv_d).square(), sparsity, pattern.tile)
+        tiles = (hybrid_sparse_tiles((W * inv_d).square(), sparsity, pattern.tile) if sparse_tiles is None
+                 else sparse_tiles.to(device=dev, dtype=torch.bool))
         info["sparse_tiles"] = int(tiles.sum().item())
         sparse_cols = expand_tiles(tiles.t(), pattern.tile)
-    budgets = _block_budgets(rows, cols, blocksize, sparsity) if pattern.is_unstructured else None
+    budgets = _block_budgets(rows, cols, blocksize, sparsity) if pattern.is_unstructured and keep is None else None
+    fixed_t = None if keep is None else ~keep.to(dev).t()  # [cols, rows]: True = prune
 
     Wt = W.t().contiguous()  # [cols, rows]: column c of W is the contiguous row Wt[c]
     del W
@@ -300,7 +311,9 @@ def sparsegpt_prune(
             W1, U1, P1 = Wt[i1:i2], U[i1:i2, i1:i2], prune_t[i1:i2]  # views, updated in place
             id1 = inv_d[i1:i2, None]
             E1 = torch.empty(i2 - i1, rows, dtype=dtype, device=dev)
-        if budgets is not None:  # unstructured: the block's share of the budget, chosen up front
+        if fixed_t is not None:
+            P1.copy_(fixed_t[i1:i2])
+        elif budgets is not None:  # unstructured: the block's share of the budget, chosen up front
             scores = (W1 * id1).square_().reshape(-1)
             P1.view(-1)[torch.topk(scores, budgets[b], largest=False, sorted=False).indices] = True
         if staged:
