@@ -25,9 +25,9 @@ CHOICES = torch.tensor([[1.0 if i in pair else 0.0 for i in range(4)] for pair i
 def choice_index(keep: torch.Tensor) -> torch.Tensor:
     """For a 2:4 keep-mask [R, C] (exactly 2 kept per group of 4): the index [R, C/4] of its choice in ``CHOICES``."""
     r, c = keep.shape
-    codes = keep.reshape(r, c // 4, 4).to(torch.int64) @ torch.tensor([1, 2, 4, 8], device=keep.device)
+    codes = (keep.reshape(r, c // 4, 4).to(torch.int64) * torch.tensor([1, 2, 4, 8], device=keep.device)).sum(-1)  # (no integer matmul on CUDA)
     table = torch.full((16,), -1, dtype=torch.int64, device=keep.device)
-    table[(CHOICES.to(keep.device).to(torch.int64) @ torch.tensor([1, 2, 4, 8], device=keep.device))] = torch.arange(6, device=keep.device)
+    table[(CHOICES.to(keep.device).to(torch.int64) * torch.tensor([1, 2, 4, 8], device=keep.device)).sum(-1)] = torch.arange(6, device=keep.device)
     idx = table[codes]
     if bool((idx < 0).any()):
         raise ValueError("choice_index needs exactly 2 kept weights in every group of 4")
