@@ -17,11 +17,13 @@ import torch
 
 from sparsekit.packed.rowpack import RowPacked
 
+from .common import SIM
+
 MAX_TOKENS = 8
 UP_WARPS = 4          # warps (neurons) per up block
 DOWN_TILE = 128       # columns per tile of dense down^T (128 v: v words per lane)
-DOWN_THREADS = 256    # threads per dense down block: 8 warps sharing 128 output columns
-DOWN_WARPS = 4        # warps per row-packed down block (sharing 4 groups of 256 columns)
+DOWN_THREADS = 64 if SIM else 256    # threads per dense down block: 8 warps sharing 128 output columns
+DOWN_WARPS = 2 if SIM else 4         # warps per row-packed down block (sharing 4 groups of 256 columns)
 
 _work: dict = {}
 
@@ -70,8 +72,6 @@ def cats_up(g: torch.Tensor, x: torch.Tensor, up, threshold: torch.Tensor, out: 
     (``warps``, ``rows_per_warp``, ``unroll``: tuning knobs for benchmarks)."""
     from . import launch
     from .cats_kernels import get_up
-    from .common import SIM
-
     n, i = g.shape
     h_in = x.shape[1]
     rows = isinstance(up, RowPacked)

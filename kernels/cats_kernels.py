@@ -42,7 +42,10 @@ DOWN_UNROLL = 8     # neurons per warp in flight in down_dense
 ROWS_WARPS = 4      # warps per row-packed down block
 ROWS_MAX_TOKENS = 2 # tokens the row-packed kernels take (their accumulators grow with N)
 def jmax(nt: int) -> int:
-    """Neurons per down chunk at most (its shared-memory list and staged activations)."""
+    """Neurons per down chunk at most (its shared-memory list and staged activations); 64 under the
+    simulator, whose every shared-memory pass runs in Python."""
+    if SIM:
+        return 64
     return 1024 if nt <= 2 else 512 if nt <= 4 else 256
 ACTS = ("silu",)  # activations computed inside ``up``; others run torch's path
 

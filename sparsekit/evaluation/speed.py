@@ -112,20 +112,17 @@ def _open(model_dir, device, dtype, notes: list[str]) -> nn.Module:
     return model
 
 
-CATS_KERNELS = "sparsekit.runtime.cats_mlp"
-
-
 def enable_cats(model: nn.Module, notes: list[str]) -> int:
     """Put the gated MLPs that carry CATS thresholds onto the CATS kernels, where they can run;
     returns how many. 0 (the MLPs keep their masked activation) when ``sparsekit.runtime.cats_mlp`` is
     not there, or cannot run here (not CUDA fp16, kernels missing); ``notes`` hears why if not obvious."""
-    try:
-        from sparsekit.runtime.cats_mlp import enable_cats_kernels
-    except ImportError as e:
-        if getattr(e, "name", None) != CATS_KERNELS:
-            notes.append(f"the CATS kernels cannot be imported ({e}): the thresholds run as a masked activation")
-        return 0
-    return int(enable_cats_kernels(model))
+    from sparsekit.runtime.cats_mlp import enable_cats_kernels
+
+    n = int(enable_cats_kernels(model))
+    reasons = sorted({why for why in getattr(model, "cats_kernel_report", {}).values() if not why.startswith("kernels")})
+    if reasons:
+        notes.append("CATS MLPs kept on the masked activation: " + "; ".join(reasons))
+    return n
 
 
 def restore_dense_mlps(model: nn.Module, originals: dict[str, nn.Module]) -> int:
@@ -179,7 +176,7 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     n_cats_kernels = enable_cats(model, notes) if cats_mlps else 0
     if cats_mlps and n_cats_kernels < len(cats_mlps):
         notes.append(f"{len(cats_mlps) - n_cats_kernels} of {len(cats_mlps)} CATS MLPs run their thresholds as a "
-                     "masked activation (no CATS kernel for them here): they cannot be faster than dense")
+                     "masked activation: no faster than without CATS")
     # equalized now, before any kernel call: one compiled layer then serves the whole stack
     prepare_for_decode(model, fuse_norms=fuse_norms, fuse_proj=fuse_proj, equalize=compile)
     n_sparse = sum(isinstance(m, SparseLinear) for m in model.modules())

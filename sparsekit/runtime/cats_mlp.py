@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from sparsekit.hf.compat import is_silu
+from sparsekit.kernels.common import SIM
 from sparsekit.hf.modules import find_gated_mlps, set_submodule
 from sparsekit.packed.rowpack import rowpack
 from sparsekit.runtime.cats import CatsActivation
@@ -114,7 +115,7 @@ class CatsMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1])
-        if x2.shape[0] > self.max_tokens or not x2.is_cuda or x2.dtype != torch.float16:
+        if x2.shape[0] > self.max_tokens or not (x2.is_cuda or SIM) or x2.dtype != torch.float16:
             return self.mlp(x)
         x2 = x2.contiguous()
         g = self.mlp.gate_proj(x2).contiguous()
@@ -136,8 +137,11 @@ def eligible(mlp: nn.Module) -> str | None:
         lin = getattr(mlp, name)
         if not isinstance(lin, (nn.Linear, SparseLinear)):
             return f"{name} is a {type(lin).__name__}"
-        if getattr(lin, "bias", None) is not None:
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        if getattr(getattr(mlp, name), "bias", None) is not None:
             return f"{name} has a bias"
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        lin = getattr(mlp, name)
         if isinstance(lin, nn.Linear) and (lin.weight.dtype != torch.float16 or not lin.weight.is_cuda):
             return "weights not fp16 on a GPU"
         if isinstance(lin, SparseLinear) and not lin.values.is_cuda:
@@ -151,18 +155,69 @@ def eligible(mlp: nn.Module) -> str | None:
     return None
 
 
-def enable_cats_kernels(model: nn.Module) -> int:
+MEASURE_SPARSITY = 0.5   # the activation sparsity a shape is timed at when the kernels are chosen
+
+
+def kernel_gain(cats: CatsMLP, *, sparsity: float = MEASURE_SPARSITY, repeats: int = 20) -> float:
+    """Dense MLP time over CATS-kernel time for one token (CUDA graphs, random unit-RMS input), with
+    a threshold that zeroes ``sparsity`` of that input's activations: above 1 the kernels pay."""
+    from sparsekit.runtime.timing import graph_ms
+
+    mlp = cats.mlp
+    hidden = mlp.up_proj.in_features
+    dev = cats.up_w.device if cats.up_rows is None else cats.up_rows.values.device
+    gen = torch.Generator(device=dev).manual_seed(0)
+    with torch.no_grad():
+        xs = torch.randn((256, hidden), generator=gen, device=dev, dtype=torch.float16)
+        a = mlp.act_fn.act(mlp.gate_proj(xs)).float().abs().flatten()
+        t = torch.quantile(a[: 1 << 20], sparsity).reshape(())
+        x = xs[:1].contiguous()
+        saved = mlp.act_fn.threshold.clone()
+        try:
+            mlp.act_fn.threshold.copy_(t)
+            dense = graph_ms(lambda: mlp(x), repeats=repeats)
+            kern = graph_ms(lambda: cats(x), repeats=repeats)
+        finally:
+            mlp.act_fn.threshold.copy_(saved)
+    return dense / kern if kern > 0 else 0.0
+
+
+def enable_cats_kernels(model: nn.Module, *, measure: bool = True) -> int:
     """Swap, in place, each eligible CATS MLP of ``model`` for a ``CatsMLP``; returns how many run
-    the kernels (already swapped ones included). 0 on the CPU or without the GPU kernels."""
+    the kernels (already swapped ones included). 0 on the CPU or without the GPU kernels.
+
+    With ``measure`` each MLP shape is timed once (``kernel_gain``: one token, activation sparsity
+    ``MEASURE_SPARSITY``) and keeps its masked activation where the kernels do not beat dense (small
+    MLPs, where a step is launch-bound). ``model.cats_kernel_report`` says what was chosen and why."""
     done = sum(isinstance(m, CatsMLP) for m in model.modules())
     if not torch.cuda.is_available() or kernel() is None:
         return done
     inner = {id(m.mlp) for m in model.modules() if isinstance(m, CatsMLP)}
+    gains: dict[tuple, float] = {}
+    report = {}
     for name, mlp in find_gated_mlps(model).items():
-        if id(mlp) in inner or eligible(mlp) is not None:
+        if id(mlp) in inner:
             continue
-        set_submodule(model, name, CatsMLP(mlp))
+        why = eligible(mlp)
+        if why is not None:
+            report[name] = why
+            continue
+        cats = CatsMLP(mlp)
+        key = (type(mlp.gate_proj).__name__, mlp.up_proj.in_features, mlp.up_proj.out_features,
+               cats.up_rows is None, cats.down_rows is None)
+        if measure and key not in gains:
+            gains[key] = kernel_gain(cats)
+        if measure and gains[key] <= 1.0:
+            report[name] = (f"the CATS kernels are slower than dense for this shape ({gains[key]:.2f}x at "
+                            f"{MEASURE_SPARSITY:.0%} activation sparsity, one token)")
+            continue
+        set_submodule(model, name, cats)
+        report[name] = f"kernels ({gains[key]:.2f}x dense at {MEASURE_SPARSITY:.0%}, one token)" if measure else "kernels"
         done += 1
+    try:
+        model.cats_kernel_report = report
+    except (AttributeError, TypeError):
+        pass
     return done
 
 
