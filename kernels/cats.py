@@ -25,9 +25,6 @@ DOWN_TILE = 128       # columns per tile of dense down^T (128 v: v words per lan
 DOWN_THREADS = 64 if SIM else 256    # threads per dense down block: 8 warps sharing 128 output columns
 DOWN_WARPS = 2 if SIM else 4         # warps per row-packed down block (sharing 4 groups of 256 columns)
 
-_work: dict = {}
-
-
 def token_bucket(n: int, rows: bool = False) -> int:
     """The compiled token count serving ``n`` tokens (1, 2, 4 or 8; row-packed weights: 1 or 2)."""
     from .cats_kernels import ROWS_MAX_TOKENS
@@ -36,17 +33,6 @@ def token_bucket(n: int, rows: bool = False) -> int:
     if not 1 <= n <= top:
         raise ValueError(f"the CATS kernels take 1 to {top} tokens{' on row-packed weights' if rows else ''}, got {n}")
     return 1 if n == 1 else 2 if n == 2 else 4 if n <= 4 else 8
-
-
-def _workspace(device: torch.device, floats: int, blocks: int):
-    key = str(device)
-    ws, cnt = _work.get(key, (None, None))
-    if ws is None or ws.numel() < floats:
-        ws = torch.empty(max(floats, 1 << 12), dtype=torch.float32, device=device)
-    if cnt is None or cnt.numel() < blocks:
-        cnt = torch.zeros(max(blocks, 256), dtype=torch.int32, device=device)
-    _work[key] = (ws, cnt)
-    return ws, cnt
 
 
 def tile_down(down_t: torch.Tensor, width: int | None = None) -> torch.Tensor:
@@ -147,7 +133,7 @@ def cats_down(h: torch.Tensor, down_t, out: torch.Tensor | None = None, *, split
         threads = threads or DOWN_THREADS
         cb = down_t.shape[0]
     jc, s = down_plan(i, cb, launch.sm_count(h.device), splits, token_bucket(n, rows))
-    ws, cnt = _workspace(h.device, s * token_bucket(n, rows) * hid if s > 1 else 1, cb)
+    ws, cnt = launch.workspace(h.device, s * token_bucket(n, rows) * hid if s > 1 else 1, cb)
     hv, yv = h.reshape(-1).view(torch.int16), out.view(-1).view(torch.int16)
     if rows:
         tensors = (hv, down_t.masks.reshape(-1).view(torch.uint32), down_t.values.view(torch.int16), down_t.goff, yv, ws, cnt)

@@ -109,6 +109,21 @@ def pair_prefix(scr, tid, mw):
     return scan_incl(scr, tid, a) - a, scan_incl(scr, tid, b) - b
 
 
+@cuda.jit(device=True, inline=True)
+def load_quad(vals, goff, gb, mw, ea, eb, vf):
+    """This lane's values of 4 groups (first group ``gb`` of ``goff``) into ``vf[8 i + b]`` (zero where
+    mask bit ``b`` of group ``i``, byte ``i`` of ``mw``, is clear); ``ea``, ``eb``: ``pair_prefix``."""
+    for i in range(4):
+        m = (mw >> np.uint32(8 * i)) & np.uint32(0xFF)
+        e = ea if i < 2 else eb
+        o = goff[gb + i] + np.int32((e >> np.uint32(16 * (i & 1))) & np.uint32(0xFFFF))
+        for b in range(8):
+            vf[8 * i + b] = np.float32(0.0)
+            if (m >> np.uint32(b)) & np.uint32(1):
+                vf[8 * i + b] = h2f(vals[o])
+                o += 1
+
+
 @functools.lru_cache(maxsize=None)
 def get_up(nt: int, rows: bool, r: int = 0, u: int = 0):
     """The ``up`` kernel for up to ``nt`` tokens; ``rows``: row-packed weight, else dense (``r``
@@ -193,16 +208,7 @@ def get_up(nt: int, rows: bool, r: int = 0, u: int = 0):
         for qd in range(nq):         # 4 groups at a time: one mask load, two scans, 32 loads in flight
             mw = np.uint32(masks[(j * GQ + qd) * 32 + lane])
             ea, eb = pair_prefix(scr, tid, mw)
-            gb = (j * GQ + qd) * 4
-            for i in range(4):
-                m = (mw >> np.uint32(8 * i)) & np.uint32(0xFF)
-                e = ea if i < 2 else eb
-                o = goff[gb + i] + np.int32((e >> np.uint32(16 * (i & 1))) & np.uint32(0xFFFF))
-                for b in range(8):
-                    vf[8 * i + b] = np.float32(0.0)
-                    if (m >> np.uint32(b)) & np.uint32(1):
-                        vf[8 * i + b] = h2f(vals[o])
-                        o += 1
+            load_quad(vals, goff, (j * GQ + qd) * 4, mw, ea, eb, vf)
             for n in range(NT):
                 if n < N:
                     sacc = np.float32(0.0)
@@ -404,16 +410,7 @@ def get_down(nt: int, rows: bool, unroll: int = 0, regs: int = 0, v: int = 1):
             mw = np.uint32(masks[((j0 + jj) * GQ + cb) * 32 + lane]) if i < count else np.uint32(0)
             ea, eb = pair_prefix(scr, tid, mw)
             if mw != 0:
-                gb = (j0 + jj) * G + cb * 4
-                for gi in range(4):
-                    m = (mw >> np.uint32(8 * gi)) & np.uint32(0xFF)
-                    e = ea if gi < 2 else eb
-                    o = goff[gb + gi] + np.int32((e >> np.uint32(16 * (gi & 1))) & np.uint32(0xFFFF))
-                    for b in range(8):
-                        vf[8 * gi + b] = np.float32(0.0)
-                        if (m >> np.uint32(b)) & np.uint32(1):
-                            vf[8 * gi + b] = h2f(vals[o])
-                            o += 1
+                load_quad(vals, goff, (j0 + jj) * G + cb * 4, mw, ea, eb, vf)
                 for n in range(NT):
                     hv = hs[jj * NT + n]
                     for q in range(32):

@@ -76,8 +76,9 @@ def _weight_views(w):
     return v
 
 
-def _workspace(device: torch.device, floats: int, rows: int):
-    """fp32 split-K partials and the per-row arrival counters (zeroed once, reset by the kernel)."""
+def workspace(device: torch.device, floats: int, rows: int):
+    """fp32 split-K partials and the per-row arrival counters (zeroed once, reset by the kernel that
+    used them; shared by every split kernel, which run one after another on torch's stream)."""
     key = str(device)
     ws, cnt = _work.get(key, (None, None))
     if ws is None or ws.numel() < floats:
@@ -207,7 +208,7 @@ def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
     for n0 in range(0, n_all, plan.MAX_NT):
         n = min(plan.MAX_NT, n_all - n0)
         nt, use_mma = (n, False) if n <= ccmax else plan.variant(max(n, ccmax + 1))
-        ws, cnt = _workspace(x.device, nsplit * nt * gm * 64, gm)
+        ws, cnt = workspace(x.device, nsplit * nt * gm * 64, gm)
         slot = spmm.slot_words(vcap, nt)
         st = plan.spmm_stages(slot)
         dyn = st * slot * 8

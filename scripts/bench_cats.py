@@ -101,6 +101,17 @@ def paths(c, wsp):
     return out
 
 
+def rows_ok(wsp: float, n: int) -> bool:
+    """The row-packed kernels take 1 or 2 tokens."""
+    from sparsekit.kernels.cats import token_bucket
+
+    try:
+        token_bucket(n, rows=bool(wsp))
+        return True
+    except ValueError:
+        return False
+
+
 def parts(ps, x, t, wsp):
     """ms of the CATS path's three launches alone (gate, up, down)."""
     from sparsekit.kernels import tcabme_matmul
@@ -138,7 +149,7 @@ def bench_mlp(args) -> list[dict]:
             _copies[:] = copies
             for asp in (0.0, 0.5, 0.7):
                 t = threshold_for(copies[0]["wg"], asp)
-                for n in [int(v) for v in args.batch_sizes.split(",")]:
+                for n in [int(v) for v in args.batch_sizes.split(",") if rows_ok(wsp, int(v))]:
                     x = torch.randn(n, hidden, device="cuda", dtype=torch.float16)
                     ref, active = reference(x, copies[0]["wg"], copies[0]["wu"], copies[0]["wd"], t)
                     row = {"shape": shape, "weights": wsp, "act": asp, "n": n, "union_active": round(active, 3)}
