@@ -203,8 +203,14 @@ class _NoStaticDecoder(Exception):
 
 def _static_generate(model, input_ids, max_new: int, eos: set[int], streamer, stop: StopFilter | None,
                      notes: list[str]) -> list[int]:
+    from sparsekit.runtime.cats_mlp import enable_cats_kernels
     from sparsekit.runtime.decoder import GreedyDecoder
 
+    try:  # batch 1: CATS MLPs take the activation-sparse kernels where they pay (not run on a GPU yet)
+        if enable_cats_kernels(model):
+            notes.append("CATS MLPs on the activation-sparse kernels")
+    except Exception as e:  # noqa: BLE001 - the masked activation still works
+        notes.append(f"CATS kernels not used ({type(e).__name__}: {e})")
     try:  # nothing is streamed yet: a model the decoder cannot take goes to transformers' generate
         dec = GreedyDecoder(model, 1, input_ids.shape[1] + max_new)
         tok = dec.prefill(input_ids)
