@@ -1,4 +1,4 @@
-"""Activation-sparse (CATS) gated MLP at decode: host side of ``cats_kernels``.
+"""Activation-sparse (CATS) gated MLP at decode: host side of ``cats_up`` and ``cats_down``.
 
     h = cats_up(g, x, up, threshold)      # h[N, I] = t(act(g)) * (x @ up^T), active neurons only
     y = cats_down(h, down_t)              # y[N, H] = h @ down_t, active neurons' rows only
@@ -57,7 +57,7 @@ def cats_up(g: torch.Tensor, x: torch.Tensor, up, threshold: torch.Tensor, out: 
     """``h[N, I]``: thresholded SiLU(g) times ``x @ up^T``, computed for active neurons only
     (``warps``, ``rows_per_warp``, ``unroll``: tuning knobs for benchmarks)."""
     from . import launch
-    from .cats_kernels import get_up
+    from .cats_up import get_up
     n, i = g.shape
     h_in = x.shape[1]
     rows = isinstance(up, RowPacked)
@@ -71,7 +71,7 @@ def cats_up(g: torch.Tensor, x: torch.Tensor, up, threshold: torch.Tensor, out: 
         out = torch.empty((n, i), dtype=torch.float16, device=g.device)
     _check("out", out, (n, i))
     kern = get_up(token_bucket(n, rows), rows, rows_per_warp, unroll)
-    from .cats_kernels import UP_ROWS
+    from .cats_up import UP_ROWS
 
     wpb = warps or (1 if SIM and rows else UP_WARPS)
     blocks = -(-i // (wpb * (1 if rows else (rows_per_warp or UP_ROWS))))
@@ -92,7 +92,7 @@ def cats_up(g: torch.Tensor, x: torch.Tensor, up, threshold: torch.Tensor, out: 
 def down_plan(i: int, cb: int, sms: int, splits: int | None = None, nt: int = 1) -> tuple[int, int]:
     """(chunk size, chunks) for ``i`` neurons over ``cb`` column blocks: about 4 blocks per SM,
     chunks of at most ``jmax(nt)`` neurons."""
-    from .cats_kernels import jmax
+    from .cats_down import jmax
 
     top = jmax(nt)
     if splits is None:
@@ -105,7 +105,7 @@ def cats_down(h: torch.Tensor, down_t, out: torch.Tensor | None = None, *, split
               threads: int | None = None, unroll: int = 0, regs: int = 0) -> torch.Tensor:
     """``y[N, H] = h @ down_t`` reading only the rows of ``down_t`` whose ``h`` column is nonzero."""
     from . import launch
-    from .cats_kernels import get_down
+    from .cats_down import get_down
 
     n, i = h.shape
     rows = isinstance(down_t, RowPacked)
