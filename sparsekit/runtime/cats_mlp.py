@@ -10,7 +10,7 @@ neurons are never read. Their layouts are made here, once:
 * dense up: its weight as it is (rows are contiguous); packed up: row-packed (``packed.rowpack``)
   from the decoded weight, beside the TCA-BME buffers;
 * dense down: ``down^T`` tiled (``kernels.cats.tile_down``) beside the weight, which larger N
-  still use: one extra copy of down (``extra_bytes``); packed down: ``down^T`` row-packed.
+  still use: one extra copy of down; packed down: ``down^T`` row-packed.
 
 Packed (weight-sparse) up/down take the kernels only with ``SPARSEKIT_CATS_ROWS=1``: on an H100
 the row-packed kernels are slower than TCA-BME without CATS (docs/benchmarks.md), and a stacked
@@ -107,11 +107,6 @@ class CatsMLP(nn.Module):
     @property
     def threshold(self) -> torch.Tensor:
         return self.mlp.act_fn.threshold
-
-    def extra_bytes(self) -> int:
-        """Bytes this module adds to the MLP it wraps (down^T tiles, or row-packed copies)."""
-        rows = sum(p.nbytes() for p in (self.up_rows, self.down_rows) if p is not None)
-        return rows + (self.down_w.numel() * self.down_w.element_size() if self.down_rows is None else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -229,9 +224,3 @@ def enable_cats_kernels(model: nn.Module, *, measure: bool = True) -> int:
     except (AttributeError, TypeError):
         pass
     return done
-
-
-def cats_mlps(model: nn.Module) -> dict[str, CatsMLP]:
-    return {n: m for n, m in model.named_modules() if isinstance(m, CatsMLP)}
-
-
