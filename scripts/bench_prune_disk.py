@@ -11,7 +11,7 @@ that the streamed run really reads the disk. Then it is pruned with 128 x 2048 r
   pruned layer written at once into the output shards): what ``--offload disk`` does.
 
 Both go through the atomic output directory. Each run reports its layer-loop time, end-to-end time
-(load + prune + save), peak GPU memory and peak host RSS (``sparsekit.hf.hostmem.HostPeak``: the
+(load + prune + save), peak GPU memory and peak host RSS (``sparsekit.host.memory.HostPeak``: the
 kernel's high-water mark, reset before the run). Times of the N layers are extrapolated to the
 shape's full depth: end-to-end minus the N layers' time plus the mean layer time (the first layer,
 which waits for its read, left out of the mean) times the full depth. The host-memory target is
@@ -86,9 +86,9 @@ def prune_once(src: Path, out: Path, mode: str, method: str, calib, device: str)
     """One prune of ``src`` into ``out``, ``mode`` memory or disk (module doc); its measurements."""
     from transformers import AutoModelForCausalLM
 
-    from sparsekit.hf.atomic import claim_output
+    from sparsekit.host.atomic import claim_output
     from sparsekit.hf.checkpoint import save_pruned
-    from sparsekit.hf.hostmem import HostPeak
+    from sparsekit.host.memory import HostPeak
     from sparsekit.pruning.engine import prune_model
     from sparsekit.pruning.streamed import StreamedModel
 

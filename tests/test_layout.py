@@ -19,6 +19,7 @@ STAGES = {
     "sparsekit": 0,              # the package root: __version__ and lazy exports only
     "sparsekit.errors": 0,
     "sparsekit.progress": 0,
+    "sparsekit.host": 0,         # output directories and host memory: no models
     "sparsekit.hf": 0,
     "sparsekit.pruning": 1,
     "sparsekit.packed": 2,
@@ -188,3 +189,12 @@ def test_private_reach_checker_can_fail(tmp_path):
 def test_tests_and_scripts_use_public_names(folder):
     found = [r for f in sorted((ROOT / folder).glob("*.py")) for r in private_reaches(f)]
     assert found == []
+
+
+def test_moved_modules_keep_their_old_names_for_one_release():
+    """``sparsekit.hf.{atomic,outlock,filemode,hostmem}`` moved to ``sparsekit.host``; the old names are
+    the same module objects (so a monkeypatch through either reaches the code)."""
+    import importlib
+
+    for old, new in (("atomic", "atomic"), ("outlock", "outlock"), ("filemode", "filemode"), ("hostmem", "memory")):
+        assert importlib.import_module(f"sparsekit.hf.{old}") is importlib.import_module(f"sparsekit.host.{new}")

@@ -1,6 +1,6 @@
 """Issue 15 (part 1): output writing that keeps every promise, for every command that writes.
 
-prune, encode, export-bitmask, import-bitmask and the demo conversion share ``sparsekit.hf.atomic``:
+prune, encode, export-bitmask, import-bitmask and the demo conversion share ``sparsekit.host.atomic``:
 a lock on the output for the whole run, checks before any work, a rename that never replaces what
 it did not mean to, one-line errors for a full or unwritable disk, clean-up after SIGTERM and after
 a killed run, and an ``--overwrite`` that replaces only sparsekit outputs. Each test failed before.
@@ -128,7 +128,7 @@ def test_rename_never_replaces_an_output_that_appeared_meanwhile(srcs, tmp_path)
 
 
 def test_overwrite_swaps_in_the_new_output_and_leaves_no_old_folder(srcs, tmp_path, monkeypatch):
-    from sparsekit.hf import atomic
+    from sparsekit.host import atomic
 
     out = tmp_path / "x"
     encode(srcs / "pruned", out)

@@ -20,8 +20,8 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from sparsekit.hf.atomic import atomic_output_dir
-from sparsekit.hf.filemode import public_tree
+from sparsekit.host.atomic import atomic_output_dir
+from sparsekit.host.filemode import public_tree
 
 METADATA_FILE = "sparsekit.json"
 

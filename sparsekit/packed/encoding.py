@@ -17,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from sparsekit.hf.atomic import atomic_output_dir, check_output_dir
+from sparsekit.host.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
 from sparsekit.progress import Progress
 from sparsekit.packed import shards as sh
@@ -181,7 +181,7 @@ def encode(
     ``min_sparsity`` None (the default) packs each linear when packing gains bytes for its pattern
     (``sparsekit.packed.gain.worth_packing``); a number packs those with at least that fraction of zeros.
     ``max_shard_size`` is bytes or a string such as "2GB" / "500MB" / "1GiB". The output is locked,
-    checked and written as ``sparsekit.hf.atomic`` describes; ``warn`` (default: stderr) hears about
+    checked and written as ``sparsekit.host.atomic`` describes; ``warn`` (default: stderr) hears about
     leftovers of killed runs that were cleaned up.
     """
     t0 = time.perf_counter()

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from sparsekit.packed import shards as sh
-from sparsekit.hf.atomic import atomic_output_dir, check_output_dir
+from sparsekit.host.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
 from sparsekit.progress import Progress
 from sparsekit.packed.encoding import (ITEM_BYTES, checkpoint_files, copy_side_files, header_info, linear_modules,
@@ -168,7 +168,7 @@ def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
                    warn: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Write ``src`` (pruned HF dir or TCA-BME dir) as a compressed-tensors sparse-bitmask checkpoint.
 
-    The output is locked, checked and written as ``sparsekit.hf.atomic`` describes (``warn``: see there).
+    The output is locked, checked and written as ``sparsekit.host.atomic`` describes (``warn``: see there).
     """
     t0 = time.perf_counter()
     src, out, max_bytes, config = _prepare(src, out, overwrite, max_shard_size, "a pruned or packed sparsekit checkpoint")
@@ -236,7 +236,7 @@ def import_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
                    warn: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Rebuild a dense pruned HF checkpoint (what `sparsekit encode` reads) from a sparse-bitmask one.
 
-    The output is locked, checked and written as ``sparsekit.hf.atomic`` describes (``warn``: see there).
+    The output is locked, checked and written as ``sparsekit.host.atomic`` describes (``warn``: see there).
     """
     t0 = time.perf_counter()
     src, out, max_bytes, config = _prepare(src, out, overwrite, max_shard_size,

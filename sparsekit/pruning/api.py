@@ -99,7 +99,7 @@ def prune(
     hybrid tiles over the whole model (one-shot, or as the start of learning). Both record how the
     mask was made under ``learning`` in ``sparsekit.json``.
     """
-    from sparsekit.hf.atomic import claim_output
+    from sparsekit.host.atomic import claim_output
     from sparsekit.pruning.recipes import resolve_settings
 
     t0 = time.perf_counter()
@@ -126,7 +126,7 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
     import contextlib
 
     from sparsekit.hf import checkpoint
-    from sparsekit.hf.hostmem import HostPeak
+    from sparsekit.host.memory import HostPeak
     from sparsekit.pruning.streamed import StreamedModel, choose_offload
     from sparsekit.pruning.methods.cats import cats_metadata, read_thresholds, require_gated_mlps, thresholds_in_force
     from sparsekit.hf.models import load_model, model_context, open_tokenizer, resolve_device, resolve_dtype, resolve_model
