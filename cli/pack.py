@@ -44,6 +44,10 @@ IMPORT_HELP = (
 )
 
 
+DELETE_EXTRA = typer.Option(False, "--delete-extra", help="With --overwrite: also delete files in the old output "
+                            "that sparsekit did not write (refused otherwise).")
+
+
 def register(app: typer.Typer) -> None:
     app.command("encode", help=ENCODE_HELP)(encode_cmd)
     app.command("inspect", help=INSPECT_HELP)(inspect_cmd)
@@ -86,13 +90,14 @@ def encode_cmd(
     force: bool = typer.Option(False, "--force", help="Pack every linear layer, however dense."),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest shard file, e.g. 2GB, 500MB."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
+    delete_extra: bool = DELETE_EXTRA,
     json_out: bool = JSON_OPTION,
 ):
     from sparsekit.packed.encoding import encode
 
     with _progress("encoding") as progress:
         report = encode(pruned, output, min_sparsity=min_sparsity, force=force, max_shard_size=max_shard_size,
-                        overwrite=overwrite, progress=progress)
+                        overwrite=overwrite, progress=progress, delete_extra=delete_extra)
     if json_out:
         emit_json(report)
         return
@@ -194,12 +199,14 @@ def export_cmd(
     output: Path = typer.Option(..., "-o", "--output", help="Output directory (compressed-tensors checkpoint)."),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest shard file, e.g. 2GB, 500MB."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
+    delete_extra: bool = DELETE_EXTRA,
     json_out: bool = JSON_OPTION,
 ):
     from sparsekit.packed.interchange import export_bitmask
 
     with _progress("exporting") as progress:
-        report = export_bitmask(source, output, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress)
+        report = export_bitmask(source, output, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress,
+                                delete_extra=delete_extra)
     if json_out:
         emit_json(report)
         return
@@ -213,12 +220,14 @@ def import_cmd(
     output: Path = typer.Option(..., "-o", "--output", help="Output directory (dense pruned HF checkpoint)."),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest shard file, e.g. 2GB, 500MB."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
+    delete_extra: bool = DELETE_EXTRA,
     json_out: bool = JSON_OPTION,
 ):
     from sparsekit.packed.interchange import import_bitmask
 
     with _progress("importing") as progress:
-        report = import_bitmask(source, output, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress)
+        report = import_bitmask(source, output, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress,
+                                delete_extra=delete_extra)
     if json_out:
         emit_json(report)
         return

@@ -49,6 +49,7 @@ def prune_cmd(
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Bundled recipe name (see `sparsekit recipes`, e.g. wanda-2of4) or a YAML file; flags override it."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Output directory (default: out/<model>-<method>-<pattern>)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    delete_extra: bool = typer.Option(False, "--delete-extra", help="With --overwrite: also delete files in the old output that sparsekit did not write (refused otherwise)."),
     device: str = typer.Option("auto", "--device", help="auto | cuda | cpu: where each layer is pruned (the rest of the model stays in host memory, or on disk with --offload disk)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (fp16 on CUDA, fp32 on CPU) | float16 | bfloat16 | float32"),
     blocksize: Optional[int] = typer.Option(None, "--blocksize", help="SparseGPT column block size (default: 128)"),
@@ -98,6 +99,7 @@ def prune_cmd(
             seqlen=seqlen, seed=seed, skip=skip, prune_lm_head=prune_lm_head or None, device=device, dtype=dtype, output=output,
             overwrite=overwrite, blocksize=blocksize, damp=damp, recipe=recipe, batch_size=batch_size,
             allocation=allocation, learn=learn, progress=bars.update, warn=warn, cats=cats, offload=offload,
+            delete_extra=delete_extra,
         )
     if json_out:
         emit_json(report)

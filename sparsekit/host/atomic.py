@@ -6,28 +6,30 @@ A run *claims* its output path before any expensive work (``claim_output``):
   for the estimated output) and an exclusive lock is taken (``sparsekit.host.outlock``): a second
   writer to the same path fails at once, naming the PID that holds it;
 - folders left by a killed run beside the output (for this output or another in the same folder)
-  are removed, and the caller's ``warn`` says so;
+  are removed, and the caller's ``warn`` says so; only those provably sparsekit's
+  (``sparsekit.host.leftovers``);
 - an existing output is refused unless ``overwrite``; ``overwrite`` replaces only a sparsekit output
   (a directory with ``sparsekit.json``, a packed index or the ``.sparsekit-output`` marker, or an
-  empty one), never the working directory or its ancestors, nor the input, anything inside the input
-  or anything that contains it.
+  empty one) holding no file that sparsekit did not write (unless ``delete_extra``), never the working
+  directory or its ancestors, nor the input, anything inside the input or anything that contains it.
 
-Then ``claim.staging()`` yields a temporary sibling directory to write into. On success it is renamed
+Then ``claim.staging()`` yields a temporary sibling directory to write into, marked as this run's
+(``sparsekit.host.manifest``). On success the list of its files is recorded in it and it is renamed
 into place: without ``overwrite`` by a rename that fails if the output appeared meanwhile
 (``renameat2(RENAME_NOREPLACE)``), with ``overwrite`` by moving the old output aside, renaming the new
 one in and deleting the old. On any failure the temporary directory is removed and the output is left
-as it was; an ``OSError`` (no space, permission, read-only file system, ...) becomes one
-``SparsekitError`` line (``OutputWriteError``, also an ``OSError``).
+as it was; an ``OSError`` (no space, permission, read-only file system, ...), also one that
+safetensors reports as its own ``SafetensorError``, becomes one ``SparsekitError`` line
+(``OutputWriteError``, also an ``OSError``).
 
 ``atomic_output_dir`` is both steps in one ``with`` (reusing the claim this process already holds).
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -37,11 +39,13 @@ from typing import Callable, Iterable, Iterator
 
 from sparsekit.errors import SparsekitError
 from sparsekit.host.filemode import public_dir
-from sparsekit.host.outlock import OutputLock, command_line, sweep_leftovers, sweep_neighbours
+from sparsekit.host.leftovers import sweep_leftovers, sweep_neighbours
+from sparsekit.host.manifest import OUTPUT_MARKER, OUTPUT_MARKERS, foreign_files, mark_staging, record_output, remove_ours
+from sparsekit.host.outlock import OutputLock, command_line
+from sparsekit.host.rename import rename_noreplace, signals_deferred
 
-MARKER = ".sparsekit-output"
-OUTPUT_MARKERS = ("sparsekit.json", "tcabme.index.json", MARKER)
-
+MARKER = OUTPUT_MARKER
+SHOWN_EXTRA = 3   # foreign files named in the --overwrite refusal
 _held: dict[str, "OutputClaim"] = {}   # target path -> the claim this process holds on it
 _held_lock = threading.Lock()
 
@@ -68,7 +72,8 @@ def is_sparsekit_output(path: str | os.PathLike) -> bool:
     return any((path / m).is_file() for m in OUTPUT_MARKERS) or not any(path.iterdir())
 
 
-def check_output_dir(out: str | os.PathLike, overwrite: bool, sources: Iterable[str | os.PathLike] = ()) -> Path:
+def check_output_dir(out: str | os.PathLike, overwrite: bool, sources: Iterable[str | os.PathLike] = (),
+                     delete_extra: bool = False) -> Path:
     """Every check on an output path that needs no lock; call before any expensive work."""
     out = Path(out)
     target = _target(out)
@@ -98,6 +103,13 @@ def check_output_dir(out: str | os.PathLike, overwrite: bool, sources: Iterable[
             raise SparsekitError(f"output {shown} is not a sparsekit output (no sparsekit.json or "
                                  f"tcabme.index.json in it): --overwrite replaces only sparsekit outputs; "
                                  f"remove it yourself or choose another path")
+        extra = [] if delete_extra else foreign_files(target)
+        if extra:
+            shown_extra = ", ".join(extra[:SHOWN_EXTRA]) + (f", and {len(extra) - SHOWN_EXTRA} more"
+                                                              if len(extra) > SHOWN_EXTRA else "")
+            raise SparsekitError(f"output {shown} holds {len(extra)} file{'s' if len(extra) > 1 else ''} sparsekit did "
+                                 f"not write ({shown_extra}): --overwrite would delete them; move them out, or pass "
+                                 f"--delete-extra to delete them too")
     return out
 
 
@@ -121,6 +133,20 @@ def _human(n: int) -> str:
     return f"{n} bytes"
 
 
+def os_error(e: BaseException) -> OSError | None:
+    """``e`` as an ``OSError``: itself, or the one inside a safetensors ``SafetensorError`` (its message
+    ends with ``(os error 28)``; older versions write ``Os { code: 28, ... }``); else None."""
+    if isinstance(e, OSError):
+        return e
+    if type(e).__name__ != "SafetensorError":
+        return None
+    m = re.search(r"os error (\d+)|code: (\d+)", str(e))
+    if not m:
+        return None
+    code = int(m[1] or m[2])
+    return OSError(code, os.strerror(code))
+
+
 def write_failure(out: str | os.PathLike, e: OSError) -> OutputWriteError:
     """An OSError met while writing ``out`` as one user-facing line."""
     name = Path(os.fspath(out)).name
@@ -140,57 +166,6 @@ def write_failure(out: str | os.PathLike, e: OSError) -> OutputWriteError:
 
 
 # --------------------------------------------------------------------------------------------
-# Renames
-
-
-_RENAME_NOREPLACE = 1
-_AT_FDCWD = -100
-
-
-def _renameat2():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_renameat2_fn = _renameat2() if sys.platform.startswith("linux") else None
-
-
-def rename_noreplace(src: Path, dst: Path) -> None:
-    """Rename ``src`` to ``dst``; ``FileExistsError`` if ``dst`` exists (atomically where the kernel can)."""
-    if _renameat2_fn is not None:
-        if _renameat2_fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
-            return
-        err = ctypes.get_errno()
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
-            raise OSError(err, os.strerror(err), str(dst))
-    if os.path.lexists(dst):   # no renameat2 here: we hold the lock, so only an outsider can race this
-        raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
-    os.rename(src, dst)
-
-
-@contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM back for a few system calls (their handlers run right after)."""
-    import signal
-
-    sigs = {signal.SIGINT, signal.SIGTERM}
-    try:
-        previous = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
-    except (AttributeError, OSError, ValueError):
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-# --------------------------------------------------------------------------------------------
 # The claim
 
 
@@ -199,15 +174,17 @@ class OutputClaim:
 
     def __init__(self, out: str | os.PathLike, *, overwrite: bool = False,
                  sources: Iterable[str | os.PathLike] = (), estimate: int = 0,
-                 warn: Callable[[str], None] | None = None, command: str | None = None, wait: bool = False):
+                 warn: Callable[[str], None] | None = None, command: str | None = None, wait: bool = False,
+                 delete_extra: bool = False):
         self.out = Path(out)
         self.target = _target(out)
         self.overwrite = overwrite
+        self.delete_extra = delete_extra
         self.sources = [Path(s) for s in sources]
         self.warn = warn or _stderr_warn
         self.notes: list[str] = []
         self._made: list[Path] = []
-        check_output_dir(self.out, overwrite, self.sources)   # cheap refusals first, nothing created yet
+        check_output_dir(self.out, overwrite, self.sources, delete_extra)   # cheap refusals first, nothing created yet
         try:
             for parent in reversed(self.target.parents):
                 if not parent.exists():
@@ -225,7 +202,7 @@ class OutputClaim:
             for note in sweep_leftovers(self.target) + sweep_neighbours(self.target):
                 self.notes.append(note)
                 self.warn(note)
-            check_output_dir(self.out, overwrite, self.sources)   # again, under the lock
+            check_output_dir(self.out, overwrite, self.sources, delete_extra)   # again, under the lock
             check_room(self.out, estimate)
         except BaseException:
             self.release()
@@ -237,7 +214,7 @@ class OutputClaim:
     def add_sources(self, sources: Iterable[str | os.PathLike]) -> None:
         """Inputs known only after the claim (e.g. a resolved model): check them as ``sources``."""
         self.sources += [Path(s) for s in sources]
-        check_output_dir(self.out, self.overwrite, self.sources)
+        check_output_dir(self.out, self.overwrite, self.sources, self.delete_extra)
 
     def check_room(self, estimate: int) -> None:
         check_room(self.out, estimate)
@@ -248,22 +225,20 @@ class OutputClaim:
         target = self.target
         try:
             tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{os.getpid()}-", dir=target.parent))
-            public_dir(tmp)  # mkdtemp makes 0700; the output should look like any mkdir
         except OSError as e:
             raise write_failure(self.out, e) from None
         try:
+            mark_staging(tmp, target.name)   # first: what lets a later run tell this folder is ours
+            public_dir(tmp)  # mkdtemp makes 0700; the output should look like any mkdir
             yield tmp
-            if not any((tmp / m).exists() for m in OUTPUT_MARKERS):
-                (tmp / MARKER).write_text(json.dumps({"written_by": command_line()}) + "\n")
+            record_output(tmp, command_line())
             self._publish(tmp)
-        except OSError as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(e, SparsekitError):
+        except BaseException as e:
+            _discard(tmp)
+            err = None if isinstance(e, SparsekitError) else os_error(e)
+            if err is None:
                 raise
-            raise write_failure(self.out, e) from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            raise write_failure(self.out, err) from None
 
     def _publish(self, tmp: Path) -> None:
         target = self.target
@@ -277,9 +252,9 @@ class OutputClaim:
         if not self.overwrite:
             raise OutputWriteError(f"output {self.out} appeared while this run was writing it (made by another "
                                    f"program): it was left as it is; choose another path or pass --overwrite")
-        check_output_dir(self.out, True, self.sources)
+        check_output_dir(self.out, True, self.sources, self.delete_extra)
         old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{os.getpid()}-", dir=target.parent))
-        with _signals_deferred():   # Ctrl-C / SIGTERM wait until the output is in place again
+        with signals_deferred():   # Ctrl-C / SIGTERM wait until the output is in place again
             try:
                 os.rename(target, old)    # onto the empty directory just made: atomic, and the name is ours
             except BaseException:
@@ -291,7 +266,7 @@ class OutputClaim:
                 os.rename(old, target)
                 raise
         try:
-            shutil.rmtree(old)
+            remove_ours(old)
         except OSError as e:
             self.warn(f"could not remove the previous output, moved aside to {old} ({e.strerror or e}): remove it yourself")
 
@@ -318,6 +293,14 @@ class OutputClaim:
         self.release()
 
 
+def _discard(tmp: Path) -> None:
+    """Remove a temp folder of this run (its marker last, see ``manifest.remove_ours``)."""
+    try:
+        remove_ours(tmp)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def held_claim(out: str | os.PathLike) -> OutputClaim | None:
     """The claim this process holds on ``out``, if any."""
     with _held_lock:
@@ -331,7 +314,8 @@ def claim_output(out: str | os.PathLike, **kw) -> OutputClaim:
 
 @contextlib.contextmanager
 def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False, *, sources: Iterable[str | os.PathLike] = (),
-                      estimate: int = 0, warn: Callable[[str], None] | None = None) -> Iterator[Path]:
+                      estimate: int = 0, warn: Callable[[str], None] | None = None,
+                      delete_extra: bool = False) -> Iterator[Path]:
     """Yield a temporary directory next to ``out``; on success it becomes ``out``.
 
     Uses the claim this process already holds on ``out``, else claims it for the duration. On any
@@ -344,6 +328,7 @@ def atomic_output_dir(out: str | os.PathLike, overwrite: bool = False, *, source
         with claim.staging() as tmp:
             yield tmp
         return
-    with OutputClaim(out, overwrite=overwrite, sources=sources, estimate=estimate, warn=warn) as claim:
+    with OutputClaim(out, overwrite=overwrite, sources=sources, estimate=estimate, warn=warn,
+                     delete_extra=delete_extra) as claim:
         with claim.staging() as tmp:
             yield tmp

@@ -1,32 +1,19 @@
-"""The lock a writer holds on its output path for the whole run, and the sweep of what killed runs left.
+"""The lock a writer holds on its output path for the whole run.
 
-Beside an output ``DIR`` a run keeps:
-
-- ``.DIR.lock``: ``fcntl.flock``-ed for the whole run (taken before any expensive work); it holds
-  ``"<pid> <command>"`` so that a second writer can say who is in the way. Removed on release.
-- ``.DIR.tmp-<pid>-<random>``: the directory being written (renamed into place at the end).
-- ``.DIR.old-<pid>-<random>``: under ``--overwrite``, the previous output for the moment of the swap.
-
-A run killed with SIGKILL (or a power cut) leaves the last two behind (and its lock file). Whoever
-next takes the lock removes those whose process is gone (``os.kill(pid, 0)``), and puts an ``.old-*``
-back when the output itself is missing (the kill fell between the two renames of an ``--overwrite``);
-a run writing elsewhere in the same folder does the same for the other names, under their locks.
+Beside an output ``DIR`` a run keeps ``.DIR.lock``: ``fcntl.flock``-ed for the whole run (taken before
+any expensive work); it holds ``"<pid> <command>"`` so that a second writer can say who is in the way.
+Removed on release; a killed run's lock file is taken over by the next run. What else a killed run
+leaves (its temp folder) is swept by ``sparsekit.host.leftovers``.
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
-import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Callable
 
 from sparsekit.errors import SparsekitError
-
-# ".NAME.tmp-<pid>-<random>", ".NAME.old-<pid>-<random>"; earlier versions: ".NAME.tmp-<8 random>", ".NAME.old-<pid>"
-_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?:(?P<pid>\d+)(?:-[A-Za-z0-9_]+)?|[a-z0-9_]{8})$")
 
 
 def lock_path(target: Path) -> Path:
@@ -121,82 +108,3 @@ def _read_holder(fd: int) -> str:
     if not pid.isdigit():
         return "PID unknown"
     return f"PID {pid}: {cmd}" if cmd else f"PID {pid}"
-
-
-def _size(path: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_size
-            except OSError:
-                pass
-    return total
-
-
-def sweep_leftovers(target: Path, keep: set[str] = frozenset()) -> list[str]:
-    """Remove the temp and old folders of ``target`` whose process is gone; returns one note per action.
-
-    Call only while holding ``target``'s lock. ``keep``: names of this run's own folders.
-    """
-    notes = []
-    try:
-        entries = sorted(target.parent.iterdir())
-    except OSError:
-        return notes
-    for p in entries:
-        m = _LEFTOVER.match(p.name)
-        if not m or m["name"] != target.name or p.name in keep:
-            continue
-        pid = int(m["pid"]) if m["pid"] else None
-        if pid is not None and pid != os.getpid() and pid_alive(pid):
-            continue
-        who = f"an interrupted sparsekit run (PID {pid})" if pid else "an interrupted sparsekit run"
-        if m["kind"] == "old" and not os.path.lexists(target) and p.is_dir() and not p.is_symlink():
-            try:
-                os.rename(p, target)
-                notes.append(f"restored {target} from {p.name}, moved aside by {who} that was killed while replacing it")
-                continue
-            except OSError:
-                pass
-        size = _size(p) if p.is_dir() and not p.is_symlink() else 0
-        try:
-            if p.is_dir() and not p.is_symlink():
-                shutil.rmtree(p)
-            else:
-                p.unlink()
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                continue
-            notes.append(f"could not remove {p} left by {who} ({e.strerror or e}): remove it yourself")
-            continue
-        notes.append(f"removed {p} ({size / 1e6:,.1f} MB) left by {who}")
-    return notes
-
-
-def sweep_neighbours(target: Path) -> list[str]:
-    """``sweep_leftovers`` for the other outputs in ``target``'s folder that a killed run left folders
-    of: each under its own lock, taken without waiting (an output being written is left alone)."""
-    names = set()
-    try:
-        entries = list(target.parent.iterdir())
-    except OSError:
-        return []
-    for p in entries:
-        m = _LEFTOVER.match(p.name)
-        if not m or m["name"] == target.name:
-            continue
-        pid = int(m["pid"]) if m["pid"] else None
-        if pid is None or (pid != os.getpid() and not pid_alive(pid)):
-            names.add(m["name"])
-    notes = []
-    for name in sorted(names):
-        try:
-            lock = OutputLock(target.parent / name, command="sparsekit: removing what an interrupted run left")
-        except (SparsekitError, OSError):
-            continue
-        try:
-            notes += sweep_leftovers(target.parent / name)
-        finally:
-            lock.release()
-    return notes

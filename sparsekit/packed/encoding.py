@@ -174,6 +174,7 @@ def encode(
     overwrite: bool = False,
     progress: Progress | None = None,
     warn: Callable[[str], None] | None = None,
+    delete_extra: bool = False,
 ) -> dict[str, Any]:
     """Pack ``pruned_dir`` into ``out_dir`` (atomic). Returns a report (per-layer info and totals).
 
@@ -182,7 +183,8 @@ def encode(
     (``sparsekit.packed.gain.worth_packing``); a number packs those with at least that fraction of zeros.
     ``max_shard_size`` is bytes or a string such as "2GB" / "500MB" / "1GiB". The output is locked,
     checked and written as ``sparsekit.host.atomic`` describes; ``warn`` (default: stderr) hears about
-    leftovers of killed runs that were cleaned up.
+    leftovers of killed runs that were cleaned up; ``delete_extra`` lets ``overwrite`` delete files in
+    the old output that sparsekit did not write (refused otherwise).
     """
     t0 = time.perf_counter()
     src, out = Path(pruned_dir), Path(out_dir)
@@ -193,7 +195,7 @@ def encode(
         raise SparsekitError(f"no pruned checkpoint at {src}: pass the output directory of `sparsekit prune`")
     if out.resolve() == src.resolve():
         raise SparsekitError("the output directory must differ from the input: pass another -o")
-    check_output_dir(out, overwrite, [src])
+    check_output_dir(out, overwrite, [src], delete_extra)
 
     files = checkpoint_files(src)
     headers = header_info(files)
@@ -226,7 +228,8 @@ def encode(
     names = list(files)
     estimate = sum(int(np.prod(shape)) * (2 if cast and dt == "F32" else ITEM_BYTES.get(dt, 4))
                    for dt, shape in headers.values())   # the dense size: packing only shrinks it
-    with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=estimate, warn=warn) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=estimate, warn=warn,
+                           delete_extra=delete_extra) as tmp:
         writer = sh.ShardWriter(tmp, max_bytes, file_metadata=file_meta)
         done = 0
         by_file: dict[Path, list[str]] = {}

@@ -143,13 +143,13 @@ def _dense_tensors(src: Path):
                 yield n, f.get_tensor(n), n in keys
 
 
-def _prepare(src, out, overwrite: bool, max_shard_size, what: str):
+def _prepare(src, out, overwrite: bool, max_shard_size, what: str, delete_extra: bool = False):
     """The checks both directions start with: ``(src, out, max shard bytes, config.json as a dict)``."""
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise SparsekitError(f"no checkpoint directory at {src}: pass {what}")
     max_bytes = sh.parse_size(max_shard_size)
-    check_output_dir(out, overwrite, [src])
+    check_output_dir(out, overwrite, [src], delete_extra)
     return src, out, max_bytes, load_json(src / "config.json")
 
 
@@ -165,13 +165,15 @@ def _finish_shards(writer, src: Path, tmp: Path) -> list:
 
 def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
                    max_shard_size: int | str = "2GB", progress: Progress | None = None,
-                   warn: Callable[[str], None] | None = None) -> dict[str, Any]:
+                   warn: Callable[[str], None] | None = None, delete_extra: bool = False) -> dict[str, Any]:
     """Write ``src`` (pruned HF dir or TCA-BME dir) as a compressed-tensors sparse-bitmask checkpoint.
 
-    The output is locked, checked and written as ``sparsekit.host.atomic`` describes (``warn``: see there).
+    The output is locked, checked and written as ``sparsekit.host.atomic`` describes (``warn``,
+    ``delete_extra``: see ``encode``).
     """
     t0 = time.perf_counter()
-    src, out, max_bytes, config = _prepare(src, out, overwrite, max_shard_size, "a pruned or packed sparsekit checkpoint")
+    src, out, max_bytes, config = _prepare(src, out, overwrite, max_shard_size, "a pruned or packed sparsekit checkpoint",
+                                              delete_extra)
     if not config:
         raise SparsekitError(f"{src} has no config.json: cannot write a loadable checkpoint")
     refuse_bitmask_source(src, config)
@@ -179,7 +181,8 @@ def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
     total = next(it)
     compressed, zeros, numel, done = [], 0, 0, 0
     estimate = sum(f.stat().st_size for f in src.glob("*.safetensors"))  # the bitmask format is about as small
-    with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=estimate, warn=warn) as tmp:
+    with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=estimate, warn=warn,
+                           delete_extra=delete_extra) as tmp:
         writer = sh.ShardWriter(tmp, max_bytes, stem="model", file_metadata={"format": "pt"})
         for name, t, is_linear in it:
             if is_linear and name.endswith(".weight") and t.dim() == 2 and t.is_floating_point():
@@ -233,14 +236,15 @@ def _dense_estimate(files: dict[str, Path], groups: dict[str, dict[str, str]]) -
 
 def import_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
                    max_shard_size: int | str = "2GB", progress: Progress | None = None,
-                   warn: Callable[[str], None] | None = None) -> dict[str, Any]:
+                   warn: Callable[[str], None] | None = None, delete_extra: bool = False) -> dict[str, Any]:
     """Rebuild a dense pruned HF checkpoint (what `sparsekit encode` reads) from a sparse-bitmask one.
 
-    The output is locked, checked and written as ``sparsekit.host.atomic`` describes (``warn``: see there).
+    The output is locked, checked and written as ``sparsekit.host.atomic`` describes (``warn``,
+    ``delete_extra``: see ``encode``).
     """
     t0 = time.perf_counter()
     src, out, max_bytes, config = _prepare(src, out, overwrite, max_shard_size,
-                                           "a compressed-tensors sparse-bitmask checkpoint")
+                                           "a compressed-tensors sparse-bitmask checkpoint", delete_extra)
     qc = config.get("quantization_config") or config.get("compression_config") or {}
     sc = qc.get("sparsity_config") or {}
     if sc.get("format") != FORMAT:
@@ -275,7 +279,7 @@ def import_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
     total = len(groups) + len(files) - len(grouped)
     done = 0
     with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=_dense_estimate(files, groups),
-                           warn=warn) as tmp:
+                           warn=warn, delete_extra=delete_extra) as tmp:
         writer = sh.ShardWriter(tmp, max_bytes, stem="model", file_metadata={"format": "pt"})
         emitted = set()
         for name in files:

@@ -69,6 +69,7 @@ def prune(
     progress: Progress | None = None,
     warn: Callable[[str], None] = print,
     cats: float | None = None,
+    delete_extra: bool = False,
 ) -> dict[str, Any]:
     """Prune ``model`` and write the result to ``output``; returns the report (``sparsekit.json``
     plus timings, peak device memory and per-module-type sparsity).
@@ -117,7 +118,7 @@ def prune(
     if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1):
         raise SparsekitError(f"batch size must be a positive number of windows, got {batch_size!r}: drop --batch-size for the default")
     out = Path(output) if output is not None else default_output(model, s.method, s.pattern, s.sparsity, s.cats)
-    with claim_output(out, overwrite=overwrite, warn=warn) as claim:  # checked and locked before any work
+    with claim_output(out, overwrite=overwrite, warn=warn, delete_extra=delete_extra) as claim:  # checked and locked before any work
         return _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offload, progress, warn, t0, learn)
 
 
