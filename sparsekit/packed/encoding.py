@@ -77,12 +77,20 @@ def header_info(files: dict[str, Path]) -> dict[str, tuple[str, list[int]]]:
 
 
 def load_json(path: Path) -> dict[str, Any]:
+    """A JSON object file as a dict ({} when absent); anything else is one line naming the file."""
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise SparsekitError(f"{path} is not valid JSON (not UTF-8 text: byte {e.start}): fix or remove it") from None
+    except ValueError as e:
         raise SparsekitError(f"{path} is not valid JSON ({e}): fix or remove it") from None
+    except OSError as e:
+        raise SparsekitError(f"cannot read {path} ({e.strerror or type(e).__name__}): check the file and its permissions") from None
+    if not isinstance(data, dict):
+        raise SparsekitError(f"{path} is not a JSON object: fix or remove it")
+    return data
 
 
 def refuse_bitmask_source(src: Path, config: dict) -> None:
@@ -91,6 +99,16 @@ def refuse_bitmask_source(src: Path, config: dict) -> None:
     if isinstance(qc, dict) and (qc.get("sparsity_config") or {}).get("format") == "sparse-bitmask":
         raise SparsekitError(f"{src} is a compressed-tensors sparse-bitmask checkpoint: run "
                              f"`sparsekit import-bitmask {src} -o DIR` first and pass DIR")
+
+
+def check_loadable_source(src: Path) -> None:
+    """What ``sparsekit verify`` asks of the output, asked of the source before any work: a config.json
+    transformers reads, and tokenizer files (both are copied over)."""
+    from sparsekit.hf.models import check_tokenizer_files, read_config
+
+    fix = "copy {} of the source model into it (the packed checkpoint would not load without it)"
+    read_config(src, fix=fix.format("config.json"))
+    check_tokenizer_files(src, fix=fix.format("the tokenizer files"))
 
 
 def linear_modules(src: Path, config: dict, manifest: dict) -> dict[str, bool]:
@@ -201,6 +219,7 @@ def encode(
     headers = header_info(files)
     config = load_json(src / "config.json")
     refuse_bitmask_source(src, config)
+    check_loadable_source(src)
     manifest = load_json(src / "sparsekit.json")
     modules = linear_modules(src, config, manifest)
 
