@@ -22,6 +22,7 @@ from sparsekit.errors import SparsekitError
 from sparsekit.progress import Progress
 from sparsekit.packed import shards as sh
 from sparsekit.packed import tcabme
+from sparsekit.packed.estimate import HEADER_BYTES, INDEX_BYTES, files_nbytes, packed_layer_nbytes, recorded_sparsity
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
@@ -167,15 +168,17 @@ def detect_pattern(raw) -> str:
     return "unstructured"
 
 
+def side_files(src: Path) -> list[Path]:
+    """Config, generation config, tokenizer files, sparsekit.json...: everything but weights (and dot files)."""
+    return [f for f in sorted(src.iterdir()) if f.is_file() and f.name not in WEIGHT_INDEXES
+            and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.startswith(".")]
+
+
 def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy config, generation config, tokenizer files, sparsekit.json...: everything but weights."""
-    copied = []
-    for f in sorted(src.iterdir()):
-        if not f.is_file() or f.name in WEIGHT_INDEXES or f.name.endswith(WEIGHT_SUFFIXES) or f.name.startswith("."):
-            continue
+    """Copy ``side_files(src)`` into ``dst``; their names."""
+    for f in side_files(src):
         shutil.copy2(f, dst / f.name)
-        copied.append(f.name)
-    return copied
+    return [f.name for f in side_files(src)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -225,6 +228,7 @@ def encode(
 
     # Validate every linear weight from the headers before any heavy work.
     weight_keys: dict[str, tuple[str, bool]] = {}   # checkpoint key -> (module name, transposed)
+    recorded: dict[str, float | None] = {}          # checkpoint key -> the sparsity sparsekit.json records
     for module, transposed in modules.items():
         key = resolve_key(module, headers)
         if key is None:
@@ -237,6 +241,7 @@ def encode(
                 f"weight {key} has unsupported dtype {dtype}: sparsekit encode reads float16, bfloat16 or float32 checkpoints"
             )
         weight_keys[key] = (key[: -len(".weight")], transposed)
+        recorded[key] = recorded_sparsity((manifest.get("layers") or {}).get(module))
     cast_to = target_dtype(config)
     cast = any(headers[k][0] == "F32" for k in weight_keys)
 
@@ -245,8 +250,14 @@ def encode(
     file_meta = {"format": tcabme.FORMAT_NAME, "format_version": str(tcabme.FORMAT_VERSION)}
     layers: dict[str, dict[str, Any]] = {}
     names = list(files)
-    estimate = sum(int(np.prod(shape)) * (2 if cast and dt == "F32" else ITEM_BYTES.get(dt, 4))
-                   for dt, shape in headers.values())   # the dense size: packing only shrinks it
+    estimate = files_nbytes(side_files(src))   # what will be written (sparsekit.packed.estimate)
+    for key, (dt, shape) in headers.items():
+        item = 2 if cast and dt == "F32" else ITEM_BYTES.get(dt, 4)
+        if key in weight_keys:
+            out_in = (shape[1], shape[0]) if weight_keys[key][1] else (shape[0], shape[1])
+            estimate += packed_layer_nbytes(out_in, recorded[key], min_sparsity=min_sparsity, force=force, itemsize=item)
+        else:
+            estimate += int(np.prod(shape)) * item + HEADER_BYTES + INDEX_BYTES
     with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=estimate, warn=warn,
                            delete_extra=delete_extra) as tmp:
         writer = sh.ShardWriter(tmp, max_bytes, file_metadata=file_meta)

@@ -26,7 +26,8 @@ from sparsekit.host.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
 from sparsekit.progress import Progress
 from sparsekit.packed.encoding import (ITEM_BYTES, checkpoint_files, copy_side_files, header_info, linear_modules,
-                                       load_json, refuse_bitmask_source, resolve_key)
+                                       load_json, refuse_bitmask_source, resolve_key, side_files)
+from sparsekit.packed.estimate import HEADER_BYTES, bitmask_nbytes, files_nbytes, recorded_sparsity
 
 FORMAT = "sparse-bitmask"
 PARTS = ("shape", "compressed", "bitmask", "row_offsets")
@@ -143,6 +144,44 @@ def _dense_tensors(src: Path):
                 yield n, f.get_tensor(n), n in keys
 
 
+def _nbytes(dtype: str, shape) -> int:
+    return int(np.prod(shape)) * ITEM_BYTES.get(dtype, 4)
+
+
+def _export_estimate(src: Path, config: dict) -> int:
+    """The bytes ``export_bitmask`` writes, from the headers and the recorded sparsity of each linear
+    (``sparsekit.packed.estimate``; a linear without one counts as dense)."""
+    from sparsekit.packed.tcabme import FIELDS
+
+    if sh.is_packed_dir(src):
+        index = sh.load_index(src)
+        headers: dict[str, tuple[str, list[int]]] = {}
+        for shard in set(index["weight_map"].values()):
+            header, _ = sh.read_header(src / shard)
+            headers.update({k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"})
+        linears = {}   # tensor names the linears take -> (rows, cols as stored, sparsity, item bytes)
+        for m, info in index["layers"].items():
+            out, inp = info["shape"]
+            shape = (inp, out) if info.get("transposed") else (out, inp)
+            names = ([f"{m}{sh.TCABME_INFIX}{f}" for f in FIELDS] if info.get("packed")
+                     else [info.get("weight", f"{m}.weight")])
+            linears[m] = (names, shape, recorded_sparsity(info), 4 if info.get("dtype") == "float32" else 2)
+    else:
+        headers = header_info(checkpoint_files(src))
+        manifest = load_json(src / "sparsekit.json")
+        linears = {}
+        for m in linear_modules(src, config, manifest):
+            key = resolve_key(m, headers)
+            if key is not None:
+                dt, shape = headers[key]
+                linears[m] = ([key], tuple(shape), recorded_sparsity((manifest.get("layers") or {}).get(m)),
+                              ITEM_BYTES.get(dt, 4))
+    taken = {n for names, *_ in linears.values() for n in names}
+    total = files_nbytes(side_files(src)) + sum(_nbytes(dt, shape) + HEADER_BYTES
+                                                for n, (dt, shape) in headers.items() if n not in taken)
+    return total + sum(bitmask_nbytes(shape, sparsity or 0.0, item) for _, shape, sparsity, item in linears.values())
+
+
 def _prepare(src, out, overwrite: bool, max_shard_size, what: str, delete_extra: bool = False):
     """The checks both directions start with: ``(src, out, max shard bytes, config.json as a dict)``."""
     src, out = Path(src), Path(out)
@@ -180,7 +219,7 @@ def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
     it = _dense_tensors(src)
     total = next(it)
     compressed, zeros, numel, done = [], 0, 0, 0
-    estimate = sum(f.stat().st_size for f in src.glob("*.safetensors"))  # the bitmask format is about as small
+    estimate = _export_estimate(src, config)
     with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=estimate, warn=warn,
                            delete_extra=delete_extra) as tmp:
         writer = sh.ShardWriter(tmp, max_bytes, stem="model", file_metadata={"format": "pt"})
@@ -226,7 +265,7 @@ def _dense_estimate(files: dict[str, Path], groups: dict[str, dict[str, str]]) -
     """The size of the dense checkpoint import-bitmask writes, from the safetensors headers alone."""
     headers = header_info(files)
     grouped = {n for parts in groups.values() for n in parts.values()}
-    total = sum(int(np.prod(shape)) * ITEM_BYTES.get(dt, 4) for n, (dt, shape) in headers.items() if n not in grouped)
+    total = sum(_nbytes(dt, shape) for n, (dt, shape) in headers.items() if n not in grouped)
     for parts in groups.values():
         bm_shape = headers[parts["bitmask"]][1]
         numel = int(np.prod(bm_shape)) * 8   # rows x ceil(cols / 8) bytes of bits
