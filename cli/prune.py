@@ -30,6 +30,12 @@ HELP = (
 )
 
 
+# the defaults of sparsekit.pruning.patterns, written out (importing it would load torch for --help);
+# tests/test_cli_prune.py checks that they agree
+SPARSITY_HELP = ("Fraction of weights (cats: of gate activations) to zero in [0, 1) (default: 0.5; "
+                 "hybrid 0.25, half the tiles 2:4; implied by N:M)")
+
+
 def register(app: typer.Typer) -> None:
     app.command("prune", help=HELP)(prune_cmd)
 
@@ -38,7 +44,7 @@ def register(app: typer.Typer) -> None:
 def prune_cmd(
     model: str = typer.Argument("smollm2-135m", help="Local HF directory, hub id, or the demo alias smollm2-135m."),
     method: Optional[str] = typer.Option(None, "--method", "-m", help="magnitude | wanda | sparsegpt | cats (default: wanda)"),
-    sparsity: Optional[float] = typer.Option(None, "--sparsity", "-s", help="Fraction of weights (cats: of gate activations) to zero in [0, 1) (default: 0.5; implied by N:M)"),
+    sparsity: Optional[float] = typer.Option(None, "--sparsity", "-s", help=SPARSITY_HELP),
     pattern: Optional[str] = typer.Option(None, "--pattern", "-p", help="unstructured | N:M (2:4, 4:8) | hybrid[:T] (default: unstructured)"),
     calib: Optional[str] = typer.Option(None, "--calib", "--dataset", help="Calibration text: wikitext2, c4, a hub dataset, or a .txt/.jsonl/.parquet file (default: wikitext2)"),
     nsamples: Optional[int] = typer.Option(None, "--nsamples", help="Calibration windows (default: 128)"),

@@ -137,6 +137,12 @@ def _local_path(source: str) -> Path:
     return path
 
 
+def check_source(source: str) -> None:
+    """A source naming a local file must name an existing one: checked before any model loads."""
+    if _is_local(str(source)):
+        _local_path(str(source))
+
+
 def calibration_text(source: str) -> str:
     """The whole calibration text of a non-c4 source, rows joined with ``"\\n\\n"`` (blank rows dropped)."""
     if _is_local(source):

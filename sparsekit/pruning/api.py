@@ -100,7 +100,9 @@ def prune(
     hybrid tiles over the whole model (one-shot, or as the start of learning). Both record how the
     mask was made under ``learning`` in ``sparsekit.json``.
     """
+    from sparsekit.hf.data import check_source
     from sparsekit.host.atomic import claim_output
+    from sparsekit.pruning.methods import METHODS
     from sparsekit.pruning.recipes import resolve_settings
 
     t0 = time.perf_counter()
@@ -115,6 +117,8 @@ def prune(
         raise SparsekitError("--learn-mask learns the masks of the decoder linears: drop --prune-lm-head")
     if note := s.ignored_calibration(calib=calib, nsamples=nsamples, seqlen=seqlen):
         warn(note)
+    if METHODS[s.method].needs_calibration or s.cats is not None or learn is not None:
+        check_source(s.dataset)   # a missing --calib file before the model loads
     if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1):
         raise SparsekitError(f"batch size must be a positive number of windows, got {batch_size!r}: drop --batch-size for the default")
     out = Path(output) if output is not None else default_output(model, s.method, s.pattern, s.sparsity, s.cats)
