@@ -93,10 +93,10 @@ def encode_cmd(
     delete_extra: bool = DELETE_EXTRA,
     json_out: bool = JSON_OPTION,
 ):
-    from sparsekit.packed.encoding import encode
+    from sparsekit.packed.encoding import encode_checkpoint
 
     with _progress("encoding") as progress:
-        report = encode(pruned, output, min_sparsity=min_sparsity, force=force, max_shard_size=max_shard_size,
+        report = encode_checkpoint(pruned, output, min_sparsity=min_sparsity, force=force, max_shard_size=max_shard_size,
                         overwrite=overwrite, progress=progress, delete_extra=delete_extra)
     if json_out:
         emit_json(report)

@@ -1,4 +1,5 @@
-"""``sparsekit encode``: a pruned HF checkpoint (dense weights with zeros) -> a TCA-BME directory.
+"""``sparsekit encode`` (``encode_checkpoint``): a pruned HF checkpoint directory (dense weights with
+zeros) -> a TCA-BME directory. ``tcabme.encode`` packs one tensor.
 
 Which tensors are linear weights comes from ``sparsekit.json`` ("layers") when the pruner wrote
 one, else from the model skeleton built on the meta device from ``config.json``. Each linear
@@ -185,7 +186,7 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
 # Encoding
 
 
-def encode(
+def encode_checkpoint(
     pruned_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
@@ -332,6 +333,9 @@ def encode(
         "elapsed_s": round(elapsed, 3),
         "per_layer": layers,
     }
+
+
+encode = encode_checkpoint   # the old name (beside tcabme.encode, which packs one tensor): kept for one release
 
 
 def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: float, force: bool,

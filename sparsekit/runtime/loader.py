@@ -116,17 +116,20 @@ def open_model(location, device: torch.device, dtype: torch.dtype, *, prefer: st
     return model
 
 
-def load_packed(path, device="cuda", dtype: torch.dtype = torch.float16, *, prefer: str | None = None) -> nn.Module:
-    """A HF causal LM whose packed linears are ``SparseLinear`` modules, on ``device``, in eval mode.
+def load_packed(path, device="auto", dtype: torch.dtype | str | None = None, *, prefer: str | None = None) -> nn.Module:
+    """A HF causal LM whose packed linears are ``SparseLinear`` modules, on ``device`` (``auto``: the GPU
+    when there is one, else the CPU, like ``load``), in eval mode.
 
-    ``dtype`` applies to the dense tensors (embeddings, norms, biases); the packed values keep
-    their stored dtype. The bundled kernels need fp16 activations, so keep the default on a GPU.
+    ``dtype`` applies to the dense tensors (embeddings, norms, biases; default float16 on CUDA, float32
+    on the CPU); the packed values keep their stored dtype. The bundled kernels need fp16 activations,
+    so keep the default on a GPU.
     ``prefer="speed"`` measures each group of sparse layers against cuBLAS now and runs each in its
     faster form (dense copies kept where dense wins; ``"memory"`` keeps the packed weights only).
     """
     path = Path(path)
     _check_dir(path)
-    return open_model(path, models.resolve_device(device), dtype, prefer=prefer)
+    dev = models.resolve_device(device)
+    return open_model(path, dev, models.resolve_dtype(dtype, dev), prefer=prefer)
 
 
 def _open_packed(path: Path, dev: torch.device, dtype: torch.dtype) -> nn.Module:
