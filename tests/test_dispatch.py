@@ -35,8 +35,8 @@ def sparse_model(seed=0):
 
 def fake_timings(monkeypatch, table):
     """``table[(out, in)] = [(n, sparse_ms, dense_ms), ...]`` instead of GPU timings."""
-    monkeypatch.setattr(dispatch, "_usable", lambda mods: True)
-    monkeypatch.setattr(dispatch, "_time_group",
+    monkeypatch.setattr(dispatch, "kernels_usable", lambda mods: True)
+    monkeypatch.setattr(dispatch, "time_group",
                         lambda mods, dense, n: next((s, d) for k, s, d in table[(mods[0].out_features, mods[0].in_features)] if k == n))
 
 

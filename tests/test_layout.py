@@ -174,15 +174,31 @@ def private_reaches(path: Path) -> list[str]:
                     aliases.add(a.asname)
     for node in ast.walk(tree):
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
-                and node.attr.startswith("_") and not node.attr.startswith("__")):
+                and _private(node.attr)):
             found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+        elif (isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[0], ast.Name)
+              and node.args[0].id in aliases and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str) and _private(node.args[1].value)):
+            # monkeypatch.setattr(module, "_name", ...), getattr(module, "_name")
+            found.append(f"{path.name}:{node.lineno}: {node.args[0].id}.{node.args[1].value} (by name)")
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("sparsekit.")
+              and any(_private(part) for part in node.value.split("."))):
+            # monkeypatch.setattr("sparsekit.runtime.dispatch._usable", ...)
+            found.append(f"{path.name}:{node.lineno}: {node.value!r}")
     return found
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
 
 
 def test_private_reach_checker_can_fail(tmp_path):
     f = tmp_path / "s.py"
-    f.write_text("from sparsekit.evaluation import speed\nfrom sparsekit.runtime.loader import _x\nspeed._time_ms(1)\n")
-    assert len(private_reaches(f)) == 2
+    f.write_text("from sparsekit.evaluation import speed\nfrom sparsekit.runtime.loader import _x\nspeed._time_ms(1)\n"
+                 "monkeypatch.setattr(speed, '_time_ms', None)\ngetattr(speed, '_y')\n"
+                 "monkeypatch.setattr('sparsekit.runtime.dispatch._usable', None)\n"
+                 "monkeypatch.setattr(speed, 'public', None)\nprint('sparsekit.x', '_z')\n")
+    assert len(private_reaches(f)) == 5
 
 
 @pytest.mark.parametrize("folder", ["tests", "scripts"])

@@ -135,7 +135,7 @@ def test_no_gpu_notice_said_once(monkeypatch):
     from sparsekit.runtime import sparse_linear
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(sparse_linear, "_notices_shown", set())
+    monkeypatch.setattr(sparse_linear, "notices_shown", set())
     lin = nn.Linear(64, 64)
     with torch.no_grad():
         lin.weight[:, ::2] = 0
@@ -260,7 +260,7 @@ def test_load_packed_corrupt_shard(tmp_path, packed_llama):
     shard = sorted(bad.glob("*.safetensors"))[0]
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    with pytest.raises(SparsekitError):
+    with pytest.raises(SparsekitError, match=rf"shard {shard.name} is truncated or corrupt: .* re-run `sparsekit encode`"):
         load_packed(bad, device="cpu")
 
 

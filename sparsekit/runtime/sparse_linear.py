@@ -40,7 +40,7 @@ DEFAULT_DENSE_ABOVE = 64
 NO_GPU_NOTICE = "no CUDA GPU: sparse layers run the reference path (decode + matmul), which is slow"
 CPU_NOTICE = "sparse layers on the CPU run the reference path (decode + matmul), which is slow"
 
-_notices_shown: set[str] = set()
+notices_shown: set[str] = set()   # the notices this process has shown (``notice_once``)
 
 
 # Frames of these packages are not where a notice "comes from": it points at the caller's own line
@@ -62,9 +62,9 @@ def _caller_frame():
 def notice_once(message: str) -> None:
     """Warn once per process with a ``SparsekitWarning`` (a UserWarning) attributed to the first
     caller outside torch / transformers / sparsekit; the CLI shows just the message on stderr."""
-    if message in _notices_shown:
+    if message in notices_shown:
         return
-    _notices_shown.add(message)
+    notices_shown.add(message)
     frame = _caller_frame()
     module = frame.f_globals.get("__name__", "sparsekit")
     warnings.warn_explicit(message, SparsekitWarning, frame.f_code.co_filename, frame.f_lineno, module=module,
