@@ -59,7 +59,7 @@ def register(app: typer.Typer) -> None:
 @contextlib.contextmanager
 def _progress(description: str, enabled: bool = True):
     """A rich progress bar on stderr; yields a ``sparsekit.progress.Progress`` callback."""
-    if not enabled:
+    if not enabled or not err_console.is_terminal:  # (off a terminal a transient bar leaves an empty line)
         yield None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -84,7 +84,7 @@ def _ratio(r: float | None) -> str:
 
 @handle_errors
 def encode_cmd(
-    pruned: Path = typer.Argument(..., help="Pruned HF checkpoint directory (output of `sparsekit prune`)."),
+    pruned: Path = typer.Argument(..., metavar="PRUNED", help="Pruned HF checkpoint directory (output of `sparsekit prune`)."),
     output: Path = typer.Option(..., "-o", "--output", help="Output directory for the packed checkpoint."),
     min_sparsity: Optional[float] = typer.Option(None, "--min-sparsity", help="Pack layers with at least this fraction of zeros instead of by the bytes packing saves (default: by bytes)."),
     force: bool = typer.Option(False, "--force", help="Pack every linear layer, however dense."),
@@ -154,7 +154,7 @@ def inspect_table(report: dict):
 
 @handle_errors
 def inspect_cmd(
-    packed: Path = typer.Argument(..., help="Packed checkpoint directory (output of `sparsekit encode`)."),
+    packed: Path = typer.Argument(..., metavar="PACKED", help="Packed checkpoint directory (output of `sparsekit encode`)."),
     json_out: bool = JSON_OPTION,
 ):
     from sparsekit.packed.verify import inspect_packed
@@ -178,7 +178,7 @@ def inspect_cmd(
 
 @handle_errors
 def verify_cmd(
-    packed: Path = typer.Argument(..., help="Packed checkpoint directory (output of `sparsekit encode`)."),
+    packed: Path = typer.Argument(..., metavar="PACKED", help="Packed checkpoint directory (output of `sparsekit encode`)."),
     json_out: bool = JSON_OPTION,
 ):
     from sparsekit.packed.verify import verify_packed
@@ -195,7 +195,7 @@ def verify_cmd(
 
 @handle_errors
 def export_cmd(
-    source: Path = typer.Argument(..., help="Pruned HF directory or packed TCA-BME directory."),
+    source: Path = typer.Argument(..., metavar="SOURCE", help="Pruned HF directory or packed TCA-BME directory."),
     output: Path = typer.Option(..., "-o", "--output", help="Output directory (compressed-tensors checkpoint)."),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest shard file, e.g. 2GB, 500MB."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
@@ -216,7 +216,7 @@ def export_cmd(
 
 @handle_errors
 def import_cmd(
-    source: Path = typer.Argument(..., help="compressed-tensors checkpoint with sparsity_config format sparse-bitmask."),
+    source: Path = typer.Argument(..., metavar="SOURCE", help="compressed-tensors checkpoint with sparsity_config format sparse-bitmask."),
     output: Path = typer.Option(..., "-o", "--output", help="Output directory (dense pruned HF checkpoint)."),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest shard file, e.g. 2GB, 500MB."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
