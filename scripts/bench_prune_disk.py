@@ -88,6 +88,7 @@ def prune_once(src: Path, out: Path, mode: str, method: str, calib, device: str)
 
     from sparsekit.host.atomic import claim_output
     from sparsekit.hf.checkpoint import save_pruned
+    from sparsekit.hf.metadata import PruneMetadata
     from sparsekit.host.memory import HostPeak
     from sparsekit.pruning.engine import prune_model
     from sparsekit.pruning.streamed import StreamedModel
@@ -110,7 +111,7 @@ def prune_once(src: Path, out: Path, mode: str, method: str, calib, device: str)
             t1 = time.perf_counter()
             if dtype != torch.float16:
                 model.to(torch.float16)
-            save_pruned(model, None, out, {}, overwrite=True)
+            save_pruned(model, None, out, PruneMetadata(), overwrite=True)
             t_save = time.perf_counter() - t1
             del model
         else:

@@ -20,6 +20,7 @@ import torch
 
 from sparsekit.host.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
+from sparsekit.hf.metadata import PruneMetadata
 from sparsekit.progress import Progress
 from sparsekit.packed import shards as sh
 from sparsekit.packed import tcabme
@@ -113,9 +114,9 @@ def check_loadable_source(src: Path) -> None:
     check_tokenizer_files(src, fix=fix.format("the tokenizer files"))
 
 
-def linear_modules(src: Path, config: dict, manifest: dict) -> dict[str, bool]:
-    """module name -> transposed (True for GPT-2 Conv1D, stored [in, out])."""
-    layers = manifest.get("layers")
+def linear_modules(src: Path, config: dict, layers: dict) -> dict[str, bool]:
+    """module name -> transposed (True for GPT-2 Conv1D, stored [in, out]): the pruned ``layers`` that
+    ``sparsekit.json`` records, else the linears of the model ``config`` describes."""
     if isinstance(layers, dict) and layers:
         return {name: info.get("kind") == "conv1d" for name, info in layers.items()}
     if not config:
@@ -224,8 +225,8 @@ def encode_checkpoint(
     config = load_json(src / "config.json")
     refuse_bitmask_source(src, config)
     check_loadable_source(src)
-    manifest = load_json(src / "sparsekit.json")
-    modules = linear_modules(src, config, manifest)
+    meta = PruneMetadata.read(src) or PruneMetadata()
+    modules = linear_modules(src, config, meta.layers)
 
     # Validate every linear weight from the headers before any heavy work.
     weight_keys: dict[str, tuple[str, bool]] = {}   # checkpoint key -> (module name, transposed)
@@ -242,7 +243,7 @@ def encode_checkpoint(
                 f"weight {key} has unsupported dtype {dtype}: sparsekit encode reads float16, bfloat16 or float32 checkpoints"
             )
         weight_keys[key] = (key[: -len(".weight")], transposed)
-        recorded[key] = recorded_sparsity((manifest.get("layers") or {}).get(module))
+        recorded[key] = recorded_sparsity(meta.layer(module))
     cast_to = target_dtype(config)
     cast = any(headers[k][0] == "F32" for k in weight_keys)
 
@@ -280,7 +281,7 @@ def encode_checkpoint(
                         t = c
                     if key in weight_keys:
                         module, transposed = weight_keys[key]
-                        info, tensors = _encode_layer(module, t, transposed, min_sparsity, force, manifest)
+                        info, tensors = _encode_layer(module, t, transposed, min_sparsity, force, meta)
                         if not info["packed"]:
                             info["weight"] = key
                         layers[module] = info
@@ -298,10 +299,10 @@ def encode_checkpoint(
             "format": tcabme.FORMAT_NAME,
             "format_version": tcabme.FORMAT_VERSION,
             "sparsekit_version": _version(),
-            "source_model": manifest.get("model") or config.get("_name_or_path") or str(src),
+            "source_model": meta.model or config.get("_name_or_path") or str(src),
             "source_dir": str(src),
-            "method": manifest.get("method"),
-            "pattern": manifest.get("pattern"),
+            "method": meta.method,
+            "pattern": meta.pattern,
             "dtype": DTYPE_NAMES.get(cast_to if cast else _first_dtype(layers), "float16"),
             "cast_from": "float32" if cast else None,
             "min_sparsity": None if min_sparsity is None else float(min_sparsity),
@@ -339,7 +340,7 @@ encode = encode_checkpoint   # the old name (beside tcabme.encode, which packs o
 
 
 def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: float, force: bool,
-                  manifest: dict) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+                  meta: PruneMetadata) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     w = (t.t() if transposed else t).contiguous()
     # A pruner that masks by multiplying (w * mask) leaves -0.0 where w was negative. Those are
     # pruned weights, not values: store them as zeros (tcabme.encode itself keeps -0.0 bit-exact).
@@ -357,7 +358,7 @@ def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: 
         "transposed": bool(transposed),
         "dtype": DTYPE_NAMES[w.dtype],
         "sparsity": round(sparsity, 6),
-        "pattern": _layer_pattern(manifest, module) or detect_pattern(raw),
+        "pattern": _layer_pattern(meta, module) or detect_pattern(raw),
         "dense_bytes": dense_bytes,
     }
     if n_negative_zero:
@@ -378,11 +379,11 @@ def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: 
     return info, packed.tensors(module)
 
 
-def _layer_pattern(manifest: dict, module: str) -> str | None:
+def _layer_pattern(meta: PruneMetadata, module: str) -> str | None:
     """The pattern the pruner recorded for this layer (its own entry first, then the run's)."""
-    entry = (manifest.get("layers") or {}).get(module) or {}
+    entry = meta.layer(module)
     info = entry.get("info") if isinstance(entry.get("info"), dict) else {}
-    return entry.get("pattern") or info.get("pattern") or manifest.get("pattern")
+    return entry.get("pattern") or info.get("pattern") or meta.pattern
 
 
 def _first_dtype(layers: dict) -> torch.dtype:

@@ -24,6 +24,7 @@ import torch
 from sparsekit.packed import shards as sh
 from sparsekit.host.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
+from sparsekit.hf.metadata import PruneMetadata
 from sparsekit.progress import Progress
 from sparsekit.packed.encoding import (ITEM_BYTES, checkpoint_files, copy_side_files, header_info, linear_modules,
                                        load_json, refuse_bitmask_source, resolve_key, side_files)
@@ -130,7 +131,7 @@ def _dense_tensors(src: Path):
         yield from _packed_tensors(src)
         return
     files = checkpoint_files(src)
-    modules = linear_modules(src, load_json(src / "config.json"), load_json(src / "sparsekit.json"))
+    modules = linear_modules(src, load_json(src / "config.json"), (PruneMetadata.read(src) or PruneMetadata()).layers)
     keys = {resolve_key(m, files) for m in modules} - {None}
     yield len(files)
     from safetensors import safe_open
@@ -168,13 +169,13 @@ def _export_estimate(src: Path, config: dict) -> int:
             linears[m] = (names, shape, recorded_sparsity(info), 4 if info.get("dtype") == "float32" else 2)
     else:
         headers = header_info(checkpoint_files(src))
-        manifest = load_json(src / "sparsekit.json")
+        meta = PruneMetadata.read(src) or PruneMetadata()
         linears = {}
-        for m in linear_modules(src, config, manifest):
+        for m in linear_modules(src, config, meta.layers):
             key = resolve_key(m, headers)
             if key is not None:
                 dt, shape = headers[key]
-                linears[m] = ([key], tuple(shape), recorded_sparsity((manifest.get("layers") or {}).get(m)),
+                linears[m] = ([key], tuple(shape), recorded_sparsity(meta.layer(m)),
                               ITEM_BYTES.get(dt, 4))
     taken = {n for names, *_ in linears.values() for n in names}
     total = files_nbytes(side_files(src)) + sum(_nbytes(dt, shape) + HEADER_BYTES
@@ -237,14 +238,14 @@ def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
             if progress:
                 progress("exporting", done, total, item=name)
         shards = _finish_shards(writer, src, tmp)
-        manifest = load_json(src / "sparsekit.json")
+        meta = PruneMetadata.read(src) or PruneMetadata()
         config = dict(config)
         config["quantization_config"] = {
             "quant_method": "compressed-tensors",
             "sparsity_config": {
                 "format": FORMAT,
                 "global_sparsity": zeros / numel if numel else 0.0,
-                "sparsity_structure": _structure(manifest.get("pattern")),
+                "sparsity_structure": _structure(meta.pattern),
                 "targets": sorted(compressed),
                 "ignore": [],
             },

@@ -229,13 +229,13 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
             calibration=calibration, skip=s.skip, layers=report["layers"], elapsed_s=elapsed, **extra,
         )
         if "learning" in report:
-            meta["learning"] = report["learning"]
+            meta.learning = report["learning"]
         if stream:
             stream.finish(staged, tokenizer, meta)
         else:
             checkpoint.save_pruned(net, tokenizer, out, meta, overwrite=overwrite)
     return {
-        **meta,
+        **meta.to_dict(),
         "output": str(out),
         "device": str(dev),
         "dtype": str(torch_dtype).removeprefix("torch."),
