@@ -23,7 +23,6 @@ from sparsekit.errors import SparsekitError
 
 WIKITEXT2 = ("Salesforce/wikitext", "wikitext-2-raw-v1")
 C4 = ("allenai/c4", "en/c4-train.00000-of-01024.json.gz")  # the shard the Wanda/SparseGPT code samples
-ALIASES = ("wikitext2", "c4")
 # The shortest window a user may ask for, in prune (calibration) and eval (perplexity) alike.
 MIN_SEQLEN = 8
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")

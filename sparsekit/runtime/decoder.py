@@ -229,7 +229,7 @@ class GreedyDecoder:
         except Exception as e:
             raise SparsekitError(
                 f"could not capture the decode step in a CUDA graph ({type(e).__name__}: {e}): "
-                "use the eager fallback (use_graph=False / --no-cuda-graphs)"
+                "use the eager fallback (use_graph=False)"
             ) from e
         self._restore(saved)
         self.graph = graph

@@ -90,7 +90,7 @@ def load(id_or_path=None, device="cpu", dtype=None, *, prefer: str | None = None
     ``device`` (``auto``/``cpu``/``cuda``) in ``dtype`` (default float16 on CUDA, float32 on CPU), in
     eval mode, with its CATS thresholds installed. Packed linears run as ``SparseLinear``.
     ``prefer`` (``"speed"`` or ``"memory"``, on a GPU): run each sparse layer in its fastest form,
-    measured now (``runtime.dispatch.plan_dispatch``; its report is ``model.sparsekit_dispatch``)."""
+    measured now (``runtime.dispatch.plan_dispatch``, which returns the report when called itself)."""
     dev = models.resolve_device(device)
     torch_dtype = models.resolve_dtype(dtype, dev)
     location = models.resolve_model(id_or_path)
@@ -112,7 +112,7 @@ def open_model(location, device: torch.device, dtype: torch.dtype, *, prefer: st
     if device.type == "cuda" and any(isinstance(m, SparseLinear) for m in model.modules()):
         kernel()  # the kernels' load-time check: on failure one notice now, the reference path later
         if prefer is not None:
-            model.sparsekit_dispatch = plan_dispatch(model, prefer=prefer)
+            plan_dispatch(model, prefer=prefer)
     return model
 
 
