@@ -49,7 +49,7 @@ def test_long_k_many_tokens_get_smaller_chunks():
     assert plan.warp_chunk(4096, 172, 64, (d, 2 * d, 0, 4 * d)) < 64
 
 
-# The plans the H100 sweeps measured fastest (scripts/tune_kernels.py, scripts/probe_kernels.py; the
+# The plans the H100 sweeps measured fastest (scripts/bench/tune_kernels.py, scripts/bench/probe_kernels.py; the
 # tables are in docs/kernels-notes.md v7-v9 and docs/benchmarks.md). These numbers are measurements,
 # not the planner's past output: the planner must keep choosing them (132 SMs unless said).
 # (m, gk, tokens, sms) -> (strips per warp-step, warps, stages)

@@ -67,9 +67,12 @@ def notice_once(message: str) -> None:
     notices_shown.add(message)
     frame = _caller_frame()
     module = frame.f_globals.get("__name__", "sparsekit")
-    warnings.warn_explicit(message, SparsekitWarning, frame.f_code.co_filename, frame.f_lineno, module=module,
-                           registry=frame.f_globals.setdefault("__warningregistry__", {}),
-                           module_globals=frame.f_globals)
+    where = dict(filename=frame.f_code.co_filename, lineno=frame.f_lineno, module=module,
+                 registry=frame.f_globals.setdefault("__warningregistry__", {}))
+    try:
+        warnings.warn_explicit(message, SparsekitWarning, module_globals=frame.f_globals, **where)
+    except ImportError:  # a caller run as `python -m pkg.mod`: its loader will not read "__main__"'s source
+        warnings.warn_explicit(message, SparsekitWarning, **where)
 
 
 _KERNEL: Callable | None | bool = None  # None: not looked up yet; False: unavailable

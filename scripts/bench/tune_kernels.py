@@ -1,11 +1,11 @@
 """Sweep spmm_warp's launch plan (strips per warp-step x warps per block x stages) against the default.
 
 For each shape, token count and sparsity: the default plan (``kernels.plan.warp_plan``), then
-every configuration of the grid, each timed like bench_kernels.py (CUDA-graph replays over >= 4
+every configuration of the grid, each timed like bench/kernels.py (CUDA-graph replays over >= 4
 rotated weight copies, median microseconds per call), and the best one. Correctness is
-gpu_check_kernels.py's job; run it on any plan this sweep leads to.
+checks/gpu_kernels.py's job; run it on any plan this sweep leads to.
 
-    python3 scripts/tune_kernels.py --shapes 11008x4096 --ns 1,16 [--strips 1,2] [--warps 2,4,8]
+    python -m scripts.bench.tune_kernels --shapes 11008x4096 --ns 1,16 [--strips 1,2] [--warps 2,4,8]
         [--stages 2,3] [--regs 0,64,80] [--sparsity 0.5] [--out DIR]
 """
 from __future__ import annotations
@@ -17,8 +17,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _kernels_common import ints_arg, random_pruned, shapes_arg, time_calls, weight_copies  # noqa: E402
+from scripts.common import ints_arg, random_pruned, shapes_arg, time_calls, weight_copies
 
 
 def plan_of(m: int, k: int, n: int, p, strips=None, warps=None, stages=None) -> tuple[int, int, int]:

@@ -12,7 +12,7 @@ both models alike. ``--fuse-proj both`` (default) also measures the pair with q/
 merged into one matmul each (after the unmerged pair); ``--overhead`` times a step whose linears
 cost nothing. Random weights are fine for speed; the tokens are meaningless.
 
-    python scripts/bench_e2e.py [--layers 32] [--batch-sizes 1,8,16,32] [--fuse-proj both] [--json out.json]
+    python -m scripts.bench.e2e [--layers 32] [--batch-sizes 1,8,16,32] [--fuse-proj both] [--json out.json]
 
 Target (issue 4): sparse decode tokens/s >= 1.4x dense at batch 1 and 16.
 """
@@ -249,7 +249,7 @@ def main() -> int:
         rows.append(row)
     report = {
         "gpu": gpu, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "python scripts/bench_e2e.py " + " ".join(sys.argv[1:]),
+        "command": "python -m scripts.bench.e2e " + " ".join(sys.argv[1:]),
         "shape": {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
                   "heads": args.heads, "vocab": args.vocab},
         "sparsity": args.sparsity, "cuda_graphs": graphs, "kernel": kernel() is not None,

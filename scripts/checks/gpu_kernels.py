@@ -5,7 +5,7 @@ float64 reference (||y - ref|| / ||ref|| < 1e-2, and no NaN left), over all benc
 shapes that need padding, N in {1, 2, 8, 16, 17, 32, 64, ...}, several sparsities, both kernel
 variants, forced split-K counts, and a CUDA-graph capture/replay. Exits 1 on any failure.
 
-    python3 scripts/gpu_check_kernels.py [--quick] [--probe]
+    python -m scripts.checks.gpu_kernels [--quick] [--probe]
 """
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _kernels_common import floats_arg, ints_arg, random_pruned, shapes_arg  # noqa: E402
+from scripts.common import floats_arg, ints_arg, random_pruned, shapes_arg
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096),
           (576, 576), (192, 576), (1536, 576), (576, 1536),

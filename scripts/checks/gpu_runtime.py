@@ -11,7 +11,7 @@
    (4 rotated weight copies, CUDA events, medians; decode = what SparseLinear runs, the decode
    kernel) and print the crossover, which becomes ``SparseLinear.dense_above``.
 
-    python scripts/gpu_check_runtime.py [--skip-threshold] [--json out.json]
+    python -m scripts.checks.gpu_runtime [--skip-threshold] [--json out.json]
 """
 from __future__ import annotations
 

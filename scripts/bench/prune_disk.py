@@ -1,4 +1,4 @@
-"""The disk-backed mode of ``scripts/bench_prune.py`` (``--disk``): streamed pruning against in-memory.
+"""The disk-backed mode of ``scripts.bench.prune`` (``--disk``): streamed pruning against in-memory.
 
 For each ``SHAPE:N`` a random-weight fp16 Llama checkpoint of the shape's first N decoder layers is
 written to ``--workdir`` (5 GB shards, tensor by tensor: the host never holds more than one tensor),
@@ -35,7 +35,7 @@ import torch
 def _config(shape: str, layers: int):
     from transformers import LlamaConfig
 
-    from bench_prune import SHAPES
+    from scripts.common import SHAPES
 
     cfg = dict(SHAPES[shape], num_hidden_layers=layers)
     config = LlamaConfig(**cfg)

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: per-kernel GPU time of the 7B-shaped model, dense and sparse.
 
-Builds the model of ``scripts/bench_e2e.py`` (random fp16 weights, every decoder linear pruned
+Builds the model of ``scripts.bench.e2e`` (random fp16 weights, every decoder linear pruned
 by magnitude per row), merges q/k/v and gate/up, and for each batch size captures one decode step
 in a CUDA graph exactly as ``sparsekit eval --speed`` does (compiled layers, fused RMSNorm). The
 step is timed with CUDA events (median of 5 loops of 32 replays), then ``torch.profiler`` records
@@ -8,7 +8,7 @@ the kernels of 16 replays. Printed per model and batch: step time, the sum of ke
 rest is the gaps between kernels), and the kernels grouped (sparse SpMM, cuBLAS, attention,
 Triton glue, other) with their count and time per step. GPU only.
 
-    python scripts/profile_e2e.py [--layers 8] [--batch-sizes 1,16] [--json out.json]
+    python -m scripts.bench.profile_e2e [--layers 8] [--batch-sizes 1,16] [--json out.json]
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 GROUPS = (("sparse", ("sparsekit::kernels",)), ("cublas", ("gemm", "gemv", "xmma", "cutlass", "sm90_", "nvjet")),
           ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")), ("triton", ("triton",)))
@@ -144,7 +143,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA GPU: profile_e2e runs on a GPU machine", file=sys.stderr)
         return 2
-    from bench_e2e import build_model, prune_
+    from scripts.bench.e2e import build_model, prune_
 
     from sparsekit.runtime.decoder import reset_compiled_layer
     from sparsekit.runtime.fusion import equalize_packed_sizes, fuse_projections, fuse_rms_norms

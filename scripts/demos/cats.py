@@ -10,7 +10,7 @@ activation sparsity each gated MLP reached on the calibration data (from sparsek
 be within 1% of the target, issue 13's acceptance) and on the evaluation text, and the exact
 ``sparsekit`` commands that reproduce the row.
 
-    python scripts/demo_cats.py ../shared/data/wikitext-2-raw-v1 --device cuda --json out/demo_cats.json
+    python -m scripts.demos.cats ../shared/data/wikitext-2-raw-v1 --device cuda --json out/demo_cats.json
 
 Prints a markdown table (the commands listed under it) and, last, the JSON summary. Exit status 0
 when every CATS row is within 1% of its target on the calibration data for every MLP.
@@ -28,9 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-DATA_DIRS = (REPO / ".devdata" / "wikitext", REPO.parent / "shared" / "data" / "wikitext-2-raw-v1")
-CALIB_FILE, EVAL_FILE = "validation.stripped-nonblank-lines.txt", "test.eval-string.txt"
+from scripts.common import CALIB_FILE, EVAL_FILE, smoke_model, wikitext_file
+
 TOLERANCE = 0.01  # achieved activation sparsity on the calibration data, per MLP, vs the target
 
 # name, method, weight sparsity, CATS target (None: no CATS), packed
@@ -45,49 +44,6 @@ ROWS = (
     ("wanda50-cats50.tcabme", "wanda", 0.5, 0.5, True),
     ("sparsegpt50-cats50.tcabme", "sparsegpt", 0.5, 0.5, True),
 )
-
-
-def find_data(folder: str | None, name: str) -> str:
-    dirs = [Path(folder)] if folder else list(DATA_DIRS)
-    for d in dirs:
-        if (d / name).is_file():
-            return str(d / name)
-    sys.exit(f"cannot find {name} in {', '.join(map(str, dirs))}: pass the WikiText-2 raw folder")
-
-
-def smoke_model(folder: Path) -> tuple[str, str, str]:
-    """A tiny random Llama with a byte-level BPE tokenizer, and synthetic calibration/evaluation texts."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
-
-    rng = random.Random(0)
-    words = ("the of and to in is was for on as with by at from river city music army station season king "
-             "church film album team game school war north south early later first great small old new").split()
-    text = "\n".join(" ".join(rng.choice(words) for _ in range(15)) + " ." for _ in range(600))
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "calib.txt").write_text(text)
-    (folder / "eval.txt").write_text(text[::-1])
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(text.splitlines(), trainers.BpeTrainer(
-        vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                   unk_token="<|endoftext|>", pad_token="<|endoftext|>")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.1)
-    model.save_pretrained(folder / "tiny")
-    fast.save_pretrained(folder / "tiny")
-    return str(folder / "tiny"), str(folder / "calib.txt"), str(folder / "eval.txt")
 
 
 def spread(values) -> dict:
@@ -130,7 +86,7 @@ def main() -> int:
         args.nsamples, args.seqlen, args.eval_seqlen, args.max_windows = 4, 64, 128, 4
         args.device = "cpu"
     else:
-        calib, evalf = find_data(args.wikitext, CALIB_FILE), find_data(args.wikitext, EVAL_FILE)
+        calib, evalf = wikitext_file(CALIB_FILE, args.wikitext), wikitext_file(EVAL_FILE, args.wikitext)
     source = resolve_model(args.model)  # the demo conversion happens once, here
     gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     print(f"model {args.model} ({source}); device {gpu}; ready after {time.perf_counter() - t0:.1f} s", flush=True)

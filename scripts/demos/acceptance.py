@@ -6,7 +6,7 @@ string at seqlen 2048 (Wanda/SparseGPT protocol), check every pruned linear's sp
 request from the saved weights themselves, and check the ordering
 ppl(sparsegpt) < ppl(wanda) < ppl(magnitude) for both patterns. Also the dense baseline.
 
-    python scripts/demo_acceptance.py --device cuda --json out/acceptance.json
+    python -m scripts.demos.acceptance --device cuda --json out/acceptance.json
 
 Exit status 0 only when every check passes. Small settings (e.g. --nsamples 8 --seqlen 128
 --eval-seqlen 256 --max-windows 4 --device cpu) make a quick CPU dry run.
@@ -21,17 +21,9 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-DATA_DIRS = (REPO / ".devdata" / "wikitext", REPO.parent / "shared" / "data" / "wikitext-2-raw-v1")
+from scripts.common import CALIB_FILE, EVAL_FILE, wikitext_file
 METHODS = ("magnitude", "wanda", "sparsegpt")
 PATTERNS = (("unstructured", 0.5), ("2:4", None))
-
-
-def find_data(name: str) -> str:
-    for d in DATA_DIRS:
-        if (d / name).is_file():
-            return str(d / name)
-    sys.exit(f"cannot find {name} in {', '.join(map(str, DATA_DIRS))}: pass --calib/--eval")
 
 
 def load_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -113,8 +105,8 @@ def main() -> int:
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     console = Console(width=140)
-    calib = args.calib or find_data("validation.stripped-nonblank-lines.txt")
-    text = eval_text(args.eval or find_data("test.eval-string.txt"))
+    calib = args.calib or wikitext_file(CALIB_FILE)
+    text = eval_text(args.eval or wikitext_file(EVAL_FILE))
     gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     t0 = time.perf_counter()
     demo = Path(resolve_model("smollm2-135m"))

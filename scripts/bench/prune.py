@@ -1,8 +1,8 @@
 """Pruning speed on random-weight models of real shapes (GPU).
 
-    python scripts/bench_prune.py --shape llama2-7b --methods wanda sparsegpt --json out.json
-    python scripts/bench_prune.py --shape smollm2-135m --methods magnitude wanda sparsegpt
-    python scripts/bench_prune.py --disk --compare llama2-7b:4 --stream llama2-70b:8   # streamed pruning
+    python -m scripts.bench.prune --shape llama2-7b --methods wanda sparsegpt --json out.json
+    python -m scripts.bench.prune --shape smollm2-135m --methods magnitude wanda sparsegpt
+    python -m scripts.bench.prune --disk --compare llama2-7b:4 --stream llama2-70b:8   # streamed pruning
 
 With ``--disk`` (see ``disk_bench``) a random-weight fp16 checkpoint of the first N layers of a
 shape is written to disk first and pruned from there: ``--compare SHAPE:N`` prunes it in memory
@@ -29,23 +29,7 @@ import time
 
 import torch
 
-SHAPES = {
-    # Llama-2-7B: 32 layers, hidden 4096, MLP 11008, 32 heads (MHA), vocab 32000
-    "llama2-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096,
-                      tie_word_embeddings=False),
-    # Llama-2-70B: 80 layers, hidden 8192, MLP 28672, 64 heads with 8 KV heads (GQA), vocab 32000
-    "llama2-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-                       num_key_value_heads=8, vocab_size=32000, max_position_embeddings=4096,
-                       tie_word_embeddings=False),
-    # a toy shape for --smoke runs on the CPU
-    "toy": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512, tie_word_embeddings=False),
-    # SmolLM2-135M (the demo model): 30 layers, hidden 576, MLP 1536, 9 heads, 3 kv heads, vocab 49152
-    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
-                         rope_theta=100000.0, tie_word_embeddings=True),
-}
+from scripts.common import SHAPES
 
 
 def build_model(shape: str, dtype=torch.float16, seed: int = 0):
@@ -142,7 +126,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="--disk: toy shape, 4 x 64 tokens, CPU (a test of the script)")
     args = ap.parse_args(argv)
     if args.disk:
-        from bench_prune_disk import disk_bench
+        from scripts.bench.prune_disk import disk_bench
 
         return disk_bench(args)
 

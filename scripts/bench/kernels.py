@@ -7,7 +7,7 @@ call, from CUDA events. cuSPARSE CSR and 2:4 fall back to eager timing when they
 (said in the table). The byte floor is the bytes a call must move (packed weight + x + y) over the
 device-to-device copy bandwidth measured in the same run (bytes read + written / time).
 
-    python3 scripts/bench_kernels.py [--quick] [--tune] [--out DIR]
+    python -m scripts.bench.kernels [--quick] [--tune] [--out DIR]
 """
 from __future__ import annotations
 
@@ -20,11 +20,10 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _kernels_common import (copies_for, floats_arg, ints_arg, random_pruned, shapes_arg,  # noqa: E402
+from scripts.common import (copies_for, floats_arg, ints_arg, random_pruned, shapes_arg,
                              time_calls, weight_copies)
 
-from sparsekit.runtime.timing import time_ms  # noqa: E402
+from sparsekit.runtime.timing import time_ms
 
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008), (14336, 4096),
           (576, 576), (192, 576), (1536, 576), (576, 1536)]

@@ -12,7 +12,7 @@ Meant for ONE device call of at most 9 minutes on an H100: ``--budget`` (seconds
 the wall time the whole script aims at; learned runs get the time left after the one-shot rows, as
 steps measured from the first learned run's step time (``--steps N`` fixes them instead).
 
-    SPARSEKIT_DEMO_GGUF=... python scripts/learn_masks_demo.py --data ../shared/data/wikitext-2-raw-v1 --json out/learn.json
+    SPARSEKIT_DEMO_GGUF=... python -m scripts.demos.learn_masks --data ../shared/data/wikitext-2-raw-v1 --json out/learn.json
 
 Checks (exit 0 only if all pass): perplexity rises with sparsity in every family; learned beats
 one-shot at every sparsity (hybrid and 2:4); learned hybrid at 35% closes >= 75% of the gap between
@@ -30,26 +30,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-DATA_DIRS = (REPO / ".devdata" / "wikitext", REPO.parent / "shared" / "data" / "wikitext-2-raw-v1")
-CALIB, EVAL = "validation.stripped-nonblank-lines.txt", "test.eval-string.txt"
-
-
-def find_data(data: str | None, name: str) -> str:
-    for d in ([Path(data)] if data else []) + list(DATA_DIRS):
-        if (d / name).is_file():
-            return str(d / name)
-    sys.exit(f"cannot find {name} (pass --data DIR holding {CALIB} and {EVAL})")
-
-
-def smoke_setup(tmp: Path) -> tuple[str, str, str]:
-    """A tiny random Llama, its tokenizer and a pseudo-English corpus (calibration = evaluation text)."""
-    sys.path.insert(0, str(REPO / "tests"))
-    from tiny_models import save_tiny, write_corpus
-
-    save_tiny("llama", tmp / "tiny")
-    write_corpus(tmp / "calib.txt")
-    return str(tmp / "tiny"), str(tmp / "calib.txt"), str(tmp / "calib.txt")
+from scripts.common import CALIB_FILE as CALIB, EVAL_FILE as EVAL, smoke_model, wikitext_file
 
 
 def main() -> int:
@@ -91,13 +72,13 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     if args.smoke:
         torch.set_num_threads(1)
-        model, calib, evalf = smoke_setup(work)
+        model, calib, evalf = smoke_model(work)
         args.device, args.hybrid = "cpu", "hybrid:8"
         args.nsamples, args.learn_nsamples, args.seqlen, args.eval_seqlen = 8, 8, 64, 128
         args.steps = args.steps or 6
         args.learn_batch = args.learn_batch or 2
     else:
-        model, calib, evalf = args.model, find_data(args.data, CALIB), find_data(args.data, EVAL)
+        model, calib, evalf = args.model, wikitext_file(CALIB, args.data), wikitext_file(EVAL, args.data)
     text = eval_text(evalf)
     sparsities = [float(s) for s in args.sparsities.split(",")]
     gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"

@@ -4,7 +4,7 @@
 # one line naming the fix, and that a packed layer still runs (the reference path), never crashing.
 #
 # Usage (repo root; wheels for packages the machine lacks in .whl/, e.g. datasets, dill, multiprocess, gguf):
-#   bash scripts/gpu_install_check.sh
+#   bash scripts/checks/gpu_install.sh
 set -euo pipefail
 VENV=${VENV:-/tmp/sparsekit-fresh}
 rm -rf "$VENV"

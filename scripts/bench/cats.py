@@ -15,8 +15,8 @@ Every path is first checked against a float64 reference on poisoned outputs. End
 Llama-shaped model with random weights and thresholds, decoded by ``sparsekit.evaluation.speed``'s
 harness, dense vs CATS (and weight-sparse vs weight-sparse + CATS).
 
-    python scripts/bench_cats.py --mlp [--shapes 7b,8b] [--batch-sizes 1,2,4,8] [--json out.json]
-    python scripts/bench_cats.py --e2e [--e2e-shape 7b] [--batch-sizes 1,2,4,8] [--max-tokens 1]
+    python -m scripts.bench.cats --mlp [--shapes 7b,8b] [--batch-sizes 1,2,4,8] [--json out.json]
+    python -m scripts.bench.cats --e2e [--e2e-shape 7b] [--batch-sizes 1,2,4,8] [--max-tokens 1]
 """
 from __future__ import annotations
 
@@ -191,7 +191,7 @@ def calibrate(model, sparsity: float, tokens: int = 512) -> dict[str, float]:
 
 def bench_e2e(args) -> list[dict]:
     """Dense, CATS on dense weights, weight-sparse, and weight-sparse + CATS, each on a fresh model."""
-    from bench_e2e import build_model, prune_
+    from scripts.bench.e2e import build_model, prune_
 
     from sparsekit.evaluation.speed import measure_model
     from sparsekit.runtime.cats import install_thresholds

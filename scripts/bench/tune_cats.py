@@ -1,7 +1,7 @@
 """Tuning sweep for the CATS kernels on a GPU: up (neurons per warp, words in flight, warps per block)
 and down (threads per block, chunks), on one MLP shape, for a few token counts and activation sparsities.
 
-    python scripts/tune_cats.py [--hidden 4096] [--inter 11008] [--ns 1,4]
+    python -m scripts.bench.tune_cats [--hidden 4096] [--inter 11008] [--ns 1,4]
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def main() -> None:
     ap.add_argument("--ns", default="1,4")
     ap.add_argument("--copies", type=int, default=3)
     args = ap.parse_args()
-    from bench_cats import graph_ms_rotating, threshold_for
+    from scripts.bench.cats import graph_ms_rotating, threshold_for
     from sparsekit.kernels.cats import cats_down, cats_up
 
     hid, inter = args.hidden, args.inter

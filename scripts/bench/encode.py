@@ -1,8 +1,8 @@
 """Encode / decode throughput of TCA-BME (sparsekit.packed.tcabme), in MB/s of dense weights.
 
-    python scripts/bench_encode.py                 # CPU (and CUDA when present), markdown table
-    python scripts/bench_encode.py --json          # the same as JSON
-    python scripts/bench_encode.py --demo          # also `sparsekit encode` of the demo model, end to end
+    python -m scripts.bench.encode                 # CPU (and CUDA when present), markdown table
+    python -m scripts.bench.encode --json          # the same as JSON
+    python -m scripts.bench.encode --demo          # also `sparsekit encode` of the demo model, end to end
 
 Weights are random fp16/bf16 matrices with a given sparsity and pattern; every decode is checked
 bit-exact against the input before its time counts. Times are wall clock (perf_counter; CUDA

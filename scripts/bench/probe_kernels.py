@@ -6,11 +6,11 @@
 - ``l2hot``: every step re-copies and decodes the warp's first step (L2-hot: the decode, the
   multiply and the copy instructions without DRAM).
 
-Timed like bench_kernels.py (CUDA-graph replays over >= 4 weight copies, median us per call), plus
+Timed like bench/kernels.py (CUDA-graph replays over >= 4 weight copies, median us per call), plus
 a read-only bandwidth (``torch.sum`` over 1 GiB) for scale. Diagnostics only: the crippled kernels'
 outputs are wrong by design.
 
-    python3 scripts/probe_kernels.py [--shapes 11008x4096,4096x4096] [--ns 1,16] [--plans default,r2w8s2g64]
+    python -m scripts.bench.probe_kernels [--shapes 11008x4096,4096x4096] [--ns 1,16] [--plans default,r2w8s2g64]
 """
 from __future__ import annotations
 
@@ -21,10 +21,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _kernels_common import ints_arg, random_pruned, shapes_arg, time_calls, weight_copies  # noqa: E402
+from scripts.common import ints_arg, random_pruned, shapes_arg, time_calls, weight_copies
 
-from sparsekit.runtime.timing import time_ms  # noqa: E402
+from sparsekit.runtime.timing import time_ms
 
 
 def read_bandwidth() -> float:
