@@ -4,6 +4,8 @@ root as a module: ``python -m scripts.bench.kernels``, ``python -m scripts.demos
 - the WikiText-2 files (``wikitext_file``: the one place that knows where the data lives);
 - the model shapes of the benchmarks (``SHAPES``);
 - a tiny random Llama with a tokenizer and a text, for the ``--smoke`` runs (``smoke_model``);
+- the demos' calibration and evaluation options (``add_demo_options``) and their perplexity of a
+  directory (``perplexity_of``);
 - for the kernel scripts (bench.kernels, bench.tune_kernels, bench.probe_kernels, checks.gpu_kernels):
   random pruned weights, rotated weight copies, graph-replay timing, and the list arguments.
 """
@@ -49,6 +51,30 @@ def wikitext_file(name: str, folder: str | None = None) -> str:
         if (d / name).is_file():
             return str(d / name)
     sys.exit(f"cannot find {name} in {', '.join(map(str, dirs))}: pass the WikiText-2 raw folder")
+
+
+def add_demo_options(ap) -> None:
+    """The calibration and evaluation options every demo takes (the protocol of docs/results.md)."""
+    ap.add_argument("--nsamples", type=int, default=128)
+    ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--eval-seqlen", type=int, default=2048)
+    ap.add_argument("--max-windows", type=int, default=None)
+    ap.add_argument("--device", default="cuda")
+
+
+def perplexity_of(path, text: str, args) -> dict:
+    """``sparsekit.evaluation.ppl.perplexity`` of the model at ``path`` (any directory the loader opens)
+    on ``text``, with the demo options ``args``; the model is freed afterwards."""
+    from sparsekit.evaluation.ppl import perplexity
+    from sparsekit.runtime.loader import load
+
+    model, tok = load(str(path), device=args.device)
+    report = perplexity(model, tok, text, seqlen=args.eval_seqlen, max_windows=args.max_windows)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return report
 
 
 def smoke_model(folder: Path) -> tuple[str, str, str]:

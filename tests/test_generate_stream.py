@@ -6,37 +6,20 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from sparsekit.cli.app import app
 from sparsekit.cli.common import Terminated
 from sparsekit.errors import SparsekitWarning
 from sparsekit.runtime.generate import check_sampling, generate_text
-from tiny_models import save_tiny
+from test_generate import PROMPT, loaded, tiny  # noqa: F401 - fixtures
+from test_generate import _reference as reference
 
 runner = CliRunner()
-PROMPT = "the river city"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return save_tiny("llama", tmp_path_factory.mktemp("stream") / "model")
-
-
-@pytest.fixture(scope="module")
-def loaded(tiny):
-    from sparsekit.runtime.loader import load
-
-    return load(str(tiny), "cpu")
 
 
 def _reference(model, tok, n):
-    ids = tok(PROMPT, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, do_sample=False, max_new_tokens=n, attention_mask=torch.ones_like(ids),
-                             pad_token_id=tok.pad_token_id)
-    return out[0, ids.shape[1]:].tolist()
+    return reference(model, tok, PROMPT, n)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,6 @@ outputs are wrong by design.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.common import CALIB_FILE, EVAL_FILE, wikitext_file
+from scripts.common import CALIB_FILE, EVAL_FILE, add_demo_options, perplexity_of, wikitext_file
 METHODS = ("magnitude", "wanda", "sparsegpt")
 PATTERNS = (("unstructured", 0.5), ("2:4", None))
 
@@ -81,12 +81,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--calib", default=None, help="calibration text (default: WikiText-2 validation lines)")
     ap.add_argument("--eval", default=None, help="evaluation text (default: the WikiText-2 test string)")
-    ap.add_argument("--nsamples", type=int, default=128)
-    ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-seqlen", type=int, default=2048)
-    ap.add_argument("--max-windows", type=int, default=None)
-    ap.add_argument("--device", default="cuda")
+    add_demo_options(ap)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--out", default="/tmp/sparsekit-acceptance")
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -95,10 +90,8 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from sparsekit.evaluation.ppl import perplexity
     from sparsekit.hf.data import eval_text
     from sparsekit.hf.models import resolve_model
-    from sparsekit.runtime.loader import load
     from sparsekit.pruning.api import prune
     from transformers.utils import logging as hf_logging
 
@@ -114,11 +107,7 @@ def main() -> int:
     dense_weights = load_weights(demo)
 
     def ppl_of(path) -> dict:
-        model, tok = load(str(path), device=args.device)
-        r = perplexity(model, tok, text, seqlen=args.eval_seqlen, max_windows=args.max_windows)
-        del model
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        r = perplexity_of(path, text, args)
         return r
 
     rows = []

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import shlex
 import sys
 import time
 from pathlib import Path
 
-from scripts.common import CALIB_FILE, EVAL_FILE, smoke_model, wikitext_file
+from scripts.common import CALIB_FILE, EVAL_FILE, add_demo_options, smoke_model, wikitext_file
 
 TOLERANCE = 0.01  # achieved activation sparsity on the calibration data, per MLP, vs the target
 
@@ -56,12 +55,7 @@ def main() -> int:
     ap.add_argument("wikitext", nargs="?", default=None, help="WikiText-2 raw folder (with "
                     f"{CALIB_FILE} and {EVAL_FILE}); default: the usual places")
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--nsamples", type=int, default=128)
-    ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-seqlen", type=int, default=2048)
-    ap.add_argument("--max-windows", type=int, default=None)
-    ap.add_argument("--device", default="cuda")
+    add_demo_options(ap)
     ap.add_argument("--out", default="/tmp/sparsekit-demo-cats")
     ap.add_argument("--json", default=None, help="also write the JSON summary here")
     ap.add_argument("--smoke", action="store_true", help="tiny random Llama, synthetic text, CPU, small settings")

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from scripts.common import CALIB_FILE as CALIB, EVAL_FILE as EVAL, smoke_model, wikitext_file
+from scripts.common import CALIB_FILE as CALIB, EVAL_FILE as EVAL, perplexity_of, smoke_model, wikitext_file
 
 
 def main() -> int:
@@ -61,10 +61,8 @@ def main() -> int:
 
     from transformers.utils import logging as hf_logging
 
-    from sparsekit.evaluation.ppl import perplexity
     from sparsekit.hf.data import eval_text
     from sparsekit.pruning.api import prune
-    from sparsekit.runtime.loader import load
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
@@ -86,11 +84,7 @@ def main() -> int:
     say(f"device {gpu}; work dir {work}")
 
     def ppl_of(path) -> float:
-        net, tok = load(str(path), device=args.device)
-        r = perplexity(net, tok, text, seqlen=args.eval_seqlen, max_windows=args.max_windows)
-        del net
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        r = perplexity_of(path, text, args)
         return r["ppl"]
 
     rows: list[dict] = []

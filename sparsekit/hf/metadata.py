@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from sparsekit.errors import SparsekitError
+from sparsekit.host.jsonfile import read_json_object
 
 METADATA_FILE = "sparsekit.json"
 SCHEMA_VERSION = 1
@@ -69,16 +70,7 @@ class PruneMetadata:
         path = Path(directory) / METADATA_FILE
         if not path.is_file():
             return None
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except UnicodeDecodeError as e:
-            raise SparsekitError(f"{path} is not valid JSON (not UTF-8 text: byte {e.start}): fix or remove it") from None
-        except ValueError as e:
-            raise SparsekitError(f"{path} is not valid JSON ({e}): fix or remove it") from None
-        except OSError as e:
-            raise SparsekitError(f"cannot read {path} ({e.strerror or type(e).__name__}): check the file") from None
-        if not isinstance(data, dict):
-            raise SparsekitError(f"{path} is not a JSON object: fix or remove it")
+        data = read_json_object(path)
         return cls.from_dict(data, str(path))
 
     def to_dict(self) -> dict[str, Any]:

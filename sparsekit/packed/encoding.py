@@ -21,6 +21,7 @@ import torch
 from sparsekit.host.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
 from sparsekit.hf.metadata import PruneMetadata
+from sparsekit.host.jsonfile import read_json_object
 from sparsekit.progress import Progress
 from sparsekit.packed import shards as sh
 from sparsekit.packed import tcabme
@@ -81,19 +82,7 @@ def header_info(files: dict[str, Path]) -> dict[str, tuple[str, list[int]]]:
 
 def load_json(path: Path) -> dict[str, Any]:
     """A JSON object file as a dict ({} when absent); anything else is one line naming the file."""
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise SparsekitError(f"{path} is not valid JSON (not UTF-8 text: byte {e.start}): fix or remove it") from None
-    except ValueError as e:
-        raise SparsekitError(f"{path} is not valid JSON ({e}): fix or remove it") from None
-    except OSError as e:
-        raise SparsekitError(f"cannot read {path} ({e.strerror or type(e).__name__}): check the file and its permissions") from None
-    if not isinstance(data, dict):
-        raise SparsekitError(f"{path} is not a JSON object: fix or remove it")
-    return data
+    return read_json_object(path) if path.is_file() else {}
 
 
 def refuse_bitmask_source(src: Path, config: dict) -> None:
