@@ -116,8 +116,9 @@ def build(args):
     if args.model == "demo":
         from sparsekit.hf.models import load_model
 
-        model = load_model("smollm2-135m", device="cuda", dtype=torch.float16)
         from bench_e2e import prune_
+
+        model, _ = load_model("smollm2-135m", device="cuda", dtype=torch.float16)
     else:
         from bench_e2e import build_model, prune_
 

@@ -33,11 +33,16 @@ def sparse_model(seed=0):
     return nn.ModuleDict({"a": lin(64, 128), "b": lin(64, 128), "c": lin(128, 64)})
 
 
-def fake_timings(monkeypatch, table):
-    """``table[(out, in)] = [(n, sparse_ms, dense_ms), ...]`` instead of GPU timings."""
+def fake_timings(monkeypatch, table, calls=None):
+    """``table[(out, in)] = [(n, sparse_ms, dense_ms), ...]`` instead of GPU timings; ``calls`` hears
+    each token count timed."""
+    def timed(mods, dense, n):
+        if calls is not None:
+            calls.append(n)
+        return next((s, d) for k, s, d in table[(mods[0].out_features, mods[0].in_features)] if k == n)
+
     monkeypatch.setattr(dispatch, "_usable", lambda mods: True)
-    monkeypatch.setattr(dispatch, "_time_group",
-                        lambda mods, dense, n: next((s, d) for k, s, d in table[(mods[0].out_features, mods[0].in_features)] if k == n))
+    monkeypatch.setattr(dispatch, "_time_group", timed)
 
 
 def test_speed_runs_losing_groups_dense_and_keeps_copies_for_the_rest(monkeypatch):
@@ -99,10 +104,8 @@ def test_timings_are_cached_per_gpu_and_software_and_reused(monkeypatch, tmp_pat
     from sparsekit.runtime import dispatch_cache
 
     table = {(64, 128): [(1, 1.0, 2.0), (8, 3.0, 2.0)], (128, 64): [(1, 3.0, 2.0), (8, 3.0, 2.0)]}
-    fake_timings(monkeypatch, table)
     calls = []
-    timed = dispatch._time_group
-    monkeypatch.setattr(dispatch, "_time_group", lambda *a: calls.append(a[2]) or timed(*a))
+    fake_timings(monkeypatch, table, calls)
     path = tmp_path / "cache" / "gpu.json"
     monkeypatch.setattr(dispatch_cache, "cache_file", lambda device: path)
 
