@@ -21,7 +21,8 @@ from sparsekit.hf.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
 from sparsekit.progress import Progress
 from sparsekit.packed import shards as sh
-from sparsekit.packed import tcabme
+from sparsekit.packed import quantconfig, tcabme
+from sparsekit.pruning.methods.cats import thresholds_from_metadata
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
@@ -258,6 +259,7 @@ def encode(
                         progress("encoding", done, len(names), item=key)
         weight_map, shard_info = writer.close()
         copied = copy_side_files(src, tmp)
+        quantconfig.write(tmp, layers, cats=bool(thresholds_from_metadata(manifest)))
         dense_b = sum(i["dense_bytes"] for i in layers.values())
         stored_b = sum(i["stored_bytes"] for i in layers.values())
         metadata = {
