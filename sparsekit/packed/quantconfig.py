@@ -89,8 +89,10 @@ def check(qc: Any) -> dict[str, Any]:
 
 def check_directory(qc: dict[str, Any], path: Path) -> dict[str, Any]:
     """The directory holds what ``qc`` (already through :func:`check`) names: its index (returned),
-    every shard the index lists, the same packed modules, and the CATS file when one is named."""
+    the stub, every shard the index lists, the same packed modules, and the CATS file when one is named."""
     index = sh.load_index(path)   # missing / not JSON / wrong format or version: one line
+    if not (path / STUB_NAME).is_file():
+        raise SparsekitError(f"{path} lacks {STUB_NAME}, the file from_pretrained is pointed at: {_FIX}")
     for shard in sorted(set(index["weight_map"].values())):
         if not (path / shard).is_file():
             raise SparsekitError(f"shard {shard} is missing from {path}: the checkpoint is incomplete; {_FIX}")
