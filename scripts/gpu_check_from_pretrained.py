@@ -56,8 +56,8 @@ def from_pretrained_text(packed: Path, prompt: str, n: int) -> tuple[str, list[i
     model = AutoModelForCausalLM.from_pretrained(str(packed), device_map="cuda")
     tok = AutoTokenizer.from_pretrained(str(packed))
     layers = sum(isinstance(m, SparseLinear) for m in model.modules())
-    print(f"from_pretrained (sparsekit {sparsekit.__version__}): {type(model).__name__}, {layers} SparseLinear, dtype {model.dtype}, "
-          f"device {next(model.parameters()).device}")
+    print(f"from_pretrained (sparsekit {sparsekit.__version__}): {type(model).__name__}, {layers} SparseLinear, "
+          f"dtype {model.dtype}, device {next(model.parameters()).device}")
     if not layers or next(model.parameters()).device.type != "cuda":
         sys.exit("FAIL: from_pretrained did not give a packed model on the GPU")
     ids = tok(prompt, return_tensors="pt").input_ids.to("cuda")
@@ -77,7 +77,8 @@ def margin_where_they_part(model, tok, prompt: str, new: list[int], other: str) 
     with torch.no_grad():
         logits = model(torch.tensor([ours[:k]], device="cuda")).logits[0, -1].float()
     top = torch.topk(logits, 2).values
-    return f"the tokens part at position {k}; there the top-2 logit gap of from_pretrained's model is {float(top[0] - top[1]):.4f}"
+    gap = float(top[0] - top[1])
+    return f"the tokens part at position {k}; there the top-2 logit gap of from_pretrained's model is {gap:.4f}"
 
 
 def main() -> int:

@@ -342,7 +342,8 @@ def run_python(code: str) -> subprocess.CompletedProcess:
 def test_import_sparsekit_registers_lazily_and_without_it_nothing_loads(packed):
     """``import sparsekit`` imports no transformers, and from_pretrained works after it; imported after
     transformers it registers at once; before the import, from_pretrained fails (no model at all)."""
-    load = f"m = AutoModelForCausalLM.from_pretrained({str(packed['llama'])!r}); print(type(m.model.layers[0].mlp.up_proj).__name__)"
+    load = (f"m = AutoModelForCausalLM.from_pretrained({str(packed['llama'])!r}); "
+            "print(type(m.model.layers[0].mlp.up_proj).__name__)")
     res = run_python("import sys, sparsekit; assert 'transformers' not in sys.modules, 'eager'\n"
                      f"from transformers import AutoModelForCausalLM\n{load}")
     assert res.returncode == 0 and res.stdout.split() == ["SparseLinear"], res.stderr[-2000:]

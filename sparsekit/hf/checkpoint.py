@@ -10,8 +10,8 @@ The pruned weights are stored dense, with zeros (the contract between pruning an
 plus, for ``--method cats`` (no weight changed), ``"cats": {"target", "quantile", "activation_sparsity",
 "mlps": {"<gated MLP name>": {"threshold", "activation_sparsity", "samples", "exact"}}}``.
 
-A model card (``README.md``) is written beside it. The directory is written atomically (temporary sibling, then rename); an existing output is
-refused unless ``overwrite``.
+A model card (``README.md``) is written beside it. The directory is written atomically (temporary
+sibling, then rename); an existing output is refused unless ``overwrite``.
 """
 from __future__ import annotations
 

@@ -74,7 +74,8 @@ def render(manifest: dict, *, packed: dict | None, size_bytes: int, front: dict 
     if front and front.get("model-index"):
         meta["model-index"] = front["model-index"]
     sparsity = manifest.get("sparsity")
-    rows = [("method", method + (f" + CATS {cats:.0%} activation sparsity" if cats is not None and method != "cats" else "")),
+    stacked = f" + CATS {cats:.0%} activation sparsity" if cats is not None and method != "cats" else ""
+    rows = [("method", method + stacked),
             ("sparsity", "-" if sparsity is None else f"{float(sparsity):.0%} of each pruned linear layer's weights"),
             ("pattern", pattern), ("calibration", _calibration(manifest.get("calibration"))),
             ("source", str(source or "-"))]
@@ -92,7 +93,8 @@ def render(manifest: dict, *, packed: dict | None, size_bytes: int, front: dict 
             "model = AutoModelForCausalLM.from_pretrained(\"PATH_OR_REPO\", device_map=\"auto\")",
             "tokenizer = AutoTokenizer.from_pretrained(\"PATH_OR_REPO\")", "```"] if packed else
            ["The weights are dense with zeros: `AutoModelForCausalLM.from_pretrained` loads them as they are"
-            + (" (CATS thresholds apply only through `sparsekit.load`)." if cats is not None or method == "cats" else ".")])
+            + (" (the CATS thresholds apply only through `sparsekit.load`)." if cats is not None or method == "cats"
+               else ".")])
     lines = ["---", yaml.safe_dump(meta, sort_keys=False).rstrip(), "---", MARKER, "", f"# {title}", "",
              f"Pruned with sparsekit{' and packed as TCA-BME shards' if packed else ''}.", "",
              "| | |", "|---|---|", *[f"| {k} | {v} |" for k, v in rows], "", "## Use it", "", *use, "",
