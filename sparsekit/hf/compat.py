@@ -149,13 +149,15 @@ def meta_skeleton(config, dtype: torch.dtype) -> nn.Module:
 
 
 # ============================================================================= from_pretrained of a packed directory
-# The two reaches of ``sparsekit.runtime.hf_quantizer`` (issue 24) past transformers' public API,
-# checked against transformers 5.24.0: both names exist in transformers 5; in 4.x the quantizer is
-# not reached at all (no ``register_quantizer`` there).
+# The reaches of ``sparsekit.runtime.hf_quantizer`` (issue 24) past transformers' public API,
+# checked against transformers 5.17.0 and 5.24.0; in 4.x the quantizer is not reached at all (no
+# ``register_quantizer`` there).
 def point_weights_at(config, filename: str) -> None:
     """Make ``from_pretrained`` read its weights from ``filename`` inside the model directory instead of
     ``model.safetensors``: the load-time config attribute ``transformers_weights`` (transformers 5;
-    ``save_pretrained`` drops it from the config it writes)."""
+    ``save_pretrained`` drops it from the config it writes). The quantizer sets it from the one hook
+    that sees the model config before the weight files are looked for: ``update_attn_implementation``
+    in 5.24, ``update_tp_plan`` / ``update_ep_plan`` in 5.17."""
     config.transformers_weights = filename
 
 

@@ -11,8 +11,9 @@ Then ``AutoModelForCausalLM.from_pretrained(packed_dir, dtype=..., device_map=..
 2. ``validate_environment``: the whole model goes on one device (``device_map`` None or "cpu", "cuda",
    "cuda:N", {"": device}; "auto" is cuda when there is a GPU, as in ``sparsekit.load``); offloading
    to disk or spreading over devices is one error line;
-3. ``update_attn_implementation``, the hook that sees the model config before transformers looks
-   for weight files, points it at ``tcabme.stub.safetensors``: nothing for transformers to read;
+3. the hook that sees the model config before transformers looks for weight files
+   (``update_attn_implementation``; ``update_tp_plan`` in transformers 5.17) points it at
+   ``tcabme.stub.safetensors``: nothing for transformers to read;
 4. before loading (the skeleton is on meta): the directory is checked against the config, every
    shard is read and its sha256 checked, and the packed linears are taken out so that transformers
    allocates nothing for them;
@@ -100,9 +101,14 @@ class SparsekitHfQuantizer(HfQuantizer):
         self.dtype = models.resolve_dtype(dtype, self.device)
         return self.dtype
 
-    def update_attn_implementation(self, config):
+    def point_at_stub(self, config):
+        """Send transformers to the stub for its weights (the quantizer fills the model itself)."""
         compat.point_weights_at(config, quantconfig.STUB_NAME)
         return config
+
+    # the hooks that see the model config before transformers looks for weight files: 5.24 calls
+    # update_attn_implementation, 5.17 update_tp_plan and update_ep_plan (see hf.compat.point_weights_at)
+    update_attn_implementation = update_tp_plan = update_ep_plan = point_at_stub
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
         path = _local_directory(model, checkpoint_files)
