@@ -216,6 +216,32 @@ def test_peft_refuses_packed_layers_and_trains_on_the_dense_copy(packed):
         torch.testing.assert_close(merged(IDS).logits, want, rtol=1e-4, atol=1e-4)
 
 
+def test_a_hub_id_loads_its_whole_snapshot(packed, tmp_path, monkeypatch):
+    """A hub repo (offline here: a hub cache made by hand) where transformers fetched only config.json
+    and the stub: the rest of that commit is fetched into the same cache, then loaded."""
+    import huggingface_hub
+
+    repo, sha, cache = "sparsekit-test/tiny-packed", "0123456789abcdef0123456789abcdef01234567", tmp_path / "hub"
+    snapshot = cache / f"models--{repo.replace('/', '--')}" / "snapshots" / sha
+    snapshot.mkdir(parents=True)
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text(sha)
+    for name in ("config.json", "tcabme.stub.safetensors"):
+        shutil.copy(packed["llama"] / name, snapshot / name)
+    calls = []
+
+    def snapshot_download(repo_id, revision=None, cache_dir=None, **kwargs):
+        calls.append((repo_id, revision, Path(cache_dir)))
+        for f in packed["llama"].iterdir():
+            shutil.copy(f, snapshot / f.name)
+        return str(snapshot)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    model = from_pretrained(repo, cache_dir=str(cache))
+    assert calls == [(repo, sha, cache)]
+    assert_same_model(model, reference(packed["llama"]))
+
+
 # --- saving -------------------------------------------------------------------------------------
 def test_save_pretrained_refuses_in_one_line_and_writes_nothing(packed, tmp_path):
     from sparsekit.runtime.hf_quantizer import SAVE_REFUSAL
@@ -243,6 +269,7 @@ def test_dequantized_model_saves_dense_under_a_plain_config(packed, tmp_path):
 def test_encode_writes_the_quantization_config_and_a_stub(packed):
     from sparsekit.packed import quantconfig
     from sparsekit.packed.shards import load_index
+    from sparsekit.packed.verify import verify_packed
 
     for arch, cats in (("llama", None), ("cats", "sparsekit.json")):
         qc = json.loads((packed[arch] / "config.json").read_text())["quantization_config"]
@@ -255,6 +282,7 @@ def test_encode_writes_the_quantization_config_and_a_stub(packed):
 
         with safe_open(str(packed[arch] / quantconfig.STUB_NAME), "pt") as f:
             assert list(f.keys()) == []
+        assert verify_packed(packed[arch])["from_pretrained"] is True
 
 
 def test_bitmask_round_trip_writes_dense_configs_and_encode_puts_it_back(packed, tmp_path):
@@ -278,6 +306,7 @@ def test_a_directory_without_quantization_config_still_loads_through_sparsekit(p
     """An older packed directory: sparsekit.load reads it; from_pretrained fails (no weights file for
     transformers), it never builds a model of random weights."""
     import sparsekit
+    from sparsekit.packed.verify import verify_packed
 
     old = tmp_path / "old"
     shutil.copytree(packed["llama"], old)
@@ -286,6 +315,7 @@ def test_a_directory_without_quantization_config_still_loads_through_sparsekit(p
     (old / "config.json").write_text(json.dumps(config))
     (old / "tcabme.stub.safetensors").unlink()
     model, _ = sparsekit.load(str(old), device="cpu")
+    assert verify_packed(old)["from_pretrained"] is False
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, reference(packed["llama"])(IDS).logits)
     with pytest.raises(OSError, match="model.safetensors"):

@@ -111,7 +111,7 @@ class SparsekitHfQuantizer(HfQuantizer):
     update_attn_implementation = update_tp_plan = update_ep_plan = point_at_stub
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs):
-        path = _local_directory(model, checkpoint_files)
+        path = local_directory(model, checkpoint_files)
         check_packed_dir(path)
         quantconfig.check_directory(quantconfig.check(self.quantization_config.to_dict()), path)
         self._path, self._ckpt = path, read_packed(path, device="cpu")   # every shard read, sha256 checked
@@ -172,17 +172,18 @@ def dense_module(layer, dtype: torch.dtype | None = None) -> nn.Module:
     return conv
 
 
-def _local_directory(model, checkpoint_files) -> Path:
-    """The packed directory: the one holding the stub transformers resolved; for a hub id whose
-    snapshot lacks the shards, that snapshot downloaded in full."""
+def local_directory(model, checkpoint_files) -> Path:
+    """The packed directory: the one holding the stub transformers resolved. For a hub id, that is a
+    snapshot in the hub cache (``CACHE/models--ORG--NAME/snapshots/COMMIT``) where transformers
+    fetched only the config and the stub: the rest of that same commit is fetched into that cache."""
     if not checkpoint_files:
         raise SparsekitError("from_pretrained found no packed directory: pass the directory `sparsekit encode` wrote")
     path = Path(checkpoint_files[0]).parent
     name = str(getattr(model.config, "name_or_path", "") or "")
-    if not (path / INDEX_NAME).is_file() and name and not Path(name).is_dir():
+    if not (path / INDEX_NAME).is_file() and name and not Path(name).is_dir() and path.parent.name == "snapshots":
         from huggingface_hub import snapshot_download
 
-        path = Path(snapshot_download(name, revision=path.name))
+        path = Path(snapshot_download(name, revision=path.name, cache_dir=path.parents[2]))
     return path
 
 
