@@ -64,6 +64,8 @@ def assert_same_model(model, ref):
            [(n, type(m).__name__) for n, m in ref.named_modules()]
     got, want = model.state_dict(), ref.state_dict()
     assert list(got) == list(want)
+    assert [(n, p.requires_grad) for n, p in model.named_parameters()] == \
+           [(n, p.requires_grad) for n, p in ref.named_parameters()]
     for k in want:
         assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
     with torch.no_grad():

@@ -165,7 +165,8 @@ def dense_module(layer, dtype: torch.dtype | None = None) -> nn.Module:
     linear = layer.to_linear(dtype)
     if not layer.transposed or not Conv1D:
         return linear
-    conv = Conv1D(layer.out_features, layer.in_features)
+    with torch.device("meta"):
+        conv = Conv1D(layer.out_features, layer.in_features)
     conv.weight = nn.Parameter(linear.weight.detach().t().contiguous(), requires_grad=False)
     bias = linear.bias if linear.bias is not None else torch.zeros(layer.out_features, dtype=linear.weight.dtype)
     conv.bias = nn.Parameter(bias.detach().to(linear.weight.device), requires_grad=False)

@@ -28,6 +28,7 @@ from sparsekit.packed.shards import INDEX_NAME, PackedCheckpoint, is_packed_dir,
 from sparsekit.runtime.cats import install_from_checkpoint
 from sparsekit.runtime.dispatch import check_prefer, plan_dispatch
 from sparsekit.runtime.sparse_linear import SparseLinear, kernel
+from sparsekit.torch_compat import own_tensors, set_module_tensor
 
 _REENCODE = "re-run `sparsekit encode` (or copy config.json of the source model into it)"
 
@@ -89,13 +90,12 @@ def build_skeleton(path: Path, dtype: torch.dtype):
 def to_skeleton(model: nn.Module) -> None:
     """Every parameter and persistent buffer of ``model`` back on the meta device, as
     :func:`build_skeleton` leaves them (non-persistent buffers, e.g. rotary frequencies, stay)."""
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None and p.device.type != "meta":
-                module._parameters[name] = nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-        for name, b in module._buffers.items():
-            if b is not None and name not in module._non_persistent_buffers_set:
-                module._buffers[name] = b.to("meta")
+    stored = set(model.state_dict(keep_vars=True))   # parameters and persistent buffers, by full name
+    for prefix, module in model.named_modules():
+        for owner, kind, name, t in own_tensors(module):
+            if kind == "p" or (f"{prefix}.{name}" if prefix else name) in stored:
+                meta = t.to("meta")
+                set_module_tensor(owner, kind, name, nn.Parameter(meta, t.requires_grad) if kind == "p" else meta)
 
 
 def load(id_or_path=None, device="cpu", dtype=None, *, prefer: str | None = None):
