@@ -70,7 +70,7 @@ def target_device(device_map) -> torch.device:
     values = {str(v) if not isinstance(v, int) else f"cuda:{v}" for v in dict(device_map).values()}
     if "disk" in values:
         raise SparsekitError("device_map offloads to disk: packed sparsekit layers cannot be offloaded; pass "
-                             "device_map='cuda' or 'cpu' (the packed model is about half the dense size)")
+                             "device_map='cuda' or 'cpu'")
     if len(values) != 1:
         raise SparsekitError(f"device_map puts the model on {', '.join(sorted(values))}; a packed sparsekit model runs "
                              "on one device: pass device_map='cuda', 'cpu' or 'auto'")
