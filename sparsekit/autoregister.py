@@ -75,4 +75,5 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterTrigger)]
+    # a new list, not an edit of the one the import system may be iterating over right now
+    sys.meta_path = [f for f in sys.meta_path if not isinstance(f, _AfterTrigger)]
