@@ -76,6 +76,29 @@ def test_a_readme_of_the_users_is_copied_and_never_replaced(dirs, tmp_path):
     assert (tmp_path / "packed" / "README.md").read_text() == "# my notes\n"
 
 
+@pytest.mark.parametrize("offload", ["memory", "disk"])
+def test_overwrite_keeps_a_readme_of_the_users_in_the_replaced_output(dirs, tmp_path, offload):
+    """prune --overwrite (in memory and streamed) and encode --overwrite replace the output but keep
+    the user's README there; a card of sparsekit's own is replaced by the new card."""
+    import sparsekit
+
+    out = tmp_path / "pruned"
+    kw = dict(method="magnitude", sparsity=0.5, device="cpu", output=out, overwrite=True, offload=offload,
+              warn=lambda m: None)
+    sparsekit.prune(str(dirs["root"] / "tiny"), **kw)
+    (out / "README.md").write_text("# mine\n")
+    sparsekit.prune(str(dirs["root"] / "tiny"), **kw)
+    assert (out / "README.md").read_text() == "# mine\n"
+    (out / "README.md").unlink()
+    sparsekit.encode(out, tmp_path / "packed")
+    (tmp_path / "packed" / "README.md").write_text("# packed, mine\n")
+    sparsekit.encode(out, tmp_path / "packed", overwrite=True)
+    assert (tmp_path / "packed" / "README.md").read_text() == "# packed, mine\n"
+    (tmp_path / "packed" / "README.md").unlink()
+    sparsekit.encode(out, tmp_path / "packed", overwrite=True)
+    assert modelcard.is_card(tmp_path / "packed")
+
+
 def test_eval_update_card_records_the_perplexity(dirs, tmp_path):
     import shutil
 

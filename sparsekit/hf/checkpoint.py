@@ -75,15 +75,16 @@ def save_pruned(model, tokenizer, output: str | Path, metadata: dict, *, overwri
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        write_metadata(tmp, metadata)
+        write_metadata(tmp, metadata, replacing=Path(output))
         public_tree(tmp)  # safetensors writes its files 0600: every file follows the umask
     return Path(output)
 
 
-def write_metadata(directory: Path, metadata: dict) -> None:
+def write_metadata(directory: Path, metadata: dict, *, replacing: Path | None = None) -> None:
     """``sparsekit.json`` and the model card (``README.md``, ``sparsekit.hf.modelcard``) of a pruned
-    checkpoint, beside its weights."""
+    checkpoint, beside its weights; a README of the user's in the output it replaces stays instead."""
     (directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    modelcard.keep_user_readme(replacing, directory)
     size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
     modelcard.write_card(directory, modelcard.render(metadata, packed=None, size_bytes=size))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,13 @@ def _eval_section(index: list | None) -> str:
     return "\n".join(["| dataset | metric | value |", "|---|---|---|",
                       *[f"| {d} | {n} | {v:.4g} |" if isinstance(v, (int, float)) else f"| {d} | {n} | {v} |"
                         for d, n, v in rows]])
+
+
+def keep_user_readme(old: Path | None, new: Path) -> None:
+    """An output being replaced (``--overwrite``) keeps a README of the user's: it moves into ``new``
+    (the staging folder) unless ``new`` already has a README."""
+    if old is not None and is_user_readme(old) and not (Path(new) / CARD_NAME).exists():
+        shutil.copy2(Path(old) / CARD_NAME, Path(new) / CARD_NAME)
 
 
 def write_card(directory: Path, text: str) -> bool:

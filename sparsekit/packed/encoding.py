@@ -289,6 +289,7 @@ def encode(
         index = {"metadata": metadata, "layers": layers, "weight_map": weight_map,
                  "shards": shard_info, "checksums": writer.checksums}
         (tmp / sh.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        modelcard.keep_user_readme(out, tmp)
         card = {"model": metadata["source_model"], "method": metadata["method"], "pattern": metadata["pattern"],
                 **manifest}
         modelcard.write_card(tmp, modelcard.render(card, packed=metadata, size_bytes=writer.total_bytes))

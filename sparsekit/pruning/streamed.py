@@ -185,7 +185,7 @@ class StreamedModel:
             self.write(name, t.data)
             self.slots.reset(name)
 
-    def finish(self, tmp: Path, tokenizer, metadata: dict) -> None:
+    def finish(self, tmp: Path, tokenizer, metadata: dict, output: Path | None = None) -> None:
         """Close the shards and write the config, tokenizer, ``metadata`` and the model card beside them."""
         from sparsekit.hf.checkpoint import write_metadata
         from sparsekit.hf.filemode import public_tree
@@ -199,7 +199,7 @@ class StreamedModel:
             self.model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        write_metadata(tmp, metadata)
+        write_metadata(tmp, metadata, replacing=output)
         public_tree(tmp)
 
     def recount(self, layers: dict[str, dict]) -> None:
