@@ -190,6 +190,8 @@ def enable_cats_kernels(model: nn.Module, *, measure: bool = True) -> int:
     ``MEASURE_SPARSITY``) and keeps its masked activation where the kernels do not beat dense (small
     MLPs, where a step is launch-bound). ``model.cats_kernel_report`` says what was chosen and why."""
     done = sum(isinstance(m, CatsMLP) for m in model.modules())
+    if not any(isinstance(m, CatsActivation) for m in model.modules()):
+        return done  # no thresholds: nothing to swap, and no reason to start the GPU kernels (seconds)
     if not torch.cuda.is_available() or kernel() is None:
         return done
     inner = {id(m.mlp) for m in model.modules() if isinstance(m, CatsMLP)}
