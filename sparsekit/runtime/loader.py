@@ -15,12 +15,13 @@ then runs on the sparse kernels (see ``sparsekit.runtime.sparse_linear`` for whi
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from sparsekit.errors import SparsekitError
+from sparsekit.errors import SparsekitError, SparsekitWarning
 from sparsekit.hf import models
 from sparsekit.hf.compat import checkpoint_renamings
 from sparsekit.hf.modules import set_submodule
@@ -159,8 +160,9 @@ def _open_packed(path: Path, dev: torch.device, dtype: torch.dtype) -> nn.Module
 
         try:
             model.generation_config = GenerationConfig.from_pretrained(path)
-        except Exception:
-            pass  # a broken generation config is not worth refusing the model for
+        except Exception as e:  # noqa: BLE001 - not worth refusing the model for, but said
+            warnings.warn(f"{gen_cfg} could not be read ({type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}): "
+                          "generating with transformers' defaults", SparsekitWarning, stacklevel=2)
     return model
 
 
