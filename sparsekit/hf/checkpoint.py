@@ -10,8 +10,8 @@ The pruned weights are stored dense, with zeros (the contract between pruning an
 plus, for ``--method cats`` (no weight changed), ``"cats": {"target", "quantile", "activation_sparsity",
 "mlps": {"<gated MLP name>": {"threshold", "activation_sparsity", "samples", "exact"}}}``.
 
-The directory is written atomically (temporary sibling, then rename); an existing output is
-refused unless ``overwrite``.
+A model card (``README.md``) is written beside it. The directory is written atomically (temporary
+sibling, then rename); an existing output is refused unless ``overwrite``.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from sparsekit.hf import modelcard
 from sparsekit.hf.atomic import atomic_output_dir
 from sparsekit.hf.filemode import public_tree
 
@@ -74,9 +75,18 @@ def save_pruned(model, tokenizer, output: str | Path, metadata: dict, *, overwri
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+        write_metadata(tmp, metadata, replacing=Path(output))
         public_tree(tmp)  # safetensors writes its files 0600: every file follows the umask
     return Path(output)
+
+
+def write_metadata(directory: Path, metadata: dict, *, replacing: Path | None = None) -> None:
+    """``sparsekit.json`` and the model card (``README.md``, ``sparsekit.hf.modelcard``) of a pruned
+    checkpoint, beside its weights; a README of the user's in the output it replaces stays instead."""
+    (directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    modelcard.keep_user_readme(replacing, directory)
+    size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    modelcard.write_card(directory, modelcard.render(metadata, packed=None, size_bytes=size))
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:

@@ -146,3 +146,37 @@ def meta_skeleton(config, dtype: torch.dtype) -> nn.Module:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # under init_empty_weights transformers 5.24 leaves tied weights as two tensors
     return model.eval()
+
+
+# ============================================================================= from_pretrained of a packed directory
+# The reaches of ``sparsekit.runtime.hf_quantizer`` (issue 24) past transformers' public API,
+# checked against transformers 5.17.0 and 5.24.0; in 4.x the quantizer is not reached at all (no
+# ``register_quantizer`` there).
+def point_weights_at(config, filename: str) -> None:
+    """Make ``from_pretrained`` read its weights from ``filename`` inside the model directory instead of
+    ``model.safetensors``: the load-time config attribute ``transformers_weights`` (transformers 5;
+    ``save_pretrained`` drops it from the config it writes). The quantizer sets it from the one hook
+    that sees the model config before the weight files are looked for: ``update_attn_implementation``
+    in 5.24, ``update_tp_plan`` / ``update_ep_plan`` in 5.17."""
+    config.transformers_weights = filename
+
+
+def quiet_loading(model: nn.Module) -> dict:
+    """Keep transformers' own loading step quiet about a model sparsekit fills itself afterwards:
+    every tensor is "missing" from the stub file, and the tied embeddings "absent from the
+    checkpoint". ``_keys_to_ignore_on_load_missing`` (the patterns the load report skips, a set per
+    instance) ignores everything, and ``all_tied_weights_keys`` (the ``{target: source}`` pairs
+    transformers ties after loading) is empty until :func:`restore_loading`; the loader ties the
+    embeddings itself. Returns what :func:`restore_loading` puts back."""
+    saved = {"_keys_to_ignore_on_load_missing": getattr(model, "_keys_to_ignore_on_load_missing", None),
+             "all_tied_weights_keys": getattr(model, "all_tied_weights_keys", None)}
+    model._keys_to_ignore_on_load_missing = set(saved["_keys_to_ignore_on_load_missing"] or ()) | {".*"}
+    if saved["all_tied_weights_keys"] is not None:
+        model.all_tied_weights_keys = {}
+    return saved
+
+
+def restore_loading(model: nn.Module, saved: dict) -> None:
+    for name, value in saved.items():
+        if value is not None or name == "_keys_to_ignore_on_load_missing":
+            setattr(model, name, value)

@@ -3,7 +3,10 @@
 Which tensors are linear weights comes from ``sparsekit.json`` ("layers") when the pruner wrote
 one, else from the model skeleton built on the meta device from ``config.json``. Each linear
 weight (GPT-2 ``Conv1D`` transposed to ``[out, in]``) is packed when it is sparse enough, else
-kept dense with the reason recorded. Everything else is stored as it is.
+kept dense with the reason recorded. Everything else is stored as it is. The copied ``config.json``
+gains the ``quantization_config`` that hands the directory to sparsekit in transformers'
+``from_pretrained`` (``sparsekit.packed.quantconfig``), and a model card (``README.md``) is written
+unless the source holds a README of the user's, which is copied instead.
 """
 from __future__ import annotations
 
@@ -17,11 +20,13 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from sparsekit.hf import modelcard
 from sparsekit.hf.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
 from sparsekit.progress import Progress
 from sparsekit.packed import shards as sh
-from sparsekit.packed import tcabme
+from sparsekit.packed import quantconfig, tcabme
+from sparsekit.pruning.methods.cats import thresholds_from_metadata
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
@@ -150,10 +155,13 @@ def detect_pattern(raw) -> str:
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy config, generation config, tokenizer files, sparsekit.json...: everything but weights."""
+    """Copy config, generation config, tokenizer files, sparsekit.json, a README of the user's...:
+    everything but weights and sparsekit's model card (which describes ``src``, not the copy)."""
     copied = []
     for f in sorted(src.iterdir()):
         if not f.is_file() or f.name in WEIGHT_INDEXES or f.name.endswith(WEIGHT_SUFFIXES) or f.name.startswith("."):
+            continue
+        if f.name == modelcard.CARD_NAME and modelcard.is_card(src):
             continue
         shutil.copy2(f, dst / f.name)
         copied.append(f.name)
@@ -258,6 +266,7 @@ def encode(
                         progress("encoding", done, len(names), item=key)
         weight_map, shard_info = writer.close()
         copied = copy_side_files(src, tmp)
+        quantconfig.write(tmp, layers, cats=bool(thresholds_from_metadata(manifest)))
         dense_b = sum(i["dense_bytes"] for i in layers.values())
         stored_b = sum(i["stored_bytes"] for i in layers.values())
         metadata = {
@@ -280,6 +289,10 @@ def encode(
         index = {"metadata": metadata, "layers": layers, "weight_map": weight_map,
                  "shards": shard_info, "checksums": writer.checksums}
         (tmp / sh.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        modelcard.keep_user_readme(out, tmp)
+        card = {"model": metadata["source_model"], "method": metadata["method"], "pattern": metadata["pattern"],
+                **manifest}
+        modelcard.write_card(tmp, modelcard.render(card, packed=metadata, size_bytes=writer.total_bytes))
     elapsed = time.perf_counter() - t0
     n_packed = sum(1 for i in layers.values() if i["packed"])
     return {

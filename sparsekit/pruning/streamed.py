@@ -21,7 +21,6 @@ exactly as the in-memory path stores them, so both paths write the same tensors,
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 from typing import Iterator
 
@@ -186,9 +185,9 @@ class StreamedModel:
             self.write(name, t.data)
             self.slots.reset(name)
 
-    def finish(self, tmp: Path, tokenizer, metadata: dict) -> None:
-        """Close the shards and write the config, tokenizer and ``metadata`` beside them."""
-        from sparsekit.hf.checkpoint import METADATA_FILE
+    def finish(self, tmp: Path, tokenizer, metadata: dict, output: Path | None = None) -> None:
+        """Close the shards and write the config, tokenizer, ``metadata`` and the model card beside them."""
+        from sparsekit.hf.checkpoint import write_metadata
         from sparsekit.hf.filemode import public_tree
 
         self.writer.close()
@@ -200,7 +199,7 @@ class StreamedModel:
             self.model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        (tmp / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+        write_metadata(tmp, metadata, replacing=output)
         public_tree(tmp)
 
     def recount(self, layers: dict[str, dict]) -> None:
