@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sparsekit.errors import SparsekitError
+from sparsekit.errors import SparsekitError, strict_mode
 from sparsekit.runtime.timing import model_bytes, time_ms
 from sparsekit.hf.models import resolve_device
 from sparsekit.packed.shards import is_packed_dir
@@ -241,9 +241,9 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
             try:
                 out[b] = measure_model(model, b, cuda_graphs=cuda_graphs, **kw)
             except SparsekitError as e:
-                if not cuda_graphs:
+                if not cuda_graphs or strict_mode():
                     raise
-                notes.append(f"CUDA graphs failed, measured eagerly instead: {e}")
+                notes.append(f"CUDA graphs failed, measured eagerly instead (slower): {e}")
                 cuda_graphs = False
                 out[b] = measure_model(model, b, cuda_graphs=False, **kw)
             for note in out[b].pop("notes", []):
