@@ -65,6 +65,8 @@ def eval_cmd(
                                               "each task's own, 0 for the usual zero-shot tasks)."),
     include_path: Optional[str] = typer.Option(None, "--include-path", metavar="DIR",
                                                help="With --tasks: a folder of task YAML files of your own (lm-eval format)."),
+    update_card: bool = typer.Option(False, "--update-card", help="With --ppl: record the perplexity in DIR's model card "
+                                     "(the README.md that prune and encode write), replacing it atomically."),
     json_out: bool = JSON_OPTION,
 ) -> None:
     from transformers.utils import logging as hf_logging
@@ -91,6 +93,14 @@ def eval_cmd(
         task_names = parse_tasks(tasks)
         manager = task_manager(include_path)
         check_tasks(manager, task_names)
+    if update_card:  # before any work: a local directory with a sparsekit card, never a README of the user's
+        from pathlib import Path
+
+        from sparsekit.hf.modelcard import check_updatable
+
+        if not ppl:
+            raise SparsekitError("--update-card records the perplexity in the model card: add --ppl")
+        check_updatable(Path(model_dir))
     if plot and not speed:
         raise SparsekitError("--plot draws the speed measurement: add --speed")
     sizes = _batch_sizes(batch_sizes)
@@ -118,6 +128,10 @@ def eval_cmd(
             report["ppl"] = perplexity_report(model_dir, dataset=dataset, seqlen=seqlen, max_windows=max_windows,
                                               device=device, dtype=dtype, progress=bars, warn=warn,
                                               baseline=baseline, baseline_model=baseline_model)
+        if update_card:
+            from sparsekit.hf.modelcard import record_perplexity
+
+            record_perplexity(Path(model_dir), report["ppl"])
         if not json_out:
             console.print(render.ppl_table(report["ppl"]))
     if task_names:

@@ -190,7 +190,9 @@ def verify_cmd(
         return
     console.print(f"[bold green]ok[/]: {report['path']} ({report['format']} v{report['format_version']}): "
                   f"{report['shards']} shard(s), {report['tensors']} tensors, {report['packed_layers']}/"
-                  f"{report['layers']} layers packed, checksums and structure verified, config and tokenizer present")
+                  f"{report['layers']} layers packed, checksums and structure verified, config and tokenizer present"
+                  + ("; transformers' from_pretrained loads it (after `import sparsekit`)" if report["from_pretrained"]
+                     else "; no quantization_config: re-run `sparsekit encode` for from_pretrained"))
 
 
 @handle_errors

@@ -87,31 +87,33 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _rate(x) -> str:
+    """A token rate in at most six characters: 707, 5,656, 22.6k, 241k."""
+    if x is None:
+        return "-"
+    if x < 10_000:
+        return f"{x:,.0f}"
+    return f"{x / 1000:.1f}k" if x < 100_000 else f"{x / 1000:.0f}k"
+
+
 def speed_table(report: dict[str, Any]):
-    """The report as a rich Table (packed / dense / ratio per metric)."""
+    """The report as a rich Table that fits 80 columns: tokens/s packed, dense and their ratio for
+    decode and prefill, and peak memory; ``--json`` has the rest (ms per token, per-shape timings)."""
+    from rich import box
     from rich.table import Table
 
     title = (f"Speed on {report.get('gpu', '?')} ({report.get('dtype', '?')}, prompt {report.get('prompt_len')}, "
              f"{report.get('new_tokens')} new tokens, CUDA graphs {'on' if report.get('cuda_graphs') else 'off'})")
-    # Packed and dense share a cell ("packed / dense") so the table fits an 80-column terminal.
-    t = Table(title=title)
-    t.add_column("batch", justify="right")
-    for head in ("decode tok/s\npacked / dense", "x", "ms/token\npacked / dense",
-                 "prefill tok/s\npacked / dense", "x", "peak GiB\npacked / dense"):
+    t = Table(title=title, box=box.SIMPLE_HEAD)
+    for head in ("batch", "decode\npacked", "tok/s\ndense", "\nx", "prefill\npacked", "tok/s\ndense", "\nx",
+                 "peak GiB\npacked", "\ndense"):
         t.add_column(head, justify="right")
-
-    def pair(p, d, key, spec):
-        return f"{_fmt(p.get(key), spec)} / {_fmt(d.get(key), spec)}"
-
     for row in report["rows"]:
         p, d, r = row["packed"], row["dense"], row.get("ratio", {})
-        t.add_row(
-            str(row["batch_size"]),
-            pair(p, d, "decode_tok_s", ",.0f"), _fmt(r.get("decode_tok_s"), ".2f"),
-            pair(p, d, "ms_per_token", ".2f"),
-            pair(p, d, "prefill_tok_s", ",.0f"), _fmt(r.get("prefill_tok_s"), ".2f"),
-            pair(p, d, "peak_mem_gib", ".2f"),
-        )
+        t.add_row(str(row["batch_size"]),
+                  _rate(p.get("decode_tok_s")), _rate(d.get("decode_tok_s")), _fmt(r.get("decode_tok_s"), ".2f"),
+                  _rate(p.get("prefill_tok_s")), _rate(d.get("prefill_tok_s")), _fmt(r.get("prefill_tok_s"), ".2f"),
+                  _fmt(p.get("peak_mem_gib"), ".2f"), _fmt(d.get("peak_mem_gib"), ".2f"))
     w = report.get("weights_gib") or {}
     plan = report.get("dispatch") or {}
     if w:

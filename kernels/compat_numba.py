@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import ctypes
 
+import numba
+
 import numpy
 
 if not hasattr(numpy, "row_stack"):
@@ -74,8 +76,28 @@ def opt_in_smem(kern, args, nbytes: int) -> bool:
         attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
         return True
-    except Exception:  # noqa: BLE001 - an older numba: stay under 48 KB
+    except Exception as e:  # noqa: BLE001 - said once (raised under SPARSEKIT_STRICT): stay under 48 KB
+        lost("shared memory past 48 KB per block (fewer pipeline stages)", e)
         return False
+
+
+_lost_said: set[str] = set()
+
+
+def lost(feature: str, why: Exception | str) -> None:
+    """A faster path this numba does not allow: one ``SparsekitWarning`` per process naming it and why,
+    or a ``SparsekitError`` under ``SPARSEKIT_STRICT=1``. Never silent."""
+    import warnings
+
+    from sparsekit.errors import SparsekitError, SparsekitWarning, strict_mode
+
+    reason = why if isinstance(why, str) else f"{type(why).__name__}: {why}"
+    msg = f"numba {getattr(numba, '__version__', '?')}: {feature} is off ({reason})"
+    if strict_mode():
+        raise SparsekitError(f"{msg} (SPARSEKIT_STRICT is set: no fallback)")
+    if msg not in _lost_said:
+        _lost_said.add(msg)
+        warnings.warn(msg, SparsekitWarning, stacklevel=3)
 
 
 def flat(ptr: int, size: int, itemsize: int) -> list:
@@ -105,9 +127,16 @@ def fast_entry(kern, args):
             else:
                 mine.append(ctypes.c_int64(a))
         same = [getattr(a, "value", a) for a in ref] == [getattr(a, "value", a) for a in mine]
-        return ck._codelibrary.get_cufunc().kernel if same else None
-    except Exception:  # noqa: BLE001 - another numba: keep its own launch
+    except Exception as e:  # noqa: BLE001 - said once (raised under SPARSEKIT_STRICT): numba's own launch
+        lost(FAST_LAUNCH, e)
         return None
+    if not same:
+        lost(FAST_LAUNCH, "its kernel argument packing differs from the one checked")
+        return None
+    return ck._codelibrary.get_cufunc().kernel
+
+
+FAST_LAUNCH = "the direct kernel launch (numba's own launch costs ~0.3 ms more per eager call)"
 
 
 def launch_direct(ck, blocks: int, threads: int, dyn: int, stream, flat_args, scalars) -> None:

@@ -4,10 +4,15 @@ The library API is what the CLI calls; scripts can import it directly.
 Heavy modules are imported lazily so that ``import sparsekit`` stays cheap. Module names differ
 from the exported function names on purpose: importing ``sparsekit.foo`` sets the package
 attribute ``foo`` to the module, which would shadow a function of the same name.
+
+``import sparsekit`` also registers the ``"sparsekit"`` quantizer with transformers, so that
+``AutoModelForCausalLM.from_pretrained(packed_dir)`` works (lazily: ``sparsekit.autoregister``).
 """
 from __future__ import annotations
 
 import importlib
+
+from sparsekit import autoregister
 
 __version__ = "0.1.0"
 
@@ -31,3 +36,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["__version__", *_EXPORTS]
+
+autoregister.install()  # from_pretrained loads packed directories (registered once transformers.quantizers is imported)

@@ -1,4 +1,6 @@
-"""The one exception type users see: a message that says what went wrong and what to do."""
+"""The one exception type users see: a message that says what went wrong and what to do; and the
+strict switch that turns every fallback to a slower path into such an error."""
+import os
 
 
 class SparsekitError(Exception):
@@ -12,3 +14,13 @@ class SparsekitError(Exception):
 class SparsekitWarning(UserWarning):
     """A notice for users (e.g. sparse layers running the slow reference path): the CLI prints
     ``warning: <message>`` on stderr, without a source location."""
+
+
+def strict_mode() -> bool:
+    """``SPARSEKIT_STRICT=1``: a faster path that cannot be used (compiling the decode step, its CUDA
+    graph, the static decoder, the CATS kernels) is an error instead of a fallback with a one-line note.
+    The tests and the benchmark scripts set it, so a lost feature cannot hide in their numbers."""
+    raw = os.environ.get("SPARSEKIT_STRICT", "")
+    if raw not in ("", "0", "1"):
+        raise SparsekitError(f"SPARSEKIT_STRICT={raw!r}: set it to 1 (no fallbacks) or 0")
+    return raw == "1"

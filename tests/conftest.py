@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
 # Tests never touch the network: hub look-ups fail fast and the same way everywhere.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Tests run strict: a faster path that falls back (compiling, graph capture, the static decoder) fails them.
+os.environ.setdefault("SPARSEKIT_STRICT", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_WIKITEXT = REPO.parent / "shared" / "data" / "wikitext-2-raw-v1"

@@ -33,11 +33,16 @@ def sparse_model(seed=0):
     return nn.ModuleDict({"a": lin(64, 128), "b": lin(64, 128), "c": lin(128, 64)})
 
 
-def fake_timings(monkeypatch, table):
-    """``table[(out, in)] = [(n, sparse_ms, dense_ms), ...]`` instead of GPU timings."""
+def fake_timings(monkeypatch, table, calls=None):
+    """``table[(out, in)] = [(n, sparse_ms, dense_ms), ...]`` instead of GPU timings; ``calls`` hears
+    each token count timed."""
+    def timed(mods, dense, n):
+        if calls is not None:
+            calls.append(n)
+        return next((s, d) for k, s, d in table[(mods[0].out_features, mods[0].in_features)] if k == n)
+
     monkeypatch.setattr(dispatch, "kernels_usable", lambda mods: True)
-    monkeypatch.setattr(dispatch, "time_group",
-                        lambda mods, dense, n: next((s, d) for k, s, d in table[(mods[0].out_features, mods[0].in_features)] if k == n))
+    monkeypatch.setattr(dispatch, "time_group", timed)
 
 
 def test_speed_runs_losing_groups_dense_and_keeps_copies_for_the_rest(monkeypatch):
@@ -45,7 +50,7 @@ def test_speed_runs_losing_groups_dense_and_keeps_copies_for_the_rest(monkeypatc
     ref = {k: m.dense_weight(torch.float32) for k, m in model.items()}
     fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0), (8, 1.5, 2.0), (16, 3.0, 2.0)],
                                (128, 64): [(1, 3.0, 2.0), (8, 3.0, 2.0), (16, 3.0, 2.0)]})
-    rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1, 8, 16))
+    rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1, 8, 16), cache=False)
     assert isinstance(model["c"], nn.Linear) and not isinstance(model["c"], SparseLinear)
     assert torch.equal(model["c"].weight.float(), ref["c"])                  # the same weight, dense
     assert list(rep["dense_layers"]) == ["c"] and "slower at every token count" in rep["dense_layers"]["c"]
@@ -61,7 +66,7 @@ def test_speed_runs_losing_groups_dense_and_keeps_copies_for_the_rest(monkeypatc
 def test_memory_keeps_every_layer_packed_and_no_copies(monkeypatch):
     model = sparse_model()
     fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0), (8, 3.0, 2.0)], (128, 64): [(1, 3.0, 2.0), (8, 3.0, 2.0)]})
-    rep = dispatch.plan_dispatch(model, prefer="memory", token_counts=(1, 8))
+    rep = dispatch.plan_dispatch(model, prefer="memory", token_counts=(1, 8), cache=False)
     assert all(isinstance(m, SparseLinear) and m.dense_copy is None for m in model.values())
     assert model["a"].dense_above == model["c"].dense_above == SparseLinear.dense_above   # unchanged
     assert {tuple(g["shape"]): g["sparse_max_n"] for g in rep["groups"]} == {(64, 128): 1, (128, 64): 0}
@@ -91,3 +96,36 @@ def test_the_loader_checks_prefer(tmp_path):
 
     with pytest.raises(SparsekitError, match="prefer must be one of speed, memory, got 'fastest'"):
         open_model(tmp_path / "missing", torch.device("cpu"), torch.float32, prefer="fastest")
+
+
+def test_timings_are_cached_per_gpu_and_software_and_reused(monkeypatch, tmp_path):
+    """The second load takes every group's timings from the cache (no kernel timed) and plans the same;
+    a damaged cache file is measured over; an unwritable cache is said in the report, never silent."""
+    from sparsekit.runtime import dispatch_cache
+
+    table = {(64, 128): [(1, 1.0, 2.0), (8, 3.0, 2.0)], (128, 64): [(1, 3.0, 2.0), (8, 3.0, 2.0)]}
+    calls = []
+    fake_timings(monkeypatch, table, calls)
+    path = tmp_path / "cache" / "gpu.json"
+    monkeypatch.setattr(dispatch_cache, "cache_file", lambda device: path)
+
+    first = dispatch.plan_dispatch(sparse_model(), prefer="speed", token_counts=(1, 8))
+    assert calls == [1, 8, 1] and first["cache"] == {"path": str(path), "groups_from_cache": 0}
+    calls.clear()
+    model = sparse_model()
+    second = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1, 8))
+    assert calls == [] and second["cache"]["groups_from_cache"] == 2
+    assert second["groups"] == first["groups"] and second["dense_layers"] == first["dense_layers"]
+    assert isinstance(model["c"], nn.Linear) and model["a"].dense_above == 1
+    assert dispatch.plan_dispatch(sparse_model(), token_counts=(1, 8, 16))["cache"]["groups_from_cache"] == 0  # other counts
+
+    path.write_text("{not json")
+    calls.clear()
+    again = dispatch.plan_dispatch(sparse_model(), prefer="speed", token_counts=(1, 8))
+    assert calls == [1, 8, 1] and again["groups"] == first["groups"]
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setattr(dispatch_cache, "cache_file", lambda device: blocked / "gpu.json")
+    rep = dispatch.plan_dispatch(sparse_model(), prefer="speed", token_counts=(1, 8))
+    assert "could not be cached" in rep["cache"]["error"] and rep["groups"] == first["groups"]

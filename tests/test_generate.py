@@ -188,6 +188,9 @@ def test_auto_falls_back_to_transformers_when_the_static_decoder_cannot_run(load
     model, tok = loaded
     monkeypatch.setattr(decoder, "GreedyDecoder", broken)
     monkeypatch.setattr(gen, "pick_engine", lambda *a, **k: "static")  # as auto does on CUDA
+    with pytest.raises(SparsekitError, match="no static cache"):  # strict (the tests' default): no fallback
+        generate_text(model, tok, PROMPT, check_sampling(6))
+    monkeypatch.setenv("SPARSEKIT_STRICT", "0")
     streamed = []
     r = generate_text(model, tok, PROMPT, check_sampling(6), on_text=streamed.append)
     assert r["engine"] == "hf" and "no static cache" in r["notes"][0]

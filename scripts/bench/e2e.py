@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -145,6 +146,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA GPU: bench_e2e runs on a GPU machine", file=sys.stderr)
         return 2
+    os.environ.setdefault("SPARSEKIT_STRICT", "1")  # a compile or graph fallback fails the run, not the numbers
     from sparsekit.evaluation.speed import measure_model
     from sparsekit.runtime.timing import model_bytes
     from sparsekit.runtime.fusion import equalize_packed_sizes, fuse_projections, fuse_rms_norms

@@ -2,14 +2,15 @@
 (``sparsekit.hf.metadata.PruneMetadata``).
 
 The pruned weights are stored dense, with zeros (the contract between pruning and packing).
-The directory is written atomically (temporary sibling, then rename); an existing output is
-refused unless ``overwrite``.
+A model card (``README.md``) is written beside it. The directory is written atomically (temporary
+sibling, then rename); an existing output is refused unless ``overwrite``.
 """
 from __future__ import annotations
 
 import platform
 from pathlib import Path
 
+from sparsekit.hf import modelcard
 from sparsekit.hf.metadata import PruneMetadata
 from sparsekit.host.atomic import atomic_output_dir
 from sparsekit.host.filemode import public_tree
@@ -52,6 +53,15 @@ def save_pruned(model, tokenizer, output: str | Path, metadata: PruneMetadata, *
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        metadata.write(tmp)
+        write_metadata(tmp, metadata, replacing=Path(output))
         public_tree(tmp)  # safetensors writes its files 0600: every file follows the umask
     return Path(output)
+
+
+def write_metadata(directory: Path, metadata: PruneMetadata, *, replacing: Path | None = None) -> None:
+    """``sparsekit.json`` and the model card (``README.md``, ``sparsekit.hf.modelcard``) of a pruned
+    checkpoint, beside its weights; a README of the user's in the output it replaces stays instead."""
+    metadata.write(directory)
+    modelcard.keep_user_readme(replacing, directory)
+    size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+    modelcard.write_card(directory, modelcard.render(metadata.to_dict(), packed=None, size_bytes=size))

@@ -1,8 +1,9 @@
 """Every place sparsekit reaches past transformers' public API, in one module.
 
-Checked against transformers 5.23.0 (the CPU test box) and 5.17 (the GPU image); the StaticCache
-fallback keeps the 4.x constructor working. When a transformers upgrade breaks something, it
-should break here:
+Checked against transformers 5.17.0 (the lowest that ``pyproject.toml`` admits; the GPU image) and
+5.24.0 (the newest on 2026-11-25; CI runs the runtime tests on both). When a transformers upgrade
+breaks something, it should break here, and loudly: nothing in this module swallows an error that
+would turn a feature off.
 
 * ``checkpoint_renamings``: the load-time key renamings (``transformers.conversion_mapping``,
   ``transformers.core_model_loading``; GPT-NeoX saves ``embed_out.weight`` for its ``lm_head``).
@@ -10,18 +11,24 @@ should break here:
   objects of a ``StaticCache`` (``cache.layers[i]``, each with ``update(key, value, ...)``,
   ``keys``/``values`` tensors and a few counters).
 * ``decode_forward_kwargs``: which optional arguments a model's ``forward`` takes.
+* ``cache_kwarg``: the name a model's or decoder layer's ``forward`` takes the KV cache under
+  (``past_key_values`` up to 5.2x, ``cache`` since; 5.24 still accepts the old name on the model's
+  ``forward``, with a deprecation, until 5.40, but its decoder layers take only ``cache``).
 * ``is_llama_rms_norm``: recognising the Llama-form RMSNorm by its source and ``variance_epsilon``.
 * ``is_silu``: recognising SiLU among the activation classes of ``transformers.activations``.
-* ``meta_skeleton``: a model with meta parameters and real buffers (no public ``init_empty_weights``
-  in transformers 5), for streamed pruning.
+* ``meta_skeleton``: a model with meta parameters and real buffers (accelerate's public
+  ``init_empty_weights(include_buffers=False)``), for streamed pruning.
+
+torch's own version-dependent names live in the twin module ``sparsekit.torch_compat``.
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
 
 import torch
 from torch import nn
+
+from sparsekit.errors import SparsekitError
 
 
 # ----------------------------------------------------------------------------- checkpoint keys
@@ -31,11 +38,10 @@ def checkpoint_renamings(model: nn.Module, keys) -> dict[str, str]:
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightRenaming, rename_source_key
-
-        renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
-        return {key: rename_source_key(key, renamings, [])[0] for key in keys}
-    except Exception:  # a transformers without these conversion mappings saves the model's names
+    except ImportError:  # a transformers without conversion mappings (4.x) saves the model's own names
         return {}
+    renamings = [c for c in get_model_conversion_mapping(model) if isinstance(c, WeightRenaming)]
+    return {key: rename_source_key(key, renamings, [])[0] for key in keys}
 
 
 # ----------------------------------------------------------------------------- the static KV cache
@@ -43,12 +49,7 @@ def make_static_cache(model: nn.Module, max_len: int):
     """A ``transformers.StaticCache`` for ``model`` holding ``max_len`` positions."""
     from transformers import StaticCache
 
-    try:
-        return StaticCache(config=model.config, max_cache_len=max_len)
-    except TypeError:  # older 4.x signature
-        p = next(model.parameters())
-        return StaticCache(config=model.config, max_batch_size=1, max_cache_len=max_len,
-                           device=p.device, dtype=p.dtype)
+    return StaticCache(config=model.config, max_cache_len=max_len)
 
 
 def cache_layers(cache) -> list:
@@ -99,6 +100,21 @@ def decode_forward_kwargs(model: nn.Module) -> tuple[dict, bool]:
     return extra, "cache_position" in params
 
 
+CACHE_KWARGS = ("cache", "past_key_values")  # newest first
+
+
+def cache_kwarg(forward) -> str:
+    """The keyword under which ``forward`` (a model's or a decoder layer's) takes the KV cache:
+    ``"cache"`` (transformers 5.24) or ``"past_key_values"`` (5.17 and before). A ``SparsekitError``
+    when it takes neither: the static decoder cannot hand that model its cache."""
+    params = inspect.signature(forward).parameters
+    for name in CACHE_KWARGS:
+        if name in params:
+            return name
+    raise SparsekitError(f"{getattr(forward, '__qualname__', forward)} takes no KV cache argument "
+                         f"({' or '.join(CACHE_KWARGS)}): the static decoder cannot run it")
+
+
 # ----------------------------------------------------------------------------- norms
 def is_llama_rms_norm(module: nn.Module) -> bool:
     """An HF ``*RMSNorm`` of the Llama form (``weight * norm(x)``, eps in ``variance_epsilon``);
@@ -120,30 +136,47 @@ def is_silu(module: nn.Module) -> bool:
 
 
 # ----------------------------------------------------------------------------- skeletons
-@contextlib.contextmanager
-def parameters_on_meta():
-    """Build modules with their parameters on the meta device and their buffers real (rotary tables,
-    masks: computed in ``__init__``, not stored in checkpoints). transformers 5 has no public
-    ``init_empty_weights``; this patches ``nn.Module.register_parameter`` for the duration."""
-    original = nn.Module.register_parameter
-
-    def register(self, name, param):
-        if param is not None and param.device.type != "meta":
-            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-        original(self, name, param)
-
-    nn.Module.register_parameter = register
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
-
-
 def meta_skeleton(config, dtype: torch.dtype) -> nn.Module:
     """The causal LM of ``config`` with meta parameters (``dtype``) and real buffers, in eval mode:
     built as ``from_pretrained`` builds it, without allocating or initialising any weight."""
+    from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    with parameters_on_meta():
+    with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()  # under init_empty_weights transformers 5.24 leaves tied weights as two tensors
     return model.eval()
+
+
+# ============================================================================= from_pretrained of a packed directory
+# The reaches of ``sparsekit.runtime.hf_quantizer`` (issue 24) past transformers' public API,
+# checked against transformers 5.17.0 and 5.24.0; in 4.x the quantizer is not reached at all (no
+# ``register_quantizer`` there).
+def point_weights_at(config, filename: str) -> None:
+    """Make ``from_pretrained`` read its weights from ``filename`` inside the model directory instead of
+    ``model.safetensors``: the load-time config attribute ``transformers_weights`` (transformers 5;
+    ``save_pretrained`` drops it from the config it writes). The quantizer sets it from the one hook
+    that sees the model config before the weight files are looked for: ``update_attn_implementation``
+    in 5.24, ``update_tp_plan`` / ``update_ep_plan`` in 5.17."""
+    config.transformers_weights = filename
+
+
+def quiet_loading(model: nn.Module) -> dict:
+    """Keep transformers' own loading step quiet about a model sparsekit fills itself afterwards:
+    every tensor is "missing" from the stub file, and the tied embeddings "absent from the
+    checkpoint". ``_keys_to_ignore_on_load_missing`` (the patterns the load report skips, a set per
+    instance) ignores everything, and ``all_tied_weights_keys`` (the ``{target: source}`` pairs
+    transformers ties after loading) is empty until :func:`restore_loading`; the loader ties the
+    embeddings itself. Returns what :func:`restore_loading` puts back."""
+    saved = {"_keys_to_ignore_on_load_missing": getattr(model, "_keys_to_ignore_on_load_missing", None),
+             "all_tied_weights_keys": getattr(model, "all_tied_weights_keys", None)}
+    model._keys_to_ignore_on_load_missing = set(saved["_keys_to_ignore_on_load_missing"] or ()) | {".*"}
+    if saved["all_tied_weights_keys"] is not None:
+        model.all_tied_weights_keys = {}
+    return saved
+
+
+def restore_loading(model: nn.Module, saved: dict) -> None:
+    for name, value in saved.items():
+        if value is not None or name == "_keys_to_ignore_on_load_missing":
+            setattr(model, name, value)

@@ -27,6 +27,7 @@ from torch import nn
 
 from sparsekit.errors import SparsekitError
 from sparsekit.host.filemode import public_file
+from sparsekit.torch_compat import own_tensors, set_module_tensor
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -236,33 +237,30 @@ class ParamSlots:
         self.original: dict[str, torch.Tensor] = {}
         first: dict[int, str] = {}
         for mname, mod in model.named_modules(remove_duplicate=False):
-            for kind, table in (("p", mod._parameters), ("b", mod._buffers)):
-                for key, t in table.items():
-                    if t is None:
-                        continue
-                    name = f"{mname}.{key}" if mname else key
-                    canon = first.setdefault(id(t), name)
-                    self.canon[name] = canon
-                    self.slots.setdefault(canon, []).append((mod, kind, key))
-                    self.original.setdefault(canon, t)
+            for _, kind, key, t in own_tensors(mod):
+                name = f"{mname}.{key}" if mname else key
+                canon = first.setdefault(id(t), name)
+                self.canon[name] = canon
+                self.slots.setdefault(canon, []).append((mod, kind, key))
+                self.original.setdefault(canon, t)
 
     def names(self, prefix: str = "") -> list[str]:
         """Canonical names (one per distinct tensor) under ``prefix``."""
         return [n for n in self.slots if n.startswith(prefix)]
 
     def get(self, name: str) -> torch.Tensor:
-        mod, kind, key = self.slots[self.canon[name]][0]
-        return (mod._parameters if kind == "p" else mod._buffers)[key]
+        mod, _, key = self.slots[self.canon[name]][0]
+        return getattr(mod, key)
 
     def set(self, name: str, tensor: torch.Tensor) -> None:
         """Put ``tensor`` into every slot of ``name`` (as one shared Parameter where it is a parameter)."""
         slots = self.slots[self.canon[name]]
         value = nn.Parameter(tensor, requires_grad=False) if slots[0][1] == "p" else tensor
         for mod, kind, key in slots:
-            (mod._parameters if kind == "p" else mod._buffers)[key] = value
+            set_module_tensor(mod, kind, key, value)
 
     def reset(self, name: str) -> None:
         """Put the original (meta) tensor back."""
         canon = self.canon[name]
         for mod, kind, key in self.slots[canon]:
-            (mod._parameters if kind == "p" else mod._buffers)[key] = self.original[canon]
+            set_module_tensor(mod, kind, key, self.original[canon])

@@ -4,7 +4,10 @@ zeros) -> a TCA-BME directory. ``tcabme.encode`` packs one tensor.
 Which tensors are linear weights comes from ``sparsekit.json`` ("layers") when the pruner wrote
 one, else from the model skeleton built on the meta device from ``config.json``. Each linear
 weight (GPT-2 ``Conv1D`` transposed to ``[out, in]``) is packed when it is sparse enough, else
-kept dense with the reason recorded. Everything else is stored as it is.
+kept dense with the reason recorded. Everything else is stored as it is. The copied ``config.json``
+gains the ``quantization_config`` that hands the directory to sparsekit in transformers'
+``from_pretrained`` (``sparsekit.packed.quantconfig``), and a model card (``README.md``) is written
+unless the source holds a README of the user's, which is copied instead.
 """
 from __future__ import annotations
 
@@ -18,14 +21,16 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from sparsekit.hf import modelcard
 from sparsekit.host.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
 from sparsekit.hf.metadata import PruneMetadata
 from sparsekit.host.jsonfile import read_json_object
 from sparsekit.progress import Progress
 from sparsekit.packed import shards as sh
-from sparsekit.packed import tcabme
+from sparsekit.packed import quantconfig, tcabme
 from sparsekit.packed.estimate import HEADER_BYTES, INDEX_BYTES, files_nbytes, packed_layer_nbytes, recorded_sparsity
+from sparsekit.pruning.methods.cats import thresholds_from_metadata
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
@@ -160,9 +165,12 @@ def detect_pattern(raw) -> str:
 
 
 def side_files(src: Path) -> list[Path]:
-    """Config, generation config, tokenizer files, sparsekit.json...: everything but weights (and dot files)."""
+    """Config, generation config, tokenizer files, sparsekit.json, a README of the user's...: everything
+    but weights, dot files and sparsekit's model card (which describes ``src``, not a copy)."""
+    card = modelcard.is_card(src)
     return [f for f in sorted(src.iterdir()) if f.is_file() and f.name not in WEIGHT_INDEXES
-            and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.startswith(".")]
+            and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.startswith(".")
+            and not (card and f.name == modelcard.CARD_NAME)]
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:
@@ -214,7 +222,9 @@ def encode_checkpoint(
     config = load_json(src / "config.json")
     refuse_bitmask_source(src, config)
     check_loadable_source(src)
-    meta = PruneMetadata.read(src) or PruneMetadata()
+    recorded = PruneMetadata.read(src)
+    meta = recorded or PruneMetadata()
+    manifest = recorded.to_dict() if recorded else {}   # what sparsekit.json says, for the card
     modules = linear_modules(src, config, meta.layers)
 
     # Validate every linear weight from the headers before any heavy work.
@@ -282,6 +292,7 @@ def encode_checkpoint(
                         progress("encoding", done, len(names), item=key)
         weight_map, shard_info = writer.close()
         copied = copy_side_files(src, tmp)
+        quantconfig.write(tmp, layers, cats=bool(thresholds_from_metadata(manifest)))
         dense_b = sum(i["dense_bytes"] for i in layers.values())
         stored_b = sum(i["stored_bytes"] for i in layers.values())
         metadata = {
@@ -304,6 +315,10 @@ def encode_checkpoint(
         index = {"metadata": metadata, "layers": layers, "weight_map": weight_map,
                  "shards": shard_info, "checksums": writer.checksums}
         (tmp / sh.INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        modelcard.keep_user_readme(out, tmp)
+        card = {"model": metadata["source_model"], "method": metadata["method"], "pattern": metadata["pattern"],
+                **manifest}
+        modelcard.write_card(tmp, modelcard.render(card, packed=metadata, size_bytes=writer.total_bytes))
     elapsed = time.perf_counter() - t0
     n_packed = sum(1 for i in layers.values() if i["packed"])
     return {

@@ -17,7 +17,7 @@ import torch
 
 from sparsekit.hf import models
 from sparsekit.packed import shards as sh
-from sparsekit.packed import tcabme
+from sparsekit.packed import quantconfig, tcabme
 from sparsekit.errors import SparsekitError
 from sparsekit.progress import Progress
 
@@ -149,11 +149,15 @@ def check_model_fit(path: Path, config, index: dict) -> None:
 def verify_packed(path: str | os.PathLike, progress: Progress | None = None) -> dict[str, Any]:
     """Check everything the loader needs; raise SparsekitError on the first problem; return a summary
     on success. Besides the shards and packed weights: config.json (present, JSON, a config
-    transformers reads and builds a causal LM from, whose linears fit the packed layers) and at
-    least one tokenizer file (``sparsekit.hf.models.TOKENIZER_FILES``)."""
+    transformers reads and builds a causal LM from, whose linears fit the packed layers, and whose
+    ``quantization_config``, when there is one, matches the directory) and at least one tokenizer
+    file (``sparsekit.hf.models.TOKENIZER_FILES``)."""
     path = Path(path)
     index = sh.load_index(path)
     config = models.read_config(path, fix=_CONFIG_FIX)
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None:  # what from_pretrained reads (absent in directories encoded before it existed)
+        quantconfig.check_directory(quantconfig.check(qc if isinstance(qc, dict) else qc.to_dict()), path)
     models.check_tokenizer_files(path)
     check_model_fit(path, config, index)
     by_shard: dict[str, list[str]] = {}
@@ -195,7 +199,8 @@ def verify_packed(path: str | os.PathLike, progress: Progress | None = None) -> 
     return {"ok": True, "path": str(path), "format": tcabme.FORMAT_NAME,
             "format_version": tcabme.FORMAT_VERSION, "shards": len(index["shards"]),
             "tensors": len(index["weight_map"]), "layers": len(index["layers"]),
-            "packed_layers": sum(1 for i in index["layers"].values() if i.get("packed")), "bytes": nbytes}
+            "packed_layers": sum(1 for i in index["layers"].values() if i.get("packed")), "bytes": nbytes,
+            "from_pretrained": qc is not None}
 
 
 def _load(path: Path, names, shard_of) -> dict[str, torch.Tensor]:

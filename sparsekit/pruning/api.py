@@ -231,7 +231,7 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
         if "learning" in report:
             meta.learning = report["learning"]
         if stream:
-            stream.finish(staged, tokenizer, meta)
+            stream.finish(staged, tokenizer, meta, Path(out))
         else:
             checkpoint.save_pruned(net, tokenizer, out, meta, overwrite=overwrite)
     return {

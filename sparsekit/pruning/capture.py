@@ -16,6 +16,7 @@ from torch import nn
 from sparsekit.errors import SparsekitError
 from sparsekit.hf import modules as L
 from sparsekit.progress import Progress, report
+from sparsekit.torch_compat import own_tensors, set_module_tensor
 
 
 def default_batch_size(seqlen: int, tokens: int = 16384) -> int:
@@ -50,25 +51,23 @@ def outside_stack_on(model: nn.Module, stack_name: str, device: torch.device):
         for mname, mod in model.named_modules():
             if mname == stack_name or mname.startswith(prefix):
                 continue
-            for key, p in mod._parameters.items():
-                if p is None or id(p) in seen or (id(p) in head_params and id(p) not in emb_params):
+            for _, kind, key, t in own_tensors(mod):
+                if id(t) in seen or (kind == "p" and id(t) in head_params and id(t) not in emb_params):
                     continue
-                seen.add(id(p))
-                moved.append((mod, "p", key, p.device))
-                p.data = p.data.to(device, non_blocking=True)
-            for key, b in mod._buffers.items():
-                if b is None or id(b) in seen:
-                    continue
-                seen.add(id(b))
-                moved.append((mod, "b", key, b.device))
-                mod._buffers[key] = b.to(device, non_blocking=True)
+                seen.add(id(t))
+                moved.append((mod, kind, key, t.device))
+                if kind == "p":
+                    t.data = t.data.to(device, non_blocking=True)
+                else:
+                    set_module_tensor(mod, "b", key, t.to(device, non_blocking=True))
         yield
     finally:
         for mod, kind, key, old in moved:
+            t = getattr(mod, key)
             if kind == "p":
-                mod._parameters[key].data = mod._parameters[key].data.to(old)
+                t.data = t.data.to(old)
             else:
-                mod._buffers[key] = mod._buffers[key].to(old)
+                set_module_tensor(mod, "b", key, t.to(old))
 
 
 class Activations:

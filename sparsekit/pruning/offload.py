@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sparsekit.torch_compat import module_tensors, set_module_tensor
+
 
 class LayerMover:
     """Moves decoder layers to the device and back.
@@ -29,13 +31,7 @@ class LayerMover:
 
     @staticmethod
     def _slots(layer: nn.Module):
-        for mod in layer.modules():
-            for key, t in mod._parameters.items():
-                if t is not None:
-                    yield mod, "p", key, t
-            for key, t in mod._buffers.items():
-                if t is not None:
-                    yield mod, "b", key, t
+        return module_tensors(layer)
 
     def _copy_in(self, idx: int):
         slots = list(self._slots(self.layers[idx]))
@@ -65,7 +61,7 @@ class LayerMover:
                 t.data = g
             else:
                 originals.append(t)
-                mod._buffers[key] = g
+                set_module_tensor(mod, "b", key, g)
         self.cpu[idx] = (slots, originals)
         return layer
 
@@ -79,17 +75,17 @@ class LayerMover:
         gpu = []
         slots, originals = self.cpu.pop(idx)
         for (mod, kind, key, t), cpu in zip(slots, originals):  # the tensors that load() moved in
-            gpu.append((t.data if kind == "p" else mod._buffers[key], cpu))
+            gpu.append((t.data if kind == "p" else getattr(mod, key), cpu))
             if kind == "p":
                 t.data = cpu  # the CPU tensor receives the device values below
             else:
-                mod._buffers[key] = cpu
+                set_module_tensor(mod, "b", key, cpu)
         for mod, kind, key, t in list(self._slots(layer)):  # made on the device meanwhile (a cache the layer built)
             if t.device.type != "cpu":
                 if kind == "p":
                     t.data = t.data.to("cpu")
                 else:
-                    mod._buffers[key] = t.to("cpu")
+                    set_module_tensor(mod, "b", key, t.to("cpu"))
 
         def copy_out():
             self.stream.wait_event(done)

@@ -185,8 +185,10 @@ class StreamedModel:
             self.write(name, t.data)
             self.slots.reset(name)
 
-    def finish(self, tmp: Path, tokenizer, metadata) -> None:
-        """Close the shards and write the config, tokenizer and ``metadata`` beside them."""
+    def finish(self, tmp: Path, tokenizer, metadata, output: Path | None = None) -> None:
+        """Close the shards and write the config, tokenizer, ``metadata`` (a ``PruneMetadata``) and the model
+        card beside them."""
+        from sparsekit.hf.checkpoint import write_metadata
         from sparsekit.host.filemode import public_tree
 
         self.writer.close()
@@ -198,7 +200,7 @@ class StreamedModel:
             self.model.generation_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        metadata.write(tmp)   # a sparsekit.hf.metadata.PruneMetadata
+        write_metadata(tmp, metadata, replacing=output)
         public_tree(tmp)
 
     def recount(self, layers: dict[str, dict]) -> None:

@@ -18,7 +18,7 @@ model must never be slower than its weight sparsity alone. Such MLPs keep the th
 activation on the TCA-BME path.
 
 More tokens take the original module (thresholded activation, the MLP's own linears): at batch
-> 1 the union of active neurons grows, and ``scripts/bench_cats.py`` measures where the kernels stop
+> 1 the union of active neurons grows, and ``scripts/bench/cats.py`` measures where the kernels stop
 paying (``DEFAULT_MAX_TOKENS``; env ``SPARSEKIT_CATS_MAX_TOKENS`` overrides).
 """
 from __future__ import annotations
@@ -139,7 +139,7 @@ def eligible(mlp: nn.Module) -> str | None:
     packed = [n for n in ("up_proj", "down_proj") if isinstance(getattr(mlp, n), SparseLinear)]
     if packed and os.environ.get("SPARSEKIT_CATS_ROWS") != "1":   # the layers' kind, before where they are
         return (f"{' and '.join(packed)} packed: the row-packed CATS kernels are slower than TCA-BME alone "
-                "(scripts/bench_cats.py); SPARSEKIT_CATS_ROWS=1 uses them anyway")
+                "(scripts/bench/cats.py); SPARSEKIT_CATS_ROWS=1 uses them anyway")
     for name in ("gate_proj", "up_proj", "down_proj"):
         lin = getattr(mlp, name)
         if isinstance(lin, nn.Linear) and (lin.weight.dtype != torch.float16 or not lin.weight.is_cuda):
@@ -190,6 +190,8 @@ def enable_cats_kernels(model: nn.Module, *, measure: bool = True) -> int:
     ``MEASURE_SPARSITY``) and keeps its masked activation where the kernels do not beat dense (small
     MLPs, where a step is launch-bound). ``model.cats_kernel_report`` says what was chosen and why."""
     done = sum(isinstance(m, CatsMLP) for m in model.modules())
+    if not any(isinstance(m, CatsActivation) for m in model.modules()):
+        return done  # no thresholds: nothing to swap, and no reason to start the GPU kernels (seconds)
     if not torch.cuda.is_available() or kernel() is None:
         return done
     inner = {id(m.mlp) for m in model.modules() if isinstance(m, CatsMLP)}

@@ -17,13 +17,14 @@ residuals, casts: ~2 ms per step on a 32-layer 7B model even inside a graph, mea
 (regional compilation: every layer sees only its own slice of the cache, so the one compiled
 layer serves all of them and compiles in seconds); Inductor fuses that glue, while the sparse
 matmul stays one opaque op (``sparsekit::tcabme_mm``). If compiling fails the step runs uncompiled
-and ``notes`` says why. ``fusion.fuse_rms_norms`` is a cheaper, compile-free partial fix. The decoder
+and ``notes`` says why (callers show each note as one line); with ``strict=True`` or
+``SPARSEKIT_STRICT=1`` it raises instead. ``fusion.fuse_rms_norms`` is a cheaper, compile-free partial fix. The decoder
 leaves the model it is given as it is: give ``compile=True`` a model whose packed sizes were
 equalized (``fusion.equalize_packed_sizes`` / ``prepare_for_decode``), else every distinct size
 compiles its own graph.
 
 ``use_graph=False`` (or no GPU) runs the very same step eagerly: the fallback, and the reference
-the graph is checked against (scripts/gpu_check_runtime.py). Prompts in a batch share one length
+the graph is checked against (scripts/checks/gpu_runtime.py). Prompts in a batch share one length
 (no padding); decoding is greedy and ignores EOS, which is what speed measurement needs.
 """
 from __future__ import annotations
@@ -31,15 +32,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from sparsekit.errors import SparsekitError
-from sparsekit.hf.compat import (LayerView, cache_layer, cache_layers, decode_forward_kwargs, layer_counters,
-                                 make_static_cache)
+from sparsekit.errors import SparsekitError, strict_mode
+from sparsekit.hf.compat import (LayerView, cache_kwarg, cache_layer, cache_layers, decode_forward_kwargs,
+                                 layer_counters, make_static_cache)
 from sparsekit.hf.modules import find_decoder_layers, is_linear
 from sparsekit.runtime.sparse_linear import SparseLinear
+from sparsekit.torch_compat import raise_recompile_limit
 
 
-def _layer_call(layer, hidden_states, layer_cache, args, kwargs):
-    return layer(hidden_states, *args, past_key_values=LayerView(layer_cache), **kwargs)
+def _layer_call(layer, hidden_states, layer_cache, cache_name, args, kwargs):
+    return layer(hidden_states, *args, **{cache_name: LayerView(layer_cache)}, **kwargs)
 
 
 _compiled_layer_call = None
@@ -56,13 +58,7 @@ def reset_compiled_layer() -> None:
 def _get_compiled_layer_call():
     global _compiled_layer_call
     if _compiled_layer_call is None:
-        cfg = torch._dynamo.config
-        # one entry per (model kind, batch specialisation); the default limit (8) is tight when
-        # several models are measured in one process
-        for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(cfg, name):
-                setattr(cfg, name, max(getattr(cfg, name), 64))
-                break
+        raise_recompile_limit(64)  # one entry per (model kind, batch specialisation)
         _compiled_layer_call = torch.compile(_layer_call, **COMPILE_OPTIONS)
     return _compiled_layer_call
 
@@ -74,10 +70,15 @@ class _CompiledLayer(nn.Module):
         super().__init__()
         self._inner = (layer,)  # a tuple: not registered as a submodule
         self.idx = idx
+        self.cache_name = cache_kwarg(layer.forward)
 
-    def forward(self, hidden_states, *args, past_key_values=None, **kwargs):
-        return _get_compiled_layer_call()(self._inner[0], hidden_states, cache_layer(past_key_values, self.idx),
-                                          args, kwargs)
+    def forward(self, hidden_states, *args, **kwargs):
+        cache = kwargs.pop(self.cache_name, None)
+        if cache is None:
+            raise SparsekitError(f"the model called decoder layer {self.idx} without its KV cache "
+                                 f"(no {self.cache_name}=): transformers changed how layers take the cache")
+        return _get_compiled_layer_call()(self._inner[0], hidden_states, cache_layer(cache, self.idx),
+                                          self.cache_name, args, kwargs)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -92,7 +93,7 @@ class GreedyDecoder:
     """Static-cache greedy decoding for a batch of ``batch_size`` prompts of one length."""
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int, *, use_graph: bool | None = None,
-                 compile: bool = False):
+                 compile: bool = False, strict: bool | None = None):
         self.model = model
         self.device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
         if use_graph is None:
@@ -106,7 +107,9 @@ class GreedyDecoder:
         self.pos = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self._extra, self._has_cache_position = decode_forward_kwargs(model)
+        self._cache_name = cache_kwarg(model.forward)
         self.compile = compile
+        self.strict = strict_mode() if strict is None else strict
         self._stack = None
         if compile:
             self._stack = decoder_layers(model)
@@ -119,7 +122,8 @@ class GreedyDecoder:
         kw = dict(self._extra)
         if self._has_cache_position:
             kw["cache_position"] = pos[0]
-        out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True, **kw)
+        kw[self._cache_name] = self.cache
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **kw)
         return out.logits[:, -1, :]
 
     def _step_body(self) -> None:
@@ -179,11 +183,14 @@ class GreedyDecoder:
         saved = self._snapshot()
         try:
             self._step_body()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - said in self.notes (or raised when strict)
             self._restore(saved)
+            why = (f"torch.compile of the decode step failed ({type(e).__name__}: "
+                   f"{(str(e).splitlines() or [''])[0][:200]})")
+            if self.strict:
+                raise SparsekitError(f"{why} (SPARSEKIT_STRICT is set: no fallback)") from e
             self.compile = False
-            self.notes.append(f"torch.compile of the decode step failed ({type(e).__name__}: "
-                              f"{(str(e).splitlines() or [''])[0][:200]}): decoding without it")
+            self.notes.append(f"{why}: decoding without it, slower")
             self._step_body()
 
     def _snapshot(self) -> list:

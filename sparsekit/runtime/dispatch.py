@@ -24,6 +24,7 @@ from torch import nn
 from sparsekit.errors import SparsekitError
 from sparsekit.hf.modules import set_submodule
 from sparsekit.progress import Progress, report
+from sparsekit.runtime import dispatch_cache
 from sparsekit.runtime.sparse_linear import SparseLinear, kernels_ready
 from sparsekit.runtime.timing import graph_ms
 
@@ -69,7 +70,7 @@ def kernels_usable(mods: list[SparseLinear]) -> bool:
 
 
 def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN_COUNTS,
-                  progress: Progress | None = None) -> dict[str, Any]:
+                  progress: Progress | None = None, cache: bool = True) -> dict[str, Any]:
     """Measure and set, for every ``SparseLinear`` of ``model`` (on a CUDA GPU), the largest token count
     that runs the sparse kernel; apply ``prefer`` above it (see the module docstring). Returns a report:
     per group the timings (up to the first token count where dense wins) and the choice, the layers that run dense and why, and the bytes of the
@@ -87,18 +88,17 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
         out["skipped"] = "no usable GPU kernels: the sparse layers keep the reference path"
         return out
     counts = sorted(int(n) for n in token_counts)
+    path = dispatch_cache.cache_file(next(iter(names.values())).values.device) if cache else None
+    stored = dispatch_cache.read(path) if path is not None else {}
+    hits = 0
     for gi, (key, members) in enumerate(groups.items()):
         mods = [names[n] for n in members]
-        timed = mods[:COPIES]
-        dense = [m.dense_weight(torch.float16) for m in timed]  # decoded once per group, for every count
-        rows = []
-        for n in counts:  # up to the first count where dense wins: each new count compiles a kernel variant
-            s_ms, d_ms = time_group(timed, dense, n)
-            rows.append({"n": n, "sparse_ms": s_ms / len(timed), "dense_ms": d_ms / len(timed),
-                         "speedup": d_ms / s_ms if s_ms > 0 else None})
-            if crossover(rows) < n:
-                break
-        del dense
+        ckey = dispatch_cache.entry_key(key[:2], key[2], key[3], counts)
+        rows = stored.get(ckey)
+        if rows is None:
+            rows = stored[ckey] = _measure_group(mods[:COPIES], counts)
+        else:
+            hits += 1
         max_n = crossover(rows)
         entry = {"shape": [key[0], key[1]], "sparsity": key[2], "layers": len(members), "sparse_max_n": max_n,
                  "timings": rows}
@@ -118,5 +118,25 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
             entry["form"] = f"sparse (kernel up to N={mods[0].dense_above}, decode + cuBLAS above)"
         out["groups"].append(entry)
         report(progress, "dispatch", gi + 1, len(groups))
+    if path is not None:
+        out["cache"] = {"path": str(path), "groups_from_cache": hits}
+        if hits < len(groups):
+            error = dispatch_cache.write(path, stored)
+            if error:
+                out["cache"]["error"] = f"the timings could not be cached ({error}): the next load measures again"
     torch.cuda.empty_cache()
     return out
+
+
+def _measure_group(timed: list[SparseLinear], counts: list[int]) -> list[dict]:
+    """Timing rows of one group, up to the first token count where dense wins (each new count
+    compiles a kernel variant)."""
+    dense = [m.dense_weight(torch.float16) for m in timed]  # decoded once per group, for every count
+    rows = []
+    for n in counts:
+        s_ms, d_ms = time_group(timed, dense, n)
+        rows.append({"n": n, "sparse_ms": s_ms / len(timed), "dense_ms": d_ms / len(timed),
+                     "speedup": d_ms / s_ms if s_ms > 0 else None})
+        if crossover(rows) < n:
+            break
+    return rows

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from sparsekit.errors import SparsekitError, SparsekitWarning
+from sparsekit.errors import SparsekitError, SparsekitWarning, strict_mode
 
 ENGINES = ("auto", "hf", "static")
 # generation-config fields that change greedy logits: the static engine does not apply them
@@ -177,11 +177,12 @@ def generate_ids(model: nn.Module, tokenizer, input_ids: torch.Tensor, sampling:
         else:
             try:
                 new = _static_generate(model, input_ids, sampling.max_new_tokens, eos_ids(model, tokenizer), streamer,
-                                       stop, notes)
+                                       stop, notes, clock)
             except _NoStaticDecoder as e:
-                if requested == "static":
+                if requested == "static" or strict_mode():
                     raise SparsekitError(f"the static decoder cannot run this model: {e.__cause__}") from None
-                notes.append(f"the static decoder cannot run this model ({e.__cause__}): decoding with transformers' generate")
+                notes.append(f"the static decoder cannot run this model ({e.__cause__}): decoding with transformers' "
+                             "generate, slower")
                 engine = "hf"
                 streamer.skip_prompt = streamer.next_tokens_are_prompt = True
                 new = _hf_generate(model, tokenizer, input_ids, sampling, streamer, stop)
@@ -191,16 +192,18 @@ def generate_ids(model: nn.Module, tokenizer, input_ids: torch.Tensor, sampling:
             stop.flush()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-    seconds = time.perf_counter() - start
+    warmup = clock.get("warmup", 0.0)
+    seconds = time.perf_counter() - start - warmup  # generation proper: compiling and graph capture apart
     text = tokenizer.decode(new, skip_special_tokens=True)
     if stop is not None and stop.stop and stop.stop in text:
         text = text[: text.index(stop.stop)]
     first = clock["first"] - start if "first" in clock else None
     n = len(new)
+    after_first = seconds - first if first is not None else None
     return {"text": text, "token_ids": new, "prompt_tokens": int(input_ids.shape[1]), "new_tokens": n,
             "seconds": seconds, "tokens_per_s": n / seconds if seconds > 0 else None,
-            "first_token_s": first,
-            "decode_tokens_per_s": (n - 1) / (seconds - first) if first is not None and n > 1 and seconds > first else None,
+            "first_token_s": first, "warmup_s": warmup,
+            "decode_tokens_per_s": (n - 1) / after_first if after_first and n > 1 and after_first > 0 else None,
             "engine": engine, "device": str(dev), "notes": notes}
 
 
@@ -227,35 +230,45 @@ class _NoStaticDecoder(Exception):
 
 
 def _static_generate(model, input_ids, max_new: int, eos: set[int], streamer, stop: StopFilter | None,
-                     notes: list[str]) -> list[int]:
+                     notes: list[str], clock: dict) -> list[int]:
+    """Greedy decoding on the runtime's decoder. ``clock["warmup"]``: the seconds the first decode step
+    took to warm up and capture its CUDA graph (reported apart from the decoding speed)."""
     from sparsekit.runtime.cats_mlp import enable_cats_kernels
     from sparsekit.runtime.decoder import GreedyDecoder
 
-    try:  # batch 1: CATS MLPs take the activation-sparse kernels where they pay (not run on a GPU yet)
+    try:  # batch 1: CATS MLPs take the activation-sparse kernels where they pay
         if enable_cats_kernels(model):
             notes.append("CATS MLPs on the activation-sparse kernels")
-    except Exception as e:  # noqa: BLE001 - the masked activation still works
-        notes.append(f"CATS kernels not used ({type(e).__name__}: {e})")
+    except Exception as e:  # noqa: BLE001 - the masked activation still works, and the note says so
+        if strict_mode():
+            raise
+        notes.append(f"CATS kernels not used ({type(e).__name__}: {e}): the thresholds run as a masked activation")
     try:  # nothing is streamed yet: a model the decoder cannot take goes to transformers' generate
         dec = GreedyDecoder(model, 1, input_ids.shape[1] + max_new)
         tok = dec.prefill(input_ids)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the caller says so in one note (or raises when strict)
         raise _NoStaticDecoder() from e
     new: list[int] = []
-    while True:
-        t = int(tok[0, 0])
-        new.append(t)
-        streamer.put(tok[0].detach().cpu())
-        if t in eos or len(new) >= max_new or (stop is not None and stop.stopped):
-            return new
-        try:
+    try:
+        while True:
+            t = int(tok[0, 0])
+            new.append(t)
+            streamer.put(tok[0].detach().cpu())
+            if t in eos or len(new) >= max_new or (stop is not None and stop.stopped):
+                return new
+            if dec.use_graph and dec.graph is None:
+                t0 = time.perf_counter()
+                try:
+                    dec.capture()
+                except SparsekitError as e:
+                    if dec.strict:
+                        raise
+                    dec.use_graph = False  # the CUDA graph could not be captured: the same step, eagerly
+                    notes.append(f"{e}; decoding eagerly, slower")
+                clock["warmup"] = time.perf_counter() - t0
             tok = dec.step()
-        except SparsekitError as e:
-            if not dec.use_graph or dec.graph is not None:
-                raise
-            dec.use_graph = False  # the CUDA graph could not be captured: the same step, eagerly
-            notes.append(f"{e}; decoding eagerly")
-            tok = dec.step()
+    finally:
+        notes.extend(n for n in dec.notes if n not in notes)
 
 
 def generate_text(model: nn.Module, tokenizer, prompt: str, sampling: Sampling | None = None, *,

@@ -15,24 +15,27 @@ then runs on the sparse kernels (see ``sparsekit.runtime.sparse_linear`` for whi
 """
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from sparsekit.errors import SparsekitError
+from sparsekit.errors import SparsekitError, SparsekitWarning
 from sparsekit.hf import models
 from sparsekit.hf.compat import checkpoint_renamings
 from sparsekit.hf.modules import set_submodule
-from sparsekit.packed.shards import INDEX_NAME, is_packed_dir, read_packed
+from sparsekit.packed.shards import INDEX_NAME, PackedCheckpoint, is_packed_dir, read_packed
 from sparsekit.runtime.cats import install_from_checkpoint
 from sparsekit.runtime.dispatch import check_prefer, plan_dispatch
 from sparsekit.runtime.sparse_linear import SparseLinear, kernel
+from sparsekit.torch_compat import own_tensors, set_module_tensor
 
 _REENCODE = "re-run `sparsekit encode` (or copy config.json of the source model into it)"
 
 
-def _check_dir(path: Path) -> None:
+def check_packed_dir(path: Path) -> None:
+    """A packed directory with its config.json, or one error line saying what it is instead."""
     if not path.exists():
         raise SparsekitError(f"no packed model at {path}: pass a directory written by `sparsekit encode`")
     if not path.is_dir():
@@ -85,6 +88,17 @@ def build_skeleton(path: Path, dtype: torch.dtype):
     return model, config
 
 
+def to_skeleton(model: nn.Module) -> None:
+    """Every parameter and persistent buffer of ``model`` back on the meta device, as
+    :func:`build_skeleton` leaves them (non-persistent buffers, e.g. rotary frequencies, stay)."""
+    stored = set(model.state_dict(keep_vars=True))   # parameters and persistent buffers, by full name
+    for prefix, module in model.named_modules():
+        for owner, kind, name, t in own_tensors(module):
+            if kind == "p" or (f"{prefix}.{name}" if prefix else name) in stored:
+                meta = t.to("meta")
+                set_module_tensor(owner, kind, name, nn.Parameter(meta, t.requires_grad) if kind == "p" else meta)
+
+
 def load(id_or_path=None, device="cpu", dtype=None, *, prefer: str | None = None):
     """``(model, tokenizer)``: any model directory, packed or dense, a hub id or the demo alias, on
     ``device`` (``auto``/``cpu``/``cuda``) in ``dtype`` (default float16 on CUDA, float32 on CPU), in
@@ -106,6 +120,13 @@ def open_model(location, device: torch.device, dtype: torch.dtype, *, prefer: st
         check_prefer(prefer)
     path = Path(location)
     model = _open_packed(path, device, dtype) if is_packed_dir(path) else models.open_dense(location, dtype)
+    return make_ready(model, path, device, prefer=prefer)
+
+
+def make_ready(model: nn.Module, path: Path, device: torch.device, *, prefer: str | None = None) -> nn.Module:
+    """The last steps of every load (also of ``from_pretrained`` on a packed directory): the CATS
+    thresholds of ``path/sparsekit.json``, the model on ``device`` in eval mode, and on a GPU the
+    kernels' load-time check (and ``prefer``'s dispatch plan)."""
     install_from_checkpoint(model, path)
     model.to(device)  # the dense checkpoint; for a packed one the buffers built on the CPU (rotary frequencies, ...)
     model.eval()
@@ -127,15 +148,32 @@ def load_packed(path, device="auto", dtype: torch.dtype | str | None = None, *, 
     faster form (dense copies kept where dense wins; ``"memory"`` keeps the packed weights only).
     """
     path = Path(path)
-    _check_dir(path)
+    check_packed_dir(path)
     dev = models.resolve_device(device)
     return open_model(path, dev, models.resolve_dtype(dtype, dev), prefer=prefer)
 
 
 def _open_packed(path: Path, dev: torch.device, dtype: torch.dtype) -> nn.Module:
     ckpt = read_packed(path, device="cpu")  # raises SparsekitError on a corrupt/missing shard
-    model, config = build_skeleton(path, dtype)
+    model, _ = build_skeleton(path, dtype)
+    fill_skeleton(model, ckpt, path, dev, dtype)
+    gen_cfg = path / "generation_config.json"
+    if gen_cfg.exists():
+        from transformers import GenerationConfig
 
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        except Exception as e:  # noqa: BLE001 - not worth refusing the model for, but said
+            warnings.warn(f"{gen_cfg} could not be read ({type(e).__name__}: {str(e).splitlines()[0][:150] if str(e) else ''}): "
+                          "generating with transformers' defaults", SparsekitWarning, stacklevel=2)
+    return model
+
+
+def fill_skeleton(model: nn.Module, ckpt: PackedCheckpoint, path: Path, dev: torch.device, dtype: torch.dtype) -> None:
+    """Put the checkpoint into ``model``, whose parameters are on the meta device (its non-persistent
+    buffers real): a ``SparseLinear`` on ``dev`` in place of every packed linear, every other tensor
+    assigned on ``dev`` (floating ones in ``dtype``), the embeddings tied when the config says so.
+    A tensor the model lacks, or one it has that the checkpoint does not fill, is one error line."""
     layers_info = getattr(ckpt, "layers", {}) or {}
     dense = dict(ckpt.dense)
     for name, packed in ckpt.packed.items():
@@ -164,7 +202,7 @@ def _open_packed(path: Path, dev: torch.device, dtype: torch.dtype) -> nn.Module
     state = _rename_checkpoint_keys(model, state)
     result = model.load_state_dict(state, strict=False, assign=True)
     del state, dense
-    _tie_embeddings(model, config)
+    _tie_embeddings(model, model.config)
     missing = [n for n, p in list(model.named_parameters()) + list(model.named_buffers()) if p.device.type == "meta"]
     if missing:
         shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
@@ -174,12 +212,3 @@ def _open_packed(path: Path, dev: torch.device, dtype: torch.dtype) -> nn.Module
         shown = ", ".join(unexpected[:4])
         raise SparsekitError(f"{path}: tensors {shown} do not belong to a {type(model).__name__}: "
                              "the shards do not match config.json, re-run `sparsekit encode`")
-    gen_cfg = path / "generation_config.json"
-    if gen_cfg.exists():
-        from transformers import GenerationConfig
-
-        try:
-            model.generation_config = GenerationConfig.from_pretrained(path)
-        except Exception:
-            pass  # a broken generation config is not worth refusing the model for
-    return model

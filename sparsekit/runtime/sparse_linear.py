@@ -8,7 +8,7 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
 * CUDA, ``N > dense_above`` with a kept dense copy (``runtime.dispatch``, ``prefer="speed"``) ->
   ``F.linear`` on that copy.
 * CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (the
-  decode kernel ``sparsekit.kernels.decode``), then ``F.linear`` (cuBLAS). The threshold is measured by ``scripts/gpu_check_runtime.py`` (kernel
+  decode kernel ``sparsekit.kernels.decode``), then ``F.linear`` (cuBLAS). The threshold is measured by ``scripts/checks/gpu_runtime.py`` (kernel
   vs decode + cuBLAS per N) and recorded in docs/benchmarks.md ("End to end"); override it with
   the environment variable ``SPARSEKIT_DENSE_ABOVE`` or per module (``layer.dense_above = n``).
   Inside a compiled or graph-captured step the decode is ``decode_dense`` (no host sync).
@@ -33,7 +33,7 @@ from sparsekit.errors import SparsekitError, SparsekitWarning
 from sparsekit.packed.tcabme import TcaBme, decode, encode
 
 # Kernel up to and including this many tokens, decode + cuBLAS above: measured on an H100 with
-# scripts/gpu_check_runtime.py (7B shapes, 50%, eager calls; see docs/benchmarks.md, "End to end").
+# scripts/checks/gpu_runtime.py (7B shapes, 50%, eager calls; see docs/benchmarks.md, "End to end").
 # With the decode kernel (0.11-0.19 ms per 7B weight) decode + cuBLAS wins from 96 tokens on.
 DEFAULT_DENSE_ABOVE = 64
 

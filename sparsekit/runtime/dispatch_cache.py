@@ -1,0 +1,77 @@
+"""The dispatch plan's timings, kept on disk per GPU, software and layer shape, so a model loads in
+seconds the second time (``runtime.dispatch`` measures each group of sparse layers against cuBLAS,
+which compiles kernel variants and times them: seconds per shape).
+
+One JSON file per (GPU name, multiprocessor count, torch version, numba version, sparsekit version,
+hash of the bundled kernels' sources) under ``$SPARSEKIT_CACHE/dispatch/``; inside it, the timing rows
+of each (shape, sparsity bucket, bias, token counts) key. A change of kernel code, library or GPU
+therefore never reuses old timings. Written atomically (a temporary file, then a rename); a damaged
+or foreign file counts as empty and is rewritten. Deleting the folder makes the next load measure again.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from sparsekit.hf.models import cache_root
+
+VERSION = 1
+
+
+def _kernels_hash() -> str:
+    from sparsekit import kernels
+
+    h = hashlib.sha256()
+    for f in sorted(Path(kernels.__file__).parent.glob("*.py")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_file(device: torch.device) -> Path:
+    """The cache file of this GPU and software."""
+    import numba
+
+    from sparsekit import __version__
+
+    props = torch.cuda.get_device_properties(device)
+    ident = json.dumps([VERSION, props.name, props.multi_processor_count, torch.__version__, numba.__version__,
+                        __version__, _kernels_hash()])
+    return cache_root() / "dispatch" / f"{hashlib.sha256(ident.encode()).hexdigest()[:20]}.json"
+
+
+def entry_key(shape, sparsity: float, bias: bool, counts) -> str:
+    return f"{shape[0]}x{shape[1]}|s{sparsity}|b{int(bias)}|n{','.join(str(n) for n in counts)}"
+
+
+def read(path: Path) -> dict:
+    """The cached entries of ``path`` (empty when it is missing, damaged or of another layout)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries"), dict):
+        return {}
+    return data["entries"]
+
+
+def write(path: Path, entries: dict) -> str | None:
+    """Replace ``path`` with ``entries``, atomically. Returns why it could not (the caller reports it:
+    the plan is still right, only the next load measures again), else None."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": VERSION, "entries": entries}, f)
+        os.replace(tmp, path)
+        return None
+    except OSError as e:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        return f"{type(e).__name__}: {e}"

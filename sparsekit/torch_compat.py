@@ -1,0 +1,55 @@
+"""Every place sparsekit reaches past torch's stable public API, in one module (the twin of
+``sparsekit.hf.compat`` for transformers).
+
+Checked against torch 2.11 (the GPU image) and 2.13.0 (the CPU build CI installs), the range
+``pyproject.toml`` admits:
+
+* ``raise_recompile_limit``: ``torch._dynamo.config.recompile_limit`` (``cache_size_limit`` before
+  2.6): how many compiled variants one function may keep.
+* ``module_tensors`` / ``set_module_tensor``: swapping a module's own parameters and buffers for
+  other tensors (moving layers between devices, streaming weights in), through public calls only:
+  ``named_parameters(recurse=False)``, ``named_buffers(recurse=False)`` and attribute assignment,
+  which ``nn.Module.__setattr__`` routes to the registered parameter or buffer.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+def raise_recompile_limit(at_least: int) -> None:
+    """Let one compiled function keep at least ``at_least`` variants (torch's default, 8, is tight
+    when several models or batch sizes are measured in one process)."""
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), at_least))
+            return
+    raise RuntimeError(f"torch {torch.__version__} has neither torch._dynamo.config.recompile_limit nor "
+                       "cache_size_limit: update sparsekit.torch_compat")
+
+
+def own_tensors(mod: nn.Module) -> Iterator[tuple[nn.Module, str, str, torch.Tensor]]:
+    """``(mod, kind, name, tensor)`` for ``mod``'s own parameters (kind ``"p"``) and buffers
+    (``"b"``), not its submodules'; ``None`` entries skipped."""
+    for name, p in mod.named_parameters(recurse=False, remove_duplicate=False):
+        yield mod, "p", name, p
+    for name, b in mod.named_buffers(recurse=False, remove_duplicate=False):
+        yield mod, "b", name, b
+
+
+def module_tensors(module: nn.Module) -> Iterator[tuple[nn.Module, str, str, torch.Tensor]]:
+    """:func:`own_tensors` of ``module`` and of each of its submodules (a tensor shared by several
+    owners appears once per owner)."""
+    for mod in module.modules():
+        yield from own_tensors(mod)
+
+
+def set_module_tensor(owner: nn.Module, kind: str, name: str, value: torch.Tensor) -> None:
+    """Make ``value`` the parameter (``kind == "p"``: wrapped as a frozen ``nn.Parameter`` unless it is
+    one) or the buffer (``"b"``) ``name`` of ``owner``."""
+    if kind == "p" and not isinstance(value, nn.Parameter):
+        value = nn.Parameter(value, requires_grad=False)
+    setattr(owner, name, value)
