@@ -73,3 +73,11 @@ def test_every_flag_a_message_names_exists():
     named = [(where, m) for where, text in _string_constants()
              for m in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text)]
     assert named and [(w, m) for w, m in named if m not in flags | {"--no-deps"}] == []   # (--no-deps: pip's)
+
+
+def test_every_script_the_docs_and_code_name_exists():
+    """scripts/ was regrouped (bench/, checks/, demos/): no page or message may name a script that is gone."""
+    texts = [README, *sorted((ROOT / "docs").glob("*.md"))]
+    named = {(str(f.relative_to(ROOT)), m) for f in texts for m in re.findall(r"scripts/[\w/]+\.(?:py|sh)", f.read_text())}
+    named |= {(where, m) for where, text in _string_constants() for m in re.findall(r"scripts/[\w/]+\.(?:py|sh)", text)}
+    assert named and sorted((w, m) for w, m in named if not (ROOT / m).is_file()) == []

@@ -20,20 +20,16 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-DATA_DIRS = (REPO / ".devdata" / "wikitext", REPO.parent / "shared" / "data" / "wikitext-2-raw-v1")
-CALIB = "validation.stripped-nonblank-lines.txt"
+from scripts.common import CALIB_FILE as CALIB, REPO, wikitext_file
 
 
 def build_demo(out: Path, calib: str | None) -> Path:
     import sparsekit
 
-    calib = calib or next((str(d / CALIB) for d in DATA_DIRS if (d / CALIB).is_file()), None)
-    if calib is None:
-        sys.exit(f"cannot find {CALIB} in {', '.join(map(str, DATA_DIRS))}: pass --calib FILE or --packed DIR")
+    calib = calib or wikitext_file(CALIB)
     sparsekit.prune("smollm2-135m", method="wanda", sparsity=0.5, calib=calib, nsamples=32, seqlen=256,
                     device="cuda", output=out / "pruned", overwrite=True, warn=lambda m: None)
-    sparsekit.encode(out / "pruned", out / "packed", overwrite=True)
+    sparsekit.encode_checkpoint(out / "pruned", out / "packed", overwrite=True)
     return out / "packed"
 
 

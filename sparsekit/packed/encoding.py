@@ -29,14 +29,13 @@ from sparsekit.host.jsonfile import read_json_object
 from sparsekit.progress import Progress
 from sparsekit.packed import shards as sh
 from sparsekit.packed import quantconfig, tcabme
-from sparsekit.packed.estimate import HEADER_BYTES, INDEX_BYTES, files_nbytes, packed_layer_nbytes, recorded_sparsity
+from sparsekit.packed.estimate import encoded_nbytes, files_nbytes, recorded_sparsity
 from sparsekit.pruning.methods.cats import thresholds_from_metadata
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", sh.INDEX_NAME)
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 # --------------------------------------------------------------------------------------------
@@ -251,14 +250,8 @@ def encode_checkpoint(
     file_meta = {"format": tcabme.FORMAT_NAME, "format_version": str(tcabme.FORMAT_VERSION)}
     layers: dict[str, dict[str, Any]] = {}
     names = list(files)
-    estimate = files_nbytes(side_files(src))   # what will be written (sparsekit.packed.estimate)
-    for key, (dt, shape) in headers.items():
-        item = 2 if cast and dt == "F32" else ITEM_BYTES.get(dt, 4)
-        if key in weight_keys:
-            out_in = (shape[1], shape[0]) if weight_keys[key][1] else (shape[0], shape[1])
-            estimate += packed_layer_nbytes(out_in, recorded[key], min_sparsity=min_sparsity, force=force, itemsize=item)
-        else:
-            estimate += int(np.prod(shape)) * item + HEADER_BYTES + INDEX_BYTES
+    estimate = files_nbytes(side_files(src)) + encoded_nbytes(   # what will be written
+        headers, {k: (t, recorded[k]) for k, (_, t) in weight_keys.items()}, cast, min_sparsity=min_sparsity, force=force)
     with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=estimate, warn=warn,
                            delete_extra=delete_extra) as tmp:
         writer = sh.ShardWriter(tmp, max_bytes, file_metadata=file_meta)

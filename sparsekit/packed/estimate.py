@@ -16,6 +16,7 @@ import math
 from sparsekit.packed.gain import PACK_MARGIN
 from sparsekit.packed.tcabme import ALIGN, BT_PER_GT, FIELDS, GROUP
 
+ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 HEADER_BYTES = 100   # a tensor's entry in a safetensors header (name, dtype, shape, offsets)
 INDEX_BYTES = 300    # a packed tensor's entries in tcabme.index.json (weight map, sha256, its layer's info)
 
@@ -61,3 +62,20 @@ def recorded_sparsity(info) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         return None
     return float(value)
+
+
+def encoded_nbytes(headers: dict[str, tuple[str, list[int]]], linears: dict[str, tuple[bool, float | None]],
+                   cast: bool, *, min_sparsity: float | None = None, force: bool = False) -> int:
+    """What ``encode`` writes for the tensors of a checkpoint: ``headers`` (name -> safetensors dtype,
+    shape), ``linears`` (the linear weights' names -> (stored transposed, recorded sparsity)); ``cast``:
+    float32 becomes 16-bit."""
+    total = 0
+    for name, (dtype, shape) in headers.items():
+        item = 2 if cast and dtype == "F32" else ITEM_BYTES.get(dtype, 4)
+        if name in linears:
+            transposed, sparsity = linears[name]
+            out_in = (shape[1], shape[0]) if transposed else (shape[0], shape[1])
+            total += packed_layer_nbytes(out_in, sparsity, min_sparsity=min_sparsity, force=force, itemsize=item)
+        else:
+            total += math.prod(shape) * item + HEADER_BYTES + INDEX_BYTES
+    return total

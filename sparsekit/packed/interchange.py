@@ -26,9 +26,9 @@ from sparsekit.host.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
 from sparsekit.hf.metadata import PruneMetadata
 from sparsekit.progress import Progress
-from sparsekit.packed.encoding import (ITEM_BYTES, checkpoint_files, copy_side_files, header_info, linear_modules,
+from sparsekit.packed.encoding import (checkpoint_files, copy_side_files, header_info, linear_modules,
                                        load_json, refuse_bitmask_source, resolve_key, side_files)
-from sparsekit.packed.estimate import HEADER_BYTES, bitmask_nbytes, files_nbytes, recorded_sparsity
+from sparsekit.packed.estimate import HEADER_BYTES, ITEM_BYTES, bitmask_nbytes, files_nbytes, recorded_sparsity
 
 FORMAT = "sparse-bitmask"
 PARTS = ("shape", "compressed", "bitmask", "row_offsets")
