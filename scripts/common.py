@@ -43,6 +43,13 @@ SHAPES = {
 }
 
 
+def cuda_or_exit(what: str) -> None:
+    """Exit with status 2 and one line on stderr when there is no CUDA GPU: ``what`` runs on one."""
+    if not torch.cuda.is_available():
+        print(f"{what} runs on a CUDA GPU", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def wikitext_file(name: str, folder: str | None = None) -> str:
     """``name`` (``CALIB_FILE`` or ``EVAL_FILE``) in ``folder``, else in the usual places (``WIKITEXT_DIRS``);
     exits with one line when it is nowhere."""

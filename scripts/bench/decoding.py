@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from scripts.common import cuda_or_exit
 
 
 def _ms(fn) -> float:
@@ -138,9 +139,7 @@ def main() -> int:
     ap.add_argument("--engines", default="ours,hf-generate,gpt-fast")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_decoding runs on a CUDA GPU", file=sys.stderr)
-        return 2
+    cuda_or_exit("scripts.bench.decoding")
     os.environ.setdefault("SPARSEKIT_STRICT", "1")
     import transformers
 

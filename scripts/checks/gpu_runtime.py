@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from sparsekit.runtime.timing import time_ms as cuda_time_ms
 from sparsekit.packed.tcabme import decode, encode
 from sparsekit.runtime.sparse_linear import SparseLinear, decode_dense, kernel as sparse_kernel
 from sparsekit.runtime.swap import sparsify
+from scripts.common import cuda_or_exit
 
 FAIL = []
 
@@ -224,9 +224,7 @@ def main() -> int:
     ap.add_argument("--skip-threshold", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("no CUDA GPU: this check runs on a GPU machine", file=sys.stderr)
-        return 2
+    cuda_or_exit("scripts.checks.gpu_runtime")
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     results: dict = {"gpu": torch.cuda.get_device_name()}
     try:
