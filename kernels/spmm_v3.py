@@ -101,7 +101,8 @@ def _build(NB: int, STAGES: int, CMAX: int, WR: int, KS: int, MAXREG: int, BUG: 
         s = sr & 3
         n0 = cuda.blockIdx.y * NT
         ntok = min(NT, N - n0)
-        nsw = (GK - ks + KS - 1) // KS if ks < GK and sr < SR else 0   # SR: strip rows of the weight
+        gsw = (GK - ks + KS - 1) // KS if ks < GK else 0    # steps of this K group (its X slices)
+        nsw = gsw if sr < SR else 0                          # SR: strip rows of the weight
         nloop = (GK + KS - 1) // KS
 
         # lane j: where this warp's step j starts and ends
@@ -139,6 +140,7 @@ def _build(NB: int, STAGES: int, CMAX: int, WR: int, KS: int, MAXREG: int, BUG: 
         xstride = u64(4 * WR * ldxb)
         xrem = np.int32(8 * ntok - q0)
         nsw_u = u32(nsw)
+        gsw_u = u32(gsw)
 
         # X rows past the launch's tokens must read as zeros: clear the X slices once
         xwords = KS * STAGES * NT * XROW
@@ -155,7 +157,7 @@ def _build(NB: int, STAGES: int, CMAX: int, WR: int, KS: int, MAXREG: int, BUG: 
         ixs = u32(0)
         for j in range(STAGES - 1):
             ju = u32(j)
-            x_issue(d64, x, xreg + ixs + xcp, xsrc + u64(ju) * xstep, xrem if ju < nsw_u else np.int32(0), xstride)
+            x_issue(d64, x, xreg + ixs + xcp, xsrc + u64(ju) * xstep, xrem if ju < gsw_u else np.int32(0), xstride)
             step_issue(scr, tid, d64, lstart, lend, ju, nsw_u, lane, wring + islot + vlane, vals, vp, bm,
                        wring + islot + boff, bsrc + u64(ju) * bstep, x, u32(0), u64(0), np.int32(0), u64(0))
             islot += slot_b
@@ -168,7 +170,7 @@ def _build(NB: int, STAGES: int, CMAX: int, WR: int, KS: int, MAXREG: int, BUG: 
             wait()                 # this thread's copies of step i have landed ...
             cuda.syncthreads()     # ... and everyone's; everyone is done with step i-1's slots
             jn = i + u32(STAGES - 1)
-            x_issue(d64, x, xreg + ixs + xcp, xsrc + u64(jn) * xstep, xrem if jn < nsw_u else np.int32(0), xstride)
+            x_issue(d64, x, xreg + ixs + xcp, xsrc + u64(jn) * xstep, xrem if jn < gsw_u else np.int32(0), xstride)
             step_issue(scr, tid, d64, lstart, lend, jn, nsw_u, lane, wring + islot + vlane, vals, vp, bm,
                        wring + islot + boff, bsrc + u64(jn) * bstep, x, u32(0), u64(0), np.int32(0), u64(0))
             islot += slot_b
