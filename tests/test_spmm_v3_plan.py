@@ -1,0 +1,32 @@
+"""spmm_v3's launch plan (kernels/plan.py, pure): every plan for the issue-21 shapes and 1-128
+tokens launches (shared memory, warps, steps per warp) and covers every token."""
+from __future__ import annotations
+
+import pytest
+
+from sparsekit.kernels import plan
+
+SHAPES = [(4096, 4096), (22016, 4096), (4096, 11008), (28672, 8192), (8192, 28672), (100, 72)]
+
+
+@pytest.mark.parametrize("m,k", SHAPES)
+def test_v3_plans_fit_and_cover(m, k):
+    gk = -(-k // 64)
+    for vch in (65, plan.DENSE_CHUNKS):          # 50% strips, and the dense capacity (graph capture)
+        for n in (1, 5, 8, 13, 16, 32, 33, 64, 100, 128):
+            nb, wr, ks, st, ny, dyn = plan.v3_plan(m, gk, n, vch)
+            assert dyn <= plan.WARP_SMEM_MAX and dyn == plan.v3_smem_bytes(wr, ks, 8 * nb, vch, st)
+            assert wr in (1, 2, 4, 8) and wr * ks <= plan.V3_MAX_WARPS and ks <= gk
+            assert -(-gk // ks) <= plan.MAX_STEPS                 # a warp's steps fit its lanes' offsets
+            assert 8 * nb * ny >= n > 8 * nb * (ny - 1)             # every token, no empty chunk
+            assert 32 * wr * ks * plan.v3_max_registers(nb) <= 65536   # the block's registers fit an SM
+            assert plan.v3_blocks(m, wr) * wr * 16 >= m
+
+
+def test_v3_plan_shares_x_and_keeps_tokens_together():
+    # tall weights: 8 strip rows share each X slice; up to V3_MAX_NT tokens need one decode
+    nb, wr, ks, st, ny, _ = plan.v3_plan(22016, 64, 64, 65)
+    assert (wr, ny, nb) == (8, 1, 8)
+    # a plan that cannot fit shrinks the token chunk before giving up stages or K groups
+    nb, wr, ks, st, ny, dyn = plan.v3_plan(8192, 448, 128, plan.DENSE_CHUNKS)
+    assert dyn <= plan.WARP_SMEM_MAX and ks >= 14 and 8 * nb < 64
