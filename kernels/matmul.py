@@ -82,7 +82,8 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
         x = xp
     if kp == 0 or w.values.numel() == 0:   # nothing stored: the product is zero
         return out.zero_()
-    if tuning.pop("kernel", None) == "v3" or (not tuning and kernel_choice() == "v3"):
+    kernel = tuning.pop("kernel", None)
+    if kernel == "v3" or (kernel is None and not tuning and kernel_choice() == "v3"):
         from .launch_v3 import launch_v3
 
         launch_v3(x, w, out, **tuning)

@@ -30,3 +30,22 @@ def test_v3_plan_shares_x_and_keeps_tokens_together():
     # a plan that cannot fit shrinks the token chunk before giving up stages or K groups
     nb, wr, ks, st, ny, dyn = plan.v3_plan(8192, 448, 128, plan.DENSE_CHUNKS)
     assert dyn <= plan.WARP_SMEM_MAX and ks >= 14 and 8 * nb < 64
+
+
+def test_kernel_choice_is_opt_in(monkeypatch, capsys):
+    from sparsekit.errors import SparsekitError
+    from sparsekit.kernels import matmul
+
+    monkeypatch.setattr(matmul, "_choice", None)
+    monkeypatch.delenv("SPARSEKIT_KERNEL", raising=False)
+    assert matmul.kernel_choice() == "default" and capsys.readouterr().err == ""
+    monkeypatch.setattr(matmul, "_choice", None)
+    monkeypatch.setenv("SPARSEKIT_KERNEL", "v3")
+    assert matmul.kernel_choice() == "v3"
+    assert matmul.kernel_choice() == "v3"
+    assert capsys.readouterr().err.count("SPARSEKIT_KERNEL=v3") == 1     # said once
+    monkeypatch.setattr(matmul, "_choice", None)
+    monkeypatch.setenv("SPARSEKIT_KERNEL", "v4")
+    with pytest.raises(SparsekitError, match="SPARSEKIT_KERNEL"):
+        matmul.kernel_choice()
+    monkeypatch.setattr(matmul, "_choice", None)
