@@ -9,6 +9,7 @@ from llvmlite import ir
 from numba import cuda
 from numba.cuda.extending import intrinsic
 
+from ._warp_intrinsics_ptx import _x_copy_lines
 from .compat_numba import cuda_typing
 
 __all__ = ["ldsm_x4", "make_x_issue"]
@@ -40,14 +41,8 @@ def ldsm_x4(scr, tid, d32, addr):
 def make_x_issue(xit: int, qstep: int, dstep: int):
     """``xit`` copies per lane: copy ``c`` (16 bytes, to ``xdst + c*dstep`` from ``xsrc + c*xstride``)
     runs when ``xrem > c*qstep``."""
-    L = ["{", ".reg .pred p;", ".reg .u64 xs;", "mov.u64 xs, $1;"]
-    for c in range(xit):
-        if c:
-            L.append("add.u64 xs, xs, $3;")
-        L.append(f"setp.gt.s32 p, $2, {qstep * c};")
-        L.append(f"@p cp.async.cg.shared.global [$0+{dstep * c}], [xs], 16;")
-    L.append("}")
-    text = "\n".join(L)
+    text = "\n".join(["{", ".reg .pred p;", ".reg .u64 xs;", "mov.u64 xs, $1;",
+                      *_x_copy_lines(xit, "$0", "$2", "$3", qstep, dstep), "}"])
 
     @intrinsic
     def _xi(typingctx, xdst, xsrc, xrem, xstride):

@@ -44,6 +44,15 @@ _SIM_F32 = np.dtype(np.float32) if SIM else np.float32
 DECODE_BUG = 0   # tests only: 1 = the offset popc counts the lane's own bit too (a planted indexing bug)
 
 
+@cuda.jit(device=True, inline="always")
+def _dynamic_shared():
+    """The block's dynamic shared memory as uint64, uint32 and float32 words (one 16-byte aligned base)."""
+    if SIM:
+        return cuda.shared.array(0, _SIM_U64), cuda.shared.array(0, _SIM_U32), cuda.shared.array(0, _SIM_F32)
+    return (cuda.shared.array(0, np.uint64, alignment=16), cuda.shared.array(0, np.uint32, alignment=16),
+            cuda.shared.array(0, np.float32, alignment=16))
+
+
 def compiled_kernels() -> dict:
     """The kernels built so far, by their ``get_kernel`` key (for resource reports)."""
     return dict(_KERNELS)
@@ -73,22 +82,11 @@ def _build(NB: int, STAGES: int, CMAX: int, WR: int, KS: int, MAXREG: int, BUG: 
 
     @cuda.jit(**({} if SIM else {"max_registers": MAXREG}))
     def kernel(bm, vals, goff, soff, x, y, M, N, GK, SR, ldxb, vch, sw):
-        if SIM:
-            d64 = cuda.shared.array(0, _SIM_U64)
-            d32 = cuda.shared.array(0, _SIM_U32)
-            df = cuda.shared.array(0, _SIM_F32)
-        else:
-            d64 = cuda.shared.array(0, np.uint64, alignment=16)
-            d32 = cuda.shared.array(0, np.uint32, alignment=16)
-            df = cuda.shared.array(0, np.float32, alignment=16)
+        d64, d32, df = _dynamic_shared()
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
-
         tid = cuda.threadIdx.x
-        warp = tid >> 5
-        lane = tid & 31
-        gid = lane >> 2
-        tig = lane & 3
-        hsel = lane >> 4
+        warp, lane = tid >> 5, tid & 31
+        gid, tig, hsel = lane >> 2, lane & 3, lane >> 4      # mma fragment row, column pair, bitmap half
         r = warp % WR
         ks = warp // WR
         p = u32(2 * (lane & 15))

@@ -99,3 +99,19 @@ def kind_arg(text: str | None) -> list | None:
     if not text:
         return None
     return [v if v in ("2:4", "hybrid") else float(v) for v in text.split(",")]
+
+
+def save_results(out_dir: str, name: str, rows: list, **meta) -> dict:
+    """Write ``{"meta": ..., "rows": rows}`` to ``out_dir/name`` (meta: GPU, date, torch, command,
+    and ``meta``'s extra keys) and return the meta."""
+    import datetime
+    import json
+    import os
+    import sys
+
+    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                torch=torch.__version__, command=" ".join(sys.argv), **meta)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    return meta

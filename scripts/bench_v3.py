@@ -13,7 +13,6 @@ with --sweep (numba compiles each variant once).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
@@ -21,8 +20,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _kernels_common import (copies_for, ints_arg, kind_arg, masked_weight, shapes_arg,  # noqa: E402
-                             time_calls, weight_copies)
+from _kernels_common import (copies_for, ints_arg, kind_arg, masked_weight, save_results,  # noqa: E402
+                             shapes_arg, time_calls, weight_copies)
 
 SHAPES = [(4096, 4096), (22016, 4096), (4096, 11008), (28672, 8192), (8192, 28672)]
 NS = [1, 8, 16, 32, 64, 128]
@@ -98,12 +97,7 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args()
     rows = bench(shapes_arg(args.shapes) or SHAPES, ints_arg(args.ns) or NS, kind_arg(args.kinds) or KINDS, args.sweep)
-    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                torch=torch.__version__, command=" ".join(sys.argv))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_v3.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
-    print(json.dumps(meta))
+    print(json.dumps(save_results(args.out, "bench_v3.json", rows)))
     print(table(rows))
     return 0
 
