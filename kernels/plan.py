@@ -240,12 +240,18 @@ def v3_plan(m: int, gk: int, n: int, vch: int, sms: int = 132, smem_limit: int =
         wr = 8
         while wr > 1 and (rows // wr < sms // 2 or wr * need > V3_MAX_WARPS):
             wr //= 2
+    # warps the register file holds for one block (a forced plan is cut down to them too)
+    cap = min(MAX_WARPS, 65536 // (32 * v3_max_registers(-(-nt // 8))))
+    while wr > 1 and wr * need > cap:
+        wr //= 2
     if ks is None:
         ks = max(need, min(gk, V3_MAX_WARPS // wr))
-    ks = max(need, min(ks, gk, MAX_WARPS // wr))
+    ks = max(need, min(ks, gk, cap // wr))
     stages = stages or 2
     while v3_smem_bytes(wr, ks, nt, vch, stages) > smem_limit and nt > 8:
         nt = max(8, nt // 2 // 8 * 8)
+    while v3_smem_bytes(wr, ks, nt, vch, stages) > smem_limit and stages > 2:
+        stages -= 1
     while v3_smem_bytes(wr, ks, nt, vch, stages) > smem_limit and ks > need:
         ks -= 1
     return nt // 8, wr, ks, stages, -(-n // nt), v3_smem_bytes(wr, ks, nt, vch, stages)

@@ -49,3 +49,13 @@ def test_kernel_choice_is_opt_in(monkeypatch, capsys):
     with pytest.raises(SparsekitError, match="SPARSEKIT_KERNEL"):
         matmul.kernel_choice()
     monkeypatch.setattr(matmul, "_choice", None)
+
+
+@pytest.mark.parametrize("m,k", SHAPES)
+def test_v3_forced_plans_are_cut_to_what_launches(m, k):
+    gk = -(-k // 64)
+    for knobs in (dict(wr=8), dict(wr=8, ks=4), dict(wr=1, ks=32), dict(nt=128), dict(wr=4, stages=4)):
+        for n in (1, 64, 128):
+            nb, wr, ks, st, ny, dyn = plan.v3_plan(m, gk, n, plan.DENSE_CHUNKS, **knobs)
+            assert 32 * wr * ks * plan.v3_max_registers(nb) <= 65536 and wr * ks <= plan.MAX_WARPS
+            assert -(-gk // ks) <= plan.MAX_STEPS and dyn <= plan.WARP_SMEM_MAX, (knobs, n)
