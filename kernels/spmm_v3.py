@@ -34,7 +34,7 @@ from numba import cuda
 from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, f2h, mma, ptr_of, shfl_idx, syncwarp
 from ._v3_intrinsics import ldsm_x4, make_x_issue
 from ._warp_intrinsics import byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_counts, sts64b
-from .plan import BMW, WBW, XROW
+from .plan import WBW, XROW
 from .plan import v3_smem_bytes as smem_bytes  # noqa: F401 - the kernel's shared layout
 
 _KERNELS: dict = {}
