@@ -230,11 +230,12 @@ def v3_plan(m: int, gk: int, n: int, vch: int, sms: int = 132, smem_limit: int =
 
     Not tuned on a GPU yet (docs/kernels-notes.md v13): strip rows per block as many (up to 8) as
     keep one block per two SMs, since those share the X slice; K groups so that a block has about
-    16 warps and every warp at most MAX_STEPS steps; tokens up to V3_MAX_NT per block. Token
-    chunks, then stages, then K groups are cut until the block fits ``smem_limit``.
+    16 warps (a warp takes any number of steps: its offsets are reloaded every 32); tokens up to
+    V3_MAX_NT per block. Token chunks, then stages, then K groups are cut until the block fits
+    ``smem_limit``.
     """
     rows = -(-m // 64) * 4
-    need = -(-gk // MAX_STEPS)
+    need = 1
     nt = nt or min(V3_MAX_NT, 8 * -(-n // 8))
     if wr is None:
         wr = 8

@@ -14,6 +14,9 @@ loads; that, not the weight bytes, is what grows with N there. Here:
   tokens); more tokens split the grid over ``blockIdx.y`` (each token chunk re-decodes, so the
   per-token decode cost is flat up to ``NT``). Token rows past N are zero in shared memory (cleared
   once; copies never write them), so B fragments need no predicates.
+- **Offsets**: lane ``l`` holds the start and end of the warp's step ``32q + l`` for the window
+  ``q`` being issued (reloaded every 32 steps, so K has no limit), and the starts of the window
+  being decoded.
 - **Ring**: ``STAGES`` slots. A step's copies are 16-byte ``cp.async``: the strip's values and 16
   bitmaps (spmm_warp's ``step_issue``) and this warp's share of the group's X slice
   (``x_issue``), one commit group.
@@ -80,6 +83,18 @@ def _build(NB: int, STAGES: int, CMAX: int, WR: int, KS: int, MAXREG: int, BUG: 
     step_issue = make_step_issue(CMAX, 0, 8)
     x_issue = make_x_issue(XIT, 32 * WR, 4 * WR * XROW * 8)
 
+    @cuda.jit(device=True, inline="always")
+    def step_offsets(soff, goff, gbase, s, j, nsw):
+        """Where this warp's step ``j`` (GroupTile ``gbase + KS*j``, strip ``s``) starts and ends in
+        the values; (0, 0) past its last step."""
+        st = u32(0)
+        en = u32(0)
+        if j < nsw:
+            g = gbase + KS * j
+            st = u32(soff[4 * g + s])
+            en = u32(soff[4 * g + s + 1]) if s < 3 else u32(goff[g + 1])
+        return st, en
+
     @cuda.jit(**({} if SIM else {"max_registers": MAXREG}))
     def kernel(bm, vals, goff, soff, x, y, M, N, GK, SR, ldxb, vch, sw):
         d64, d32, df = _dynamic_shared()
@@ -103,16 +118,11 @@ def _build(NB: int, STAGES: int, CMAX: int, WR: int, KS: int, MAXREG: int, BUG: 
         nsw = gsw if sr < SR else 0                          # SR: strip rows of the weight
         nloop = (GK + KS - 1) // KS
 
-        # lane j: where this warp's step j starts and ends
-        lstart = u32(0)
-        lend = u32(0)
-        if lane < nsw:
-            g = gm * GK + ks + KS * lane
-            lstart = u32(soff[4 * g + s])
-            if s < 3:
-                lend = u32(soff[4 * g + s + 1])
-            else:
-                lend = u32(goff[g + 1])
+        # lane l: where this warp's step 32q + l starts and ends (q: the window of 32 steps being
+        # issued); ``dstart``: the starts of the window being decoded (STAGES - 1 steps behind)
+        gbase = gm * GK + ks
+        lstart, lend = step_offsets(soff, goff, gbase, s, lane, nsw)
+        dstart = lstart
 
         # shared layout (uint64 words): per warp STAGES slots (values, bitmaps) + its table; then per
         # K group STAGES X slices of NT rows
@@ -168,6 +178,8 @@ def _build(NB: int, STAGES: int, CMAX: int, WR: int, KS: int, MAXREG: int, BUG: 
             wait()                 # this thread's copies of step i have landed ...
             cuda.syncthreads()     # ... and everyone's; everyone is done with step i-1's slots
             jn = i + u32(STAGES - 1)
+            if (jn & u32(31)) == u32(0):      # the issue runs into the next window of 32 steps
+                lstart, lend = step_offsets(soff, goff, gbase, s, jn + lane, nsw)
             x_issue(d64, x, xreg + ixs + xcp, xsrc + u64(jn) * xstep, xrem if jn < gsw_u else np.int32(0), xstride)
             step_issue(scr, tid, d64, lstart, lend, jn, nsw_u, lane, wring + islot + vlane, vals, vp, bm,
                        wring + islot + boff, bsrc + u64(jn) * bstep, x, u32(0), u64(0), np.int32(0), u64(0))
@@ -190,7 +202,9 @@ def _build(NB: int, STAGES: int, CMAX: int, WR: int, KS: int, MAXREG: int, BUG: 
             if not valid:
                 bw = u32(0)
             excl = scan_counts(scr, tid, u32(cuda.popc(bw)))
-            start = shfl_idx(scr, tid, lstart, i & u32(31))
+            if (i & u32(31)) == u32(0) and i > u32(0):
+                dstart = step_offsets(soff, goff, gbase, s, i + lane, nsw)[0]
+            start = shfl_idx(scr, tid, dstart, i & u32(31))
             sts64b(d64, tab_w, u64(bw) | (u64(sb + u32(2) * (excl + (start & u32(7)))) << u64(32)))
             syncwarp()
             for t in range(4):

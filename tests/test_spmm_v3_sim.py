@@ -77,6 +77,7 @@ def _rel_err(m, k, n, kind, seed=0, negzeros=0, **knobs):
         (64, 128, 16, "hybrid", dict(wr=4, ks=2)),              # dense and 2:4 GroupTiles
         (16, 64, 64, 0.5, {}),                                 # 8 mma blocks per decode
         (16, 64, 128, 0.7, dict(nt=64)),                        # 128 tokens: 2 chunks of 8 blocks
+        (16, 2112, 3, 0.5, dict(ks=1, stages=3)),               # 33 steps: offsets reloaded at step 32
     ],
 )
 def test_v3_matches_float64_reference(m, k, n, kind, knobs):
