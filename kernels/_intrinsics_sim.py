@@ -142,6 +142,22 @@ def _half_pair(word):
     return _f16(w & 0xFFFF), _f16(w >> 16)
 
 
+def _fragment_index():
+    """Where each element of the lane's two A rows and two B columns sits in the warp's registers,
+    as (lane, half) indices into the [32 lanes, 12 halves] view of the six registers (m16n8k16):
+    A[row][k] is lane (row%8)*4 + (k%8)//2, register (row>=8) + 2*(k>=8), half k%2;
+    B[k][col] is lane col*4 + (k%8)//2, register 4 + (k>=8), half k%2."""
+    k = np.arange(16)
+    a_lane = np.array([[(g * 4 + ((k & 7) >> 1)) for _ in (0, 1)] for g in range(8)])
+    a_half = np.array([[2 * (hi + 2 * (k >> 3)) + (k & 1) for hi in (0, 1)] for _ in range(8)])
+    b_lane = np.array([[(2 * t + c) * 4 + ((k & 7) >> 1) for c in (0, 1)] for t in range(4)])
+    b_half = np.array([[2 * (4 + (k >> 3)) + (k & 1) for _ in (0, 1)] for _ in range(4)])
+    return a_lane, a_half, b_lane, b_half
+
+
+_A_LANE, _A_HALF, _B_LANE, _B_HALF = _fragment_index()
+
+
 def mma(scr, tid, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     """D = A(16x16, row) * B(16x8, col) + C with the m16n8k16 register layout (fp32 math)."""
     base = (tid >> 5) * 32 * 6
@@ -149,21 +165,11 @@ def mma(scr, tid, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     for j, r in enumerate((a0, a1, a2, a3, b0, b1)):
         scr[base + lane * 6 + j] = np.uint32(r)
     sim_syncthreads()
+    halves = scr[base:base + 32 * 6].astype(np.uint32).reshape(32, 6).view(np.float16).astype(np.float64)
     gid, tig = lane >> 2, lane & 3
-    out = [c0, c1, c2, c3]
-    for oi in range(4):
-        row = gid + 8 * (oi >> 1)
-        col = 2 * tig + (oi & 1)
-        acc = 0.0
-        for k in range(16):
-            # A[row][k]: lane (row%8)*4 + (k%8)//2, register (row>=8) + 2*(k>=8), half k%2
-            al = (row & 7) * 4 + ((k & 7) >> 1)
-            areg = (row >> 3) + 2 * (k >> 3)
-            a = _half_pair(scr[base + al * 6 + areg])[k & 1]
-            # B[k][col]: lane col*4 + (k%8)//2, register (k>=8), half k%2
-            bl = col * 4 + ((k & 7) >> 1)
-            b = _half_pair(scr[base + bl * 6 + 4 + (k >> 3)])[k & 1]
-            acc += a * b
-        out[oi] = np.float32(out[oi] + np.float32(acc))
+    a = halves[_A_LANE[gid], _A_HALF[gid]]          # [2 rows (gid, gid + 8), 16 k]
+    b = halves[_B_LANE[tig], _B_HALF[tig]]          # [2 columns (2 tig, 2 tig + 1), 16 k]
+    d = a @ b.T
+    out = [np.float32(c + np.float32(d[oi >> 1, oi & 1])) for oi, c in enumerate((c0, c1, c2, c3))]
     sim_syncthreads()
     return out[0], out[1], out[2], out[3]

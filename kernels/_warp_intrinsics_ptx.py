@@ -80,6 +80,19 @@ def lds128b(d64, addr):
     return _lds128b(np.uint32(addr))
 
 
+def _x_copy_lines(xit: int, dst: str, rem: str, stride: str, qstep: int, dstep: int) -> list:  # also _v3_intrinsics_ptx
+    """PTX lines of ``xit`` predicated 16-byte copies of X rows: copy ``c`` goes from the u64
+    register ``xs`` (advanced by ``stride`` after each) to ``dst + c*dstep``, when ``rem > c*qstep``
+    (registers ``p`` and ``xs`` declared, ``xs`` set, by the caller)."""
+    lines = []
+    for c in range(xit):
+        if c:
+            lines.append(f"add.u64 xs, xs, {stride};")
+        lines.append(f"setp.gt.s32 p, {rem}, {qstep * c};")
+        lines.append(f"@p cp.async.cg.shared.global [{dst}+{dstep * c}], [xs], 16;")
+    return lines
+
+
 def make_step_issue(cmax: int, xit: int, nbm: int = 8):
     """The whole issue of one step in PTX: fetch the step's strip start/end from lane j,
     compute the value chunk range and source address, predicate on j < nsw, copy, commit."""
@@ -104,11 +117,7 @@ def make_step_issue(cmax: int, xit: int, nbm: int = 8):
     L.append("@p cp.async.cg.shared.global [$7], [$8], 16;")
     L.append("selp.b32 xr, $11, 0, q;")
     L.append("mov.u64 xs, $10;")
-    for c in range(xit):
-        if c:
-            L.append("add.u64 xs, xs, $12;")
-        L.append(f"setp.gt.s32 p, xr, {32 * c};")
-        L.append(f"@p cp.async.cg.shared.global [$9+{4 * XROW_BYTES * c}], [xs], 16;")
+    L += _x_copy_lines(xit, "$9", "xr", "$12", 32, 4 * XROW_BYTES)
     L.append("cp.async.commit_group;")
     L.append("}")
     text = "\n".join(L)

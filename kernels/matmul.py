@@ -6,6 +6,34 @@ import os
 import torch
 
 _available: bool | None = None
+_choice: str | None = None
+KERNELS = ("default", "v3")
+
+
+def reset_kernel_choice() -> None:
+    """Forget the choice read from ``SPARSEKIT_KERNEL``: the next call reads the variable again."""
+    global _choice
+    _choice = None
+
+
+def kernel_choice() -> str:
+    """The TCA-BME kernel ``tcabme_matmul`` runs: ``SPARSEKIT_KERNEL`` (read here only, once per
+    process): unset or ``default`` is spmm_warp / spmm.py's launch plan; ``v3`` is the opt-in
+    spmm_v3 (issue 21, not yet GPU-verified), said once on stderr when it is on."""
+    global _choice
+    if _choice is None:
+        raw = os.environ.get("SPARSEKIT_KERNEL", "default") or "default"
+        if raw not in KERNELS:
+            from sparsekit.errors import SparsekitError
+
+            raise SparsekitError(f"SPARSEKIT_KERNEL={raw!r}: expected one of {', '.join(KERNELS)}")
+        if raw == "v3":
+            import sys
+
+            print("note: SPARSEKIT_KERNEL=v3: TCA-BME products run the spmm_v3 kernel (opt-in, not yet "
+                  "GPU-verified)", file=sys.stderr)
+        _choice = raw
+    return _choice
 
 
 def kernels_available() -> bool:
@@ -30,7 +58,9 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
     ``torch.cuda.current_stream()``, so calls can be captured in a CUDA graph (after one eager
     warm-up call per token count, which compiles the kernel). ``out``, if given, must be a
     contiguous fp16 ``[N, M]`` tensor. Under ``NUMBA_ENABLE_CUDASIM=1`` it runs CPU tensors through
-    the simulator (slow; tests only). ``tuning`` (``splits``, ``cuda_core_max_n``) is for benchmarks.
+    the simulator (slow; tests only). ``tuning`` (``splits``, ``cuda_core_max_n``) is for benchmarks;
+    ``kernel="v3"`` (or ``SPARSEKIT_KERNEL=v3``) runs spmm_v3, whose knobs are ``nt``, ``wr``,
+    ``ks``, ``stages``, ``regs``.
     """
     from . import launch
     from .common import SIM
@@ -58,5 +88,11 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
         x = xp
     if kp == 0 or w.values.numel() == 0:   # nothing stored: the product is zero
         return out.zero_()
-    launch.launch(x, w, out, **tuning)
+    kernel = tuning.pop("kernel", None)
+    if kernel == "v3" or (kernel is None and not tuning and kernel_choice() == "v3"):
+        from .launch_v3 import launch_v3
+
+        launch_v3(x, w, out, **tuning)
+    else:
+        launch.launch(x, w, out, **tuning)
     return out

@@ -197,3 +197,67 @@ def variant(n: int) -> tuple[int, bool]:
 def spmm_stages(slot: int) -> int:
     """spmm.py: pipeline stages for a stage of ``slot`` uint64 words (2, or up to 4 that fit DYN_SMEM_MAX)."""
     return max(s for s in (2, 3, 4) if s == 2 or s * slot * 8 <= DYN_SMEM_MAX)
+
+
+# ---- spmm_v3 (issue 21; opt-in, not yet GPU-verified: SPARSEKIT_KERNEL=v3)
+V3_MAX_NT = 64            # tokens per block; more split the grid over blockIdx.y (re-decoding per chunk)
+V3_MAX_WARPS = 16
+
+
+def v3_slot_words(vch: int) -> int:
+    """spmm_v3: uint64 words of one warp's stage: values (``vch`` 16-byte chunks) + its strip's bitmaps."""
+    return 2 * vch + BMW
+
+
+def v3_smem_bytes(wr: int, ks: int, nt: int, vch: int, stages: int) -> int:
+    """spmm_v3: dynamic shared bytes: each warp's ring and table, each K group's ring of X slices
+    (``nt`` rows of XROW words); at least the epilogue's fp32 partial sums."""
+    nw = wr * ks
+    ring = nw * (stages * v3_slot_words(vch) + WBW) * 8 + ks * stages * nt * XROW * 8
+    return max(ring, nw * nt * 16 * 4)
+
+
+def v3_max_registers(nb: int) -> int:
+    """spmm_v3: register cap per thread (16 A registers + 4 per 8-token block of accumulators)."""
+    return 96 if nb <= 4 else 128
+
+
+def v3_plan(m: int, gk: int, n: int, vch: int, sms: int = 132, smem_limit: int = WARP_SMEM_MAX,
+            nt: int | None = None, wr: int | None = None, ks: int | None = None,
+            stages: int | None = None) -> tuple[int, int, int, int, int, int]:
+    """(8-token blocks per block, strip rows per block, K groups, stages, token chunks, dynamic
+    shared bytes) for spmm_v3 on an ``m`` x ``64*gk`` weight at ``n`` tokens.
+
+    Not tuned on a GPU yet (docs/kernels-notes.md v13): strip rows per block as many (up to 8) as
+    keep one block per two SMs, since those share the X slice; K groups so that a block has about
+    16 warps (a warp takes any number of steps: its offsets are reloaded every 32); tokens up to
+    V3_MAX_NT per block. Token chunks, then stages, then K groups are cut until the block fits
+    ``smem_limit``.
+    """
+    rows = -(-m // 64) * 4
+    need = 1
+    nt = nt or min(V3_MAX_NT, 8 * -(-n // 8))
+    if wr is None:
+        wr = 8
+        while wr > 1 and (rows // wr < sms // 2 or wr * need > V3_MAX_WARPS):
+            wr //= 2
+    # warps the register file holds for one block (a forced plan is cut down to them too)
+    cap = min(MAX_WARPS, 65536 // (32 * v3_max_registers(-(-nt // 8))))
+    while wr > 1 and wr * need > cap:
+        wr //= 2
+    if ks is None:
+        ks = max(need, min(gk, V3_MAX_WARPS // wr))
+    ks = max(need, min(ks, gk, cap // wr))
+    stages = stages or 2
+    while v3_smem_bytes(wr, ks, nt, vch, stages) > smem_limit and nt > 8:
+        nt = max(8, nt // 2 // 8 * 8)
+    while v3_smem_bytes(wr, ks, nt, vch, stages) > smem_limit and stages > 2:
+        stages -= 1
+    while v3_smem_bytes(wr, ks, nt, vch, stages) > smem_limit and ks > need:
+        ks -= 1
+    return nt // 8, wr, ks, stages, -(-n // nt), v3_smem_bytes(wr, ks, nt, vch, stages)
+
+
+def v3_blocks(m: int, wr: int) -> int:
+    """spmm_v3's grid along M: one block per ``wr`` strip rows."""
+    return -(-(-(-m // 64) * 4) // wr)

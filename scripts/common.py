@@ -184,3 +184,44 @@ def ints_arg(text: str | None) -> list | None:
 def floats_arg(text: str | None) -> list | None:
     """``"0.5,0.7"`` -> [0.5, 0.7] (None stays None)."""
     return [float(v) for v in text.split(",")] if text else None
+
+
+def masked_weight(m: int, k: int, kind, gen: torch.Generator, device="cuda") -> torch.Tensor:
+    """An fp16 [m, k] normal weight pruned by ``kind``: a sparsity (float, random positions),
+    ``"2:4"`` (two random survivors in every 4 along K; K padded up to a multiple of 4 is cut back),
+    or ``"hybrid"`` (64x64 tiles alternately dense and 2:4). Pruned entries are +0.0 (torch.where)."""
+    w = torch.randn(m, k, device=device, generator=gen)
+    if not isinstance(kind, str):
+        return torch.where(torch.rand(m, k, device=device, generator=gen) >= kind, w, 0.0).half()
+    k4 = -(-k // 4) * 4
+    order = torch.rand(m, k4 // 4, 4, device=device, generator=gen).argsort(-1)
+    keep = (order < 2).reshape(m, k4)[:, :k]
+    if kind == "hybrid":
+        tiles = (torch.arange(m, device=device).view(-1, 1) // 64 + torch.arange(k, device=device) // 64) % 2 == 0
+        keep = keep | tiles
+    elif kind != "2:4":
+        raise ValueError(f"unknown mask kind {kind!r}")
+    return torch.where(keep, w, 0.0).half()
+
+
+def kind_arg(text: str | None) -> list | None:
+    """``"0.5,0.7,2:4,hybrid"`` -> [0.5, 0.7, "2:4", "hybrid"] (None stays None)."""
+    if not text:
+        return None
+    return [v if v in ("2:4", "hybrid") else float(v) for v in text.split(",")]
+
+
+def save_results(out_dir: str, name: str, rows: list, **meta) -> dict:
+    """Write ``{"meta": ..., "rows": rows}`` to ``out_dir/name`` (meta: GPU, date, torch, command,
+    and ``meta``'s extra keys) and return the meta."""
+    import datetime
+    import json
+    import os
+    import sys
+
+    meta = dict(gpu=torch.cuda.get_device_name(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                torch=torch.__version__, command=" ".join(sys.argv), **meta)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    return meta

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
-PAIRS = [("_intrinsics_sim.py", "_intrinsics_ptx.py"), ("_warp_intrinsics_sim.py", "_warp_intrinsics_ptx.py")]
+PAIRS = [("_intrinsics_sim.py", "_intrinsics_ptx.py"), ("_warp_intrinsics_sim.py", "_warp_intrinsics_ptx.py"),
+         ("_v3_intrinsics_sim.py", "_v3_intrinsics_ptx.py")]
 
 
 def exported(path: Path) -> tuple[set, set, set]:
