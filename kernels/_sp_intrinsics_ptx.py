@@ -21,9 +21,9 @@ __all__ = ["ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
 types, cgutils = cuda_typing()
 
 _i32, _f32 = ir.IntType(32), ir.FloatType()
-MMA_SP = ("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 "
+_MMA_SP = ("mma.sp::ordered_metadata.sync.aligned.m16n8k32.row.col.f32.f16.f16.f32 "
           "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9,$10,$11}, {$12,$13,$14,$15}, $16, 0x0;")
-MMA_SP_CONSTRAINTS = "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f,r"
+_MMA_SP_CONSTRAINTS = "=f,=f,=f,=f,r,r,r,r,r,r,r,r,f,f,f,f,r"
 
 
 @intrinsic
@@ -33,7 +33,7 @@ def _mma_sp(typingctx, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, meta):
 
     def codegen(context, builder, sig, args):
         fnty = ir.FunctionType(ir.LiteralStructType([_f32] * 4), [_i32] * 8 + [_f32] * 4 + [_i32])
-        res = builder.call(ir.InlineAsm(fnty, MMA_SP, MMA_SP_CONSTRAINTS), args)
+        res = builder.call(ir.InlineAsm(fnty, _MMA_SP, _MMA_SP_CONSTRAINTS), args)
         return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
 
     return sig, codegen

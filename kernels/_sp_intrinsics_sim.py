@@ -53,7 +53,7 @@ def _exchange_k32(scr, tid, sp, regs, c):
     base = (tid >> 5) * 32 * _W
     lane = tid & 31
     for j, r in enumerate(regs):
-        scr[base + lane * _W + j] = np.uint32(r)
+        scr[base + lane * _W + j] = int(r) & 0xFFFFFFFF
     sim_syncthreads()
 
     def reg(ln, j):

@@ -75,7 +75,9 @@ def test_scripts_and_tests_use_no_private_sparsekit_names():
     root = KERNELS.parent
     files = [root / "scripts" / f for f in ("bench_kernels.py", "tune_kernels.py", "probe_kernels.py",
                                             "gpu_check_kernels.py", "_kernels_common.py")]
-    files += [root / "tests" / f for f in ("test_kernels_sim.py", "test_launch_plan.py")]
+    files += [root / "scripts" / "gpu_check_sp24.py"]
+    files += [root / "tests" / f for f in ("test_kernels_sim.py", "test_launch_plan.py", "test_sp24_sim.py",
+                                           "test_sp24_layout.py")]
     bad = []
     for f in files:
         if not f.exists():
