@@ -40,7 +40,7 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, war
     kern = get_kernel(nt, r)
     tensors = (_nonempty(layout.dense), _nonempty(layout.sp), layout.tiles, x.reshape(-1).view(torch.int32),
                out.reshape(-1).view(torch.int16))
-    launch.launch_tensors(kern, rb * chunks, 32 * nw, tensors, (m, n, gk, kp // 2, rb), dyn=dyn)
+    launch.launch_tensors(kern, rb * chunks, 32 * nw, tensors, (m, n, gk, kp // 2, chunks), dyn=dyn)
     return out
 
 

@@ -5,7 +5,7 @@
 they are stored (one 16-byte load per lane per 32 columns of a 2:4 strip, per 16 of a dense one).
 
 - **Block** = ``R`` strip rows (16 outputs each: R = 1, 2, 4) x ``nw`` warps, and one chunk of ``NT``
-  tokens (8, 16, 32 or 64; rows past N are zeros). Warp ``w`` takes tile columns ``w, w + nw, ...``
+  tokens (8, 16, 32 or 64; rows past N are zeros; the chunks of a row block are neighbours in the grid). Warp ``w`` takes tile columns ``w, w + nw, ...``
   starting at step ``block mod steps`` (as spmm_warp: blocks do not all read the same X slice at
   once); the warps' fp32 sums meet in shared memory at the end (split-K inside the block).
 - **Step** (one tile column): the tile's ``slot << 1 | kind`` word; the warp's 16-byte loads of its
@@ -54,6 +54,8 @@ def _build(NT: int, R: int, MAXREG: int):
     XCH = NT * 8                  # 16-byte chunks of a step's X slice
     XIT = (XCH + 31) // 32
     SLOT = NT * XS                # bytes of a warp's X slot
+    RACC = R * NACC               # accumulators per thread
+    RA = R * 16                   # A registers per thread (16 per strip: 4 k16 chunks dense, 2 k32 chunks 2:4)
     u32 = np.uint32
 
     @cuda.jit(device=True, inline="always")
@@ -93,7 +95,7 @@ def _build(NT: int, R: int, MAXREG: int):
             meta[r] = u32(0)
 
     @cuda.jit(**({} if SIM else {"max_registers": MAXREG}))
-    def kernel(dense, sp, tiles, x, y, M, N, GK, ldx, nrb):
+    def kernel(dense, sp, tiles, x, y, M, N, GK, ldx, nch):
         if SIM:
             d64 = cuda.shared.array(0, _SIM_U64)
             d32 = cuda.shared.array(0, _SIM_U32)
@@ -110,8 +112,8 @@ def _build(NT: int, R: int, MAXREG: int):
         g = lane >> 2
         t = lane & 3
         nw = cuda.blockDim.x >> 5
-        rb = cuda.blockIdx.x % nrb
-        n0 = (cuda.blockIdx.x // nrb) * NT
+        rb = cuda.blockIdx.x // nch   # row block; its token chunks are neighbours in the grid
+        n0 = (cuda.blockIdx.x - rb * nch) * NT
         sr = rb * R                   # first strip row: tile row gm, strip s0
         gm = sr >> 2
         s0 = sr & 3
@@ -122,10 +124,10 @@ def _build(NT: int, R: int, MAXREG: int):
         # ldmatrix row addresses: lane l gives row l % 8 of matrix l // 8 (8 columns each)
         xlm = xs + u32((lane & 7) * XS + (lane >> 3) * 16)
 
-        acc = cuda.local.array(R * NACC, np.float32)
-        for e in range(R * NACC):
+        acc = cuda.local.array(RACC, np.float32)
+        for e in range(RACC):
             acc[e] = np.float32(0.0)
-        areg = cuda.local.array(R * 16, np.uint32)
+        areg = cuda.local.array(RA, np.uint32)
         meta = cuda.local.array(R, np.uint32)
         meta1 = cuda.local.array(R, np.uint32)
 

@@ -11,19 +11,23 @@ SMEM_MAX = 44 * 1024       # dynamic shared memory per block (no opt-in past 48 
 MAX_WARPS = 8
 
 
+MAX_NT = 32                # tokens per block; more run as further blocks of the same launch
+
+
 def tokens(n: int) -> int:
-    """Token rows per block (the compiled chunk): 8, 16, 32 or 64."""
+    """Token rows per block (the compiled chunk): 8, 16 or 32 (64 compiles, but spills: see
+    docs/kernels-notes.md "v13-sp")."""
     nt = 8
-    while nt < min(n, 64):
+    while nt < min(n, MAX_NT):
         nt *= 2
     return nt
 
 
 def strips(m: int, nt: int, sms: int = 132) -> int:
     """Strip rows per block: 4 (a whole tile row) while that leaves >= 2 blocks per SM, fewer below;
-    at most 2 at 32 tokens and 1 at 64 (accumulator registers)."""
+    at most 2 at 16 tokens and 1 from 32 on (the variants ptxas fits in 128 registers without spills)."""
     rows = -(-m // 16)
-    cap = 4 if nt <= 16 else (2 if nt == 32 else 1)
+    cap = 4 if nt <= 8 else (2 if nt == 16 else 1)
     r = cap
     while r > 1 and -(-rows // r) < 2 * sms:
         r //= 2
@@ -46,7 +50,8 @@ def warps(gk: int, nt: int, r: int, want: int | None = None) -> int:
 
 
 def plan(m: int, gk: int, n: int, sms: int = 132, warps_: int | None = None, strips_: int | None = None):
-    """(nt, r, warps, row blocks, token chunks, dynamic shared bytes) of one launch."""
+    """(nt, r, warps, row blocks, token chunks, dynamic shared bytes) of one launch. The blocks of one
+    row block's token chunks are adjacent in the grid (they read the same weights, from L2)."""
     nt = tokens(n)
     r = strips_ or strips(m, nt, sms)
     nw = warps(gk, nt, r, warps_)

@@ -121,7 +121,7 @@ def _rel_err(lay, w, x, **tuning):
     (64, 128, 1, "2:4", {}),                                # one tile row, 2 steps on one warp
     (64, 128, 3, "dense", dict(warps=2)),                   # dense tiles, split-K over 2 warps
     (128, 128, 5, "hybrid", dict(warps=2)),                 # a mixed mosaic: warps on tiles of both kinds
-    (100, 200, 9, "2:4", dict(warps=3, strips=2)),          # M, K padding; odd N, 2 mma blocks; 7 strip rows
+    (100, 136, 9, "2:4", dict(warps=3, strips=2)),          # M, K padding; odd N, 2 mma blocks; 7 strip rows
     (130, 72, 2, "2:4", dict(strips=4)),                    # 3 tile rows, the last mostly padding
     (16, 128, 37, "halves", {}),                            # 64-token chunk, rows past N; mixed kinds
     (16, 64, 70, "2:4", dict(warps=1)),                     # two token chunks (grid blocks 0 and 1)
