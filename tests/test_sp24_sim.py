@@ -14,7 +14,7 @@ import torch
 
 from sparsekit.kernels.common import SIM
 from sparsekit.kernels.sp24 import sp24_matmul
-from sparsekit.kernels.sp24_probe import mma_sp_once
+from sparsekit.kernels.sp24_probe import c_fragment, mma_sp_once, random_operands, swap_halves
 from sparsekit.packed import sp24
 from sparsekit.pruning.patterns import hybrid_mask, nm_mask
 
@@ -23,75 +23,18 @@ if not SIM and not torch.cuda.is_available():  # pragma: no cover - conftest set
     pytest.skip("neither the CUDA simulator nor a GPU", allow_module_level=True)
 
 
-def _pack(lo: float, hi: float) -> int:
-    b = torch.tensor([lo, hi], dtype=torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
-    return int(b[0] | (b[1] << 16))
-
-
-def _i32(v: int) -> int:
-    return v - (1 << 32) if v >= 1 << 31 else v
-
-
-def _operands(seed: int):
-    """Random 2:4 A [16, 32], B [32, 8], C [16, 8] and every lane's registers as the notes give them."""
-    g = torch.Generator().manual_seed(seed)
-    a = torch.zeros(16, 32, dtype=torch.float16)
-    comp = torch.randn(16, 16, generator=g).half()
-    idx = torch.zeros(16, 8, 2, dtype=torch.int64)
-    for r in range(16):
-        for j in range(8):
-            i0, i1 = sorted(torch.randperm(4, generator=g)[:2].tolist())
-            idx[r, j] = torch.tensor([i0, i1])
-            a[r, 4 * j + i0], a[r, 4 * j + i1] = comp[r, 2 * j], comp[r, 2 * j + 1]
-    b = torch.randn(32, 8, generator=g).half()
-    c = torch.randn(16, 8, generator=g)
-    ar, br, cr, meta = [], [], [], []
-    for lane in range(32):
-        gg, t = lane >> 2, lane & 3
-        ar.append([_pack(comp[gg + 8 * (i & 1), 2 * t + 8 * (i >> 1)], comp[gg + 8 * (i & 1), 2 * t + 8 * (i >> 1) + 1])
-                   for i in range(4)])
-        br.append([_pack(b[2 * (t + 4 * i), gg], b[2 * (t + 4 * i) + 1, gg]) for i in range(4)])
-        cr.append([c[gg, 2 * t], c[gg, 2 * t + 1], c[gg + 8, 2 * t], c[gg + 8, 2 * t + 1]])
-        word = 0
-        if t < 2:
-            for rh in range(2):
-                for jj in range(4):
-                    i0, i1 = idx[gg + 8 * rh, 4 * t + jj].tolist()
-                    word |= (i0 | i1 << 2) << (16 * rh + 4 * jj)
-        else:
-            word = int(torch.randint(0, 1 << 32, (1,), generator=g))   # selector 0: never read
-        meta.append(word)
-    regs = (torch.tensor([[_i32(v) for v in r] for r in ar], dtype=torch.int32),
-            torch.tensor([[_i32(v) for v in r] for r in br], dtype=torch.int32),
-            torch.tensor([_i32(v) for v in meta], dtype=torch.int32), torch.tensor(cr))
-    return a, b, c, regs
-
-
-def _lanes(d: torch.Tensor) -> torch.Tensor:
-    """The C/D fragment of a [16, 8] matrix, [32 lanes, 4]."""
-    return torch.stack([torch.stack([d[ln >> 2, 2 * (ln & 3)], d[ln >> 2, 2 * (ln & 3) + 1],
-                                     d[(ln >> 2) + 8, 2 * (ln & 3)], d[(ln >> 2) + 8, 2 * (ln & 3) + 1]])
-                        for ln in range(32)])
-
-
-def _swap_halves(words: torch.Tensor) -> torch.Tensor:
-    v = words.to(torch.int64) & 0xFFFFFFFF
-    v = (v >> 16) | ((v & 0xFFFF) << 16)
-    return torch.where(v >= 1 << 31, v - (1 << 32), v).to(torch.int32)
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_mma_sp_twin_matches_float64(seed):
-    a, b, c, (ar, br, meta, cr) = _operands(seed)
+    a, b, c, (ar, br, meta, cr) = random_operands(seed)
     d = mma_sp_once(ar.to(DEV), br.to(DEV), meta.to(DEV), cr.to(DEV)).cpu().double()
-    ref = _lanes(a.double() @ b.double() + c.double())
+    ref = c_fragment(a.double() @ b.double() + c.double())
     assert (d - ref).abs().max() < 1e-5 * ref.abs().max()
 
 
 def test_mma_sp_twin_catches_swapped_row_halves():
-    a, b, c, (ar, br, meta, cr) = _operands(2)
-    d = mma_sp_once(ar.to(DEV), br.to(DEV), _swap_halves(meta).to(DEV), cr.to(DEV)).cpu().double()
-    ref = _lanes(a.double() @ b.double() + c.double())
+    a, b, c, (ar, br, meta, cr) = random_operands(2)
+    d = mma_sp_once(ar.to(DEV), br.to(DEV), swap_halves(meta).to(DEV), cr.to(DEV)).cpu().double()
+    ref = c_fragment(a.double() @ b.double() + c.double())
     assert (d - ref).abs().max() > 0.1 * ref.abs().max()
 
 
@@ -143,7 +86,7 @@ def test_kernel_catches_a_planted_metadata_bug():
     x = torch.randn(2, 64, generator=g).half()
     lay = sp24.transcode(w)
     sp = lay.sp.clone().reshape(-1, sp24.SP_STRIP_WORDS)
-    sp[:, sp24.SP_VALUE_WORDS:] = _swap_halves(sp[:, sp24.SP_VALUE_WORDS:])
+    sp[:, sp24.SP_VALUE_WORDS:] = swap_halves(sp[:, sp24.SP_VALUE_WORDS:])
     bad = sp24.Sp24Layout(dense=lay.dense, sp=sp.reshape(-1), tiles=lay.tiles, shape=lay.shape)
     assert _rel_err(lay, w, x) < 1e-3
     assert _rel_err(bad, w, x) > 0.1
