@@ -4,7 +4,7 @@
 all 2:4 or dense (``sparsekit.packed.sp24``) and keeps the layout beside it (non-persistent buffers:
 nothing changes on disk). Those layers then run ``sparsekit.kernels.sp24.sp24_matmul`` (``mma.sp`` on
 2:4 tiles, ``mma.sync`` on dense ones) on a GPU wherever they would run the TCA-BME kernel (fp16, at
-most ``dense_above`` tokens); prefill and the CPU keep their paths. Not on by default: it has not been
+most ``dense_above`` tokens) up to ``SparseLinear.sp24_max_n`` tokens; prefill and the CPU keep their paths. Not on by default: it has not been
 measured on a GPU yet (docs/kernels-notes.md "v13-sp" holds the prediction, scripts/gpu_check_sp24.py
 the check).
 """

@@ -5,7 +5,7 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
 * CUDA, fp16, ``N <= SparseLinear.dense_above`` -> the bundled kernel
   ``sparsekit.kernels.tcabme_matmul`` (decode steps; launched on torch's current stream, so a
   CUDA graph can capture it); or, for a layer given its 2:4 layout (``runtime.sp24.enable_sp24``,
-  off by default), the 2:4 tile-mosaic kernel ``sparsekit.kernels.sp24.sp24_matmul``.
+  off by default) and ``N <= sp24_max_n``, the 2:4 tile-mosaic kernel ``sparsekit.kernels.sp24.sp24_matmul``.
 * CUDA, ``N > dense_above`` with a kept dense copy (``runtime.dispatch``, ``prefer="speed"``) ->
   ``F.linear`` on that copy.
 * CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (the
@@ -139,6 +139,9 @@ class SparseLinear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` ([out_features, in_features]) stored as TCA-BME buffers."""
 
     dense_above: int = _env_dense_above()
+    # the 2:4 kernel (when enabled) up to this many tokens, the TCA-BME kernel above: its first design
+    # re-reads X per 16-64 rows, which the prediction (docs/kernels-notes.md "v13-sp") says loses from 32 on
+    sp24_max_n: int = 16
 
     def __init__(self, packed: TcaBme, bias: torch.Tensor | None = None, *, transposed: bool = False):
         super().__init__()
@@ -280,8 +283,8 @@ class SparseLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         n = x2.shape[0]
         if x2.is_cuda:
-            if (n <= self.dense_above and x2.dtype == torch.float16 and self.sp24_tiles is not None
-                    and kernels_ready()):
+            if (n <= min(self.dense_above, self.sp24_max_n) and x2.dtype == torch.float16
+                    and self.sp24_tiles is not None and kernels_ready()):
                 from sparsekit.runtime.sp24 import sp24_mm
 
                 y = sp24_mm(x2.contiguous(), self.sp24_dense, self.sp24_sp, self.sp24_tiles, self.out_features)
