@@ -22,16 +22,14 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ._intrinsics import SCRATCH_WORDS, SIM, f2h, shfl_idx, syncwarp
+from ._intrinsics import SCRATCH_WORDS, SIM, shfl_idx, syncwarp
 from ._sp_intrinsics import ldg128, ldmatrix_x4, mma_k32, sts128
 from ._warp_intrinsics import byte_addr
+from .block import dynamic_smem, make_warp_sums
 from .sp24_plan import XS
 from sparsekit.packed.sp24 import DENSE_STRIP_WORDS, DENSE_TILE_WORDS, SP_STRIP_WORDS, SP_TILE_WORDS, SP_VALUE_WORDS
 
 _KERNELS: dict = {}
-_SIM_U64 = np.dtype(np.uint64) if SIM else np.uint64
-_SIM_U32 = np.dtype(np.uint32) if SIM else np.uint32
-_SIM_F32 = np.dtype(np.float32) if SIM else np.float32
 
 
 def compiled_kernels() -> dict:
@@ -57,6 +55,7 @@ def _build(NT: int, R: int, MAXREG: int):
     RACC = R * NACC               # accumulators per thread
     RA = R * 16                   # A registers per thread (16 per strip: 4 k16 chunks dense, 2 k32 chunks 2:4)
     u32 = np.uint32
+    warp_sums = make_warp_sums(R, NB, NT)
 
     @cuda.jit(device=True, inline="always")
     def stage_x(d32, x, xs, lane, n0, N, gk, ldx, valid):
@@ -96,14 +95,7 @@ def _build(NT: int, R: int, MAXREG: int):
 
     @cuda.jit(**({} if SIM else {"max_registers": MAXREG}))
     def kernel(dense, sp, tiles, x, y, M, N, GK, ldx, nch):
-        if SIM:
-            d64 = cuda.shared.array(0, _SIM_U64)
-            d32 = cuda.shared.array(0, _SIM_U32)
-            df = cuda.shared.array(0, _SIM_F32)
-        else:
-            d64 = cuda.shared.array(0, np.uint64, alignment=16)
-            d32 = cuda.shared.array(0, np.uint32, alignment=16)
-            df = cuda.shared.array(0, np.float32, alignment=16)
+        d64, d32, df = dynamic_smem()
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
 
         tid = cuda.threadIdx.x
@@ -169,22 +161,6 @@ def _build(NT: int, R: int, MAXREG: int):
             i += 1
 
         # ---- the warps' partial sums meet in shared memory (the X slots are free now)
-        cuda.syncthreads()
-        for r in range(R):
-            for jb in range(NB):
-                for oi in range(4):
-                    n = 8 * jb + 2 * t + (oi & 1)
-                    df[((warp * R + r) * NT + n) * 16 + g + 8 * (oi >> 1)] = acc[r * NACC + 4 * jb + oi]
-        cuda.syncthreads()
-        for e in range(tid, R * 16 * NT, cuda.blockDim.x):
-            r = e // (16 * NT)
-            n = (e >> 4) - r * NT
-            row = e & 15
-            tot = np.float32(0.0)
-            for w in range(nw):
-                tot += df[((w * R + r) * NT + n) * 16 + row]
-            mrow = (sr + r) * 16 + row
-            if mrow < M and n0 + n < N:
-                y[(n0 + n) * M + mrow] = np.int16(f2h(tot))
+        warp_sums(df, acc, y, tid, warp, lane, nw, sr, M, n0, N)
 
     return kernel
