@@ -1,5 +1,5 @@
-"""Block-level pieces the warp kernels (spmm_warp, sp24_kernel) share: the dynamic shared-memory
-views, and the end of a block whose warps split K (their fp32 sums meet in shared memory, fp16 out).
+"""Block-level pieces the warp kernels (spmm_warp, sp24_kernel) share: thread ids, the dynamic
+shared-memory views, and the end of a block whose warps split K (their fp32 sums meet in shared memory, fp16 out).
 
 Under the simulator these are plain Python on the running kernel's context (``compat_numba.sim_kernel``):
 a device function of another module than the kernel cannot use ``cuda.*`` there (the simulator's
@@ -18,6 +18,12 @@ if SIM:
     def _device(fn):
         return fn
 
+    def thread_ids():
+        """(thread, warp, lane, lane // 4, lane % 4, warps in the block)."""
+        ctx = sim_kernel()
+        tid = ctx.threadIdx.x
+        return tid, tid >> 5, tid & 31, (tid & 31) >> 2, tid & 3, ctx.blockDim.x >> 5
+
     def dynamic_smem():
         """(uint64, uint32, float32) views of the block's dynamic shared memory."""
         ctx = sim_kernel()
@@ -29,6 +35,12 @@ else:  # pragma: no cover - GPU only
     @cuda.jit(device=True, inline="always")
     def _syncthreads():
         cuda.syncthreads()
+
+    @cuda.jit(device=True, inline="always")
+    def thread_ids():
+        """(thread, warp, lane, lane // 4, lane % 4, warps in the block)."""
+        tid = cuda.threadIdx.x
+        return tid, tid >> 5, tid & 31, (tid & 31) >> 2, tid & 3, cuda.blockDim.x >> 5
 
     @cuda.jit(device=True, inline="always")
     def dynamic_smem():

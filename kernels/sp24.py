@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import sp24_plan
+from .io import output_for, padded
 
 
 def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, warps: int | None = None,
@@ -22,18 +23,12 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, war
         raise ValueError(f"x has {x.shape[1]} features but the weight expects {k}")
     if not SIM and (not x.is_cuda or x.device != layout.device):
         raise ValueError(f"x ({x.device}) and the layout ({layout.device}) must share one CUDA device")
-    if out is None:
-        out = torch.empty((n, m), dtype=torch.float16, device=x.device)
-    elif out.shape != (n, m) or out.dtype != torch.float16 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous fp16 tensor of shape {(n, m)}")
+    out = output_for(x, m, out)
     if n == 0 or m == 0:
         return out
     gm, gk = layout.grid
     kp = gk * 64
-    if kp != k or not x.is_contiguous() or x.data_ptr() % 16:
-        xp = torch.zeros((n, kp), dtype=x.dtype, device=x.device)
-        xp[:, :k] = x
-        x = xp
+    x = padded(x, kp)
     from .sp24_kernel import get_kernel
 
     nt, r, nw, rb, chunks, dyn = sp24_plan.plan(m, gk, n, launch.sm_count(x.device), warps, strips)

@@ -25,7 +25,7 @@ from numba import cuda
 from ._intrinsics import SCRATCH_WORDS, SIM, shfl_idx, syncwarp
 from ._sp_intrinsics import ldg128, ldmatrix_x4, mma_k32, sts128
 from ._warp_intrinsics import byte_addr
-from .block import dynamic_smem, make_warp_sums
+from .block import dynamic_smem, make_warp_sums, thread_ids
 from .sp24_plan import XS
 from sparsekit.packed.sp24 import DENSE_STRIP_WORDS, DENSE_TILE_WORDS, SP_STRIP_WORDS, SP_TILE_WORDS, SP_VALUE_WORDS
 
@@ -71,23 +71,25 @@ def _build(NT: int, R: int, MAXREG: int):
                 sts128(d32, xs + u32(row * XS + part * 16), w0, w1, w2, w3)
 
     @cuda.jit(device=True, inline="always")
+    def load16(areg, k, src, i):
+        """``areg[k .. k+3]`` = the 16 bytes at word ``i`` of ``src``."""
+        w0, w1, w2, w3 = ldg128(src, i)
+        areg[k] = w0
+        areg[k + 1] = w1
+        areg[k + 2] = w2
+        areg[k + 3] = w3
+
+    @cuda.jit(device=True, inline="always")
     def load_a(dense, sp, areg, meta, r, sp_tile, base, lane, valid):
-        """Strip ``r``'s A registers (and metadata) at word ``base`` of its tile."""
+        """Strip ``r``'s A registers (and metadata) at word ``base`` of its tile: a 2:4 strip's chunk c
+        goes to registers 16r + 8c .. +3 (the first half of a dense strip's chunks 2c, 2c + 1)."""
         if valid and sp_tile:
             for c in range(2):
-                w0, w1, w2, w3 = ldg128(sp, base + c * 128 + lane * 4)
-                areg[16 * r + 8 * c] = w0
-                areg[16 * r + 8 * c + 1] = w1
-                areg[16 * r + 8 * c + 2] = w2
-                areg[16 * r + 8 * c + 3] = w3
+                load16(areg, 16 * r + 8 * c, sp, base + c * 128 + lane * 4)
             meta[r] = u32(sp[base + SP_VALUE_WORDS + lane])
         elif valid:
             for q in range(4):
-                w0, w1, w2, w3 = ldg128(dense, base + q * 128 + lane * 4)
-                areg[16 * r + 4 * q] = w0
-                areg[16 * r + 4 * q + 1] = w1
-                areg[16 * r + 4 * q + 2] = w2
-                areg[16 * r + 4 * q + 3] = w3
+                load16(areg, 16 * r + 4 * q, dense, base + q * 128 + lane * 4)
         else:
             for e in range(16):
                 areg[16 * r + e] = u32(0)
@@ -98,12 +100,7 @@ def _build(NT: int, R: int, MAXREG: int):
         d64, d32, df = dynamic_smem()
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
 
-        tid = cuda.threadIdx.x
-        warp = tid >> 5
-        lane = tid & 31
-        g = lane >> 2
-        t = lane & 3
-        nw = cuda.blockDim.x >> 5
+        tid, warp, lane, _, _, nw = thread_ids()
         rb = cuda.blockIdx.x // nch   # row block; its token chunks are neighbours in the grid
         n0 = (cuda.blockIdx.x - rb * nch) * NT
         sr = rb * R                   # first strip row: tile row gm, strip s0

@@ -32,7 +32,7 @@ from numba import cuda
 
 from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, mma, ptr_of, shfl_idx, syncwarp
 from ._warp_intrinsics import byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_counts, sts64b
-from .block import dynamic_smem, make_warp_sums
+from .block import dynamic_smem, make_warp_sums, thread_ids
 from .plan import BMW, DENSE_CHUNKS, MAX_N, MAX_STEPS, MAX_WARPS, WBW, XROW  # noqa: F401 - layout sizes
 from .plan import warp_max_registers as max_registers
 from .plan import warp_slot_words as slot_words  # noqa: F401 - the kernel's stage layout
@@ -162,15 +162,10 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int, PROBE: int = 0, 
         d64, d32, df = dynamic_smem()
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
 
-        tid = cuda.threadIdx.x
-        warp = tid >> 5
-        lane = tid & 31
-        gid = lane >> 2
-        tig = lane & 3
+        tid, warp, lane, gid, tig, nw = thread_ids()
         hsel = lane >> 4
         p = u32(2 * (lane & 15))
         lmask = (u32(1) << p) - u32(1)
-        nw = cuda.blockDim.x >> 5
 
         sr = cuda.blockIdx.x * R      # first strip row: GroupTile row gm, strip s (R strips: s .. s+R-1)
         gm = sr >> 2
