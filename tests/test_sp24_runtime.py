@@ -70,3 +70,18 @@ def test_the_op_matches_float64():
     y = sp24_mm(x.to(dev), m.sp24_dense, m.sp24_sp, m.sp24_tiles, 64)
     ref = x.double() @ w.double().t()
     assert float((y.cpu().double() - ref).norm() / ref.norm()) < 1e-3
+
+
+def test_kernel_check_passes_and_a_wrong_kernel_is_one_line(monkeypatch):
+    if not SIM and not torch.cuda.is_available():
+        pytest.skip("neither the CUDA simulator nor a GPU")
+    import sparsekit.runtime.sp24 as mod
+
+    dev = "cpu" if SIM else "cuda"
+    monkeypatch.setattr(mod, "_CHECKED", {})
+    mod.kernel_check(dev)                                   # the real kernel (simulator on CPU)
+    monkeypatch.setattr(mod, "_CHECKED", {})
+    monkeypatch.setattr(mod, "sp24_mm", lambda x, d, s, t, m: torch.zeros(x.shape[0], m))
+    with pytest.raises(SparsekitError, match=r"^the 2:4 kernel cannot run on .*off by 1") as e:
+        mod.kernel_check(dev)
+    assert "\n" not in str(e.value)
