@@ -64,11 +64,9 @@ def enable_sp24(model: nn.Module) -> dict[str, str]:
     ``{layer: why not}``. A layer with an unstructured tile is not eligible (it keeps TCA-BME), except
     under ``SPARSEKIT_STRICT=1``, where that is an error. On a GPU the kernel first runs one checked
     product (``kernel_check``); if it cannot, that is an error, never a silent fallback."""
-    from sparsekit.runtime.sparse_linear import SparseLinear
-
     out: dict[str, str] = {}
     for name, m in model.named_modules():
-        if not isinstance(m, SparseLinear):
+        if not hasattr(m, "use_sp24"):          # a SparseLinear (not imported: it imports this module)
             continue
         if m.values.dtype != torch.float16:
             out[name] = f"values are {m.values.dtype}: the 2:4 kernel takes fp16"
