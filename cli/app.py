@@ -10,6 +10,9 @@ from sparsekit.cli import generate as generate_cmd
 from sparsekit.cli import pack as pack_cmd
 from sparsekit.cli import prune as prune_cmd
 from sparsekit.cli import recipes as recipes_cmd
+from sparsekit.cli.help import hide_flag_types
+
+hide_flag_types()   # no <bool> beside --help, --version, --json, ...
 
 app = typer.Typer(
     name="sparsekit",

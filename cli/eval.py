@@ -11,7 +11,7 @@ from sparsekit.cli.common import JSON_OPTION, console, emit_json, err_console, h
 
 HELP = (
     "Evaluate a model: perplexity (--ppl, the default), zero-shot task accuracy through lm-evaluation-harness "
-    "(--tasks, the optional `sparsekit[tasks]` extra) and/or decode/prefill speed against its dense "
+    "(--tasks, the optional `sparsekit\\[tasks]` extra) and/or decode/prefill speed against its dense "
     "counterpart (--speed, CUDA only).\n\n"
     "DIR is a pruned HF directory (from `sparsekit prune`), a packed TCA-BME directory (from "
     "`sparsekit encode`), a hub id, or the demo alias smollm2-135m.\n\n"
@@ -59,7 +59,7 @@ def eval_cmd(
                                                  help="The dense model for --baseline (directory, hub id or alias), "
                                                  "when DIR does not record it or it moved. Implies --baseline."),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="lm-eval tasks, comma-separated, e.g. arc_easy,hellaswag "
-                                        "(needs pip install \"sparsekit[tasks]\"; datasets download from the hub)."),
+                                        "(needs pip install \"sparsekit\\[tasks]\"; datasets download from the hub)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="With --tasks: score only the first N examples of each task."),
     num_fewshot: Optional[int] = typer.Option(None, "--num-fewshot", help="With --tasks: few-shot examples (default: "
                                               "each task's own, 0 for the usual zero-shot tasks)."),

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from sparsekit.cli.common import JSON_OPTION, emit_json, err_console, handle_errors
+from sparsekit.cli.common import JSON_OPTION, Terminated, emit_json, err_console, handle_errors
 
 HELP = (
     "Generate text with a dense, pruned or packed model, streaming it to stdout (tokens/s go to stderr).\n\n"
@@ -89,10 +89,11 @@ def generate_cmd(
             _chat(lm, tokenizer, sampling, prompt, head, json_out)
             return
         r = generate_text(lm, tokenizer, prompt, sampling, on_text=None if json_out else _write)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # the text generated so far is out already
         _write("\n")
-        err_console.print("[bold red]interrupted[/]")
-        raise typer.Exit(130)
+        term = isinstance(e, Terminated)
+        err_console.print("[bold red]terminated[/] (SIGTERM)" if term else "[bold red]interrupted[/]")
+        raise typer.Exit(143 if term else 130)
     if json_out:
         emit_json({**head, "prompt": prompt, **_timings(r)})
         return

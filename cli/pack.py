@@ -44,6 +44,10 @@ IMPORT_HELP = (
 )
 
 
+DELETE_EXTRA = typer.Option(False, "--delete-extra", help="With --overwrite: also delete files in the old output "
+                            "that sparsekit did not write (refused otherwise).")
+
+
 def register(app: typer.Typer) -> None:
     app.command("encode", help=ENCODE_HELP)(encode_cmd)
     app.command("inspect", help=INSPECT_HELP)(inspect_cmd)
@@ -55,7 +59,7 @@ def register(app: typer.Typer) -> None:
 @contextlib.contextmanager
 def _progress(description: str, enabled: bool = True):
     """A rich progress bar on stderr; yields a ``sparsekit.progress.Progress`` callback."""
-    if not enabled:
+    if not enabled or not err_console.is_terminal:  # (off a terminal a transient bar leaves an empty line)
         yield None
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -80,19 +84,20 @@ def _ratio(r: float | None) -> str:
 
 @handle_errors
 def encode_cmd(
-    pruned: Path = typer.Argument(..., help="Pruned HF checkpoint directory (output of `sparsekit prune`)."),
+    pruned: Path = typer.Argument(..., metavar="PRUNED", help="Pruned HF checkpoint directory (output of `sparsekit prune`)."),
     output: Path = typer.Option(..., "-o", "--output", help="Output directory for the packed checkpoint."),
     min_sparsity: Optional[float] = typer.Option(None, "--min-sparsity", help="Pack layers with at least this fraction of zeros instead of by the bytes packing saves (default: by bytes)."),
     force: bool = typer.Option(False, "--force", help="Pack every linear layer, however dense."),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest shard file, e.g. 2GB, 500MB."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
+    delete_extra: bool = DELETE_EXTRA,
     json_out: bool = JSON_OPTION,
 ):
-    from sparsekit.packed.encoding import encode
+    from sparsekit.packed.encoding import encode_checkpoint
 
     with _progress("encoding") as progress:
-        report = encode(pruned, output, min_sparsity=min_sparsity, force=force, max_shard_size=max_shard_size,
-                        overwrite=overwrite, progress=progress)
+        report = encode_checkpoint(pruned, output, min_sparsity=min_sparsity, force=force, max_shard_size=max_shard_size,
+                        overwrite=overwrite, progress=progress, delete_extra=delete_extra)
     if json_out:
         emit_json(report)
         return
@@ -149,7 +154,7 @@ def inspect_table(report: dict):
 
 @handle_errors
 def inspect_cmd(
-    packed: Path = typer.Argument(..., help="Packed checkpoint directory (output of `sparsekit encode`)."),
+    packed: Path = typer.Argument(..., metavar="PACKED", help="Packed checkpoint directory (output of `sparsekit encode`)."),
     json_out: bool = JSON_OPTION,
 ):
     from sparsekit.packed.verify import inspect_packed
@@ -173,7 +178,7 @@ def inspect_cmd(
 
 @handle_errors
 def verify_cmd(
-    packed: Path = typer.Argument(..., help="Packed checkpoint directory (output of `sparsekit encode`)."),
+    packed: Path = typer.Argument(..., metavar="PACKED", help="Packed checkpoint directory (output of `sparsekit encode`)."),
     json_out: bool = JSON_OPTION,
 ):
     from sparsekit.packed.verify import verify_packed
@@ -192,16 +197,18 @@ def verify_cmd(
 
 @handle_errors
 def export_cmd(
-    source: Path = typer.Argument(..., help="Pruned HF directory or packed TCA-BME directory."),
+    source: Path = typer.Argument(..., metavar="SOURCE", help="Pruned HF directory or packed TCA-BME directory."),
     output: Path = typer.Option(..., "-o", "--output", help="Output directory (compressed-tensors checkpoint)."),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest shard file, e.g. 2GB, 500MB."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
+    delete_extra: bool = DELETE_EXTRA,
     json_out: bool = JSON_OPTION,
 ):
     from sparsekit.packed.interchange import export_bitmask
 
     with _progress("exporting") as progress:
-        report = export_bitmask(source, output, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress)
+        report = export_bitmask(source, output, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress,
+                                delete_extra=delete_extra)
     if json_out:
         emit_json(report)
         return
@@ -211,16 +218,18 @@ def export_cmd(
 
 @handle_errors
 def import_cmd(
-    source: Path = typer.Argument(..., help="compressed-tensors checkpoint with sparsity_config format sparse-bitmask."),
+    source: Path = typer.Argument(..., metavar="SOURCE", help="compressed-tensors checkpoint with sparsity_config format sparse-bitmask."),
     output: Path = typer.Option(..., "-o", "--output", help="Output directory (dense pruned HF checkpoint)."),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="Largest shard file, e.g. 2GB, 500MB."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace OUTPUT if it exists."),
+    delete_extra: bool = DELETE_EXTRA,
     json_out: bool = JSON_OPTION,
 ):
     from sparsekit.packed.interchange import import_bitmask
 
     with _progress("importing") as progress:
-        report = import_bitmask(source, output, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress)
+        report = import_bitmask(source, output, overwrite=overwrite, max_shard_size=max_shard_size, progress=progress,
+                                delete_extra=delete_extra)
     if json_out:
         emit_json(report)
         return

@@ -30,25 +30,32 @@ HELP = (
 )
 
 
+# the defaults of sparsekit.pruning.patterns, written out (importing it would load torch for --help);
+# tests/test_cli_prune.py checks that they agree
+SPARSITY_HELP = ("Fraction of weights (cats: of gate activations) to zero in [0, 1) (default: 0.5; "
+                 "hybrid 0.25, half the tiles 2:4; implied by N:M)")
+
+
 def register(app: typer.Typer) -> None:
     app.command("prune", help=HELP)(prune_cmd)
 
 
 @handle_errors
 def prune_cmd(
-    model: str = typer.Argument("smollm2-135m", help="Local HF directory, hub id, or the demo alias smollm2-135m."),
+    model: str = typer.Argument("smollm2-135m", metavar="MODEL", help="Local HF directory, hub id, or the demo alias smollm2-135m."),
     method: Optional[str] = typer.Option(None, "--method", "-m", help="magnitude | wanda | sparsegpt | cats (default: wanda)"),
-    sparsity: Optional[float] = typer.Option(None, "--sparsity", "-s", help="Fraction of weights (cats: of gate activations) to zero in [0, 1) (default: 0.5; implied by N:M)"),
+    sparsity: Optional[float] = typer.Option(None, "--sparsity", "-s", help=SPARSITY_HELP),
     pattern: Optional[str] = typer.Option(None, "--pattern", "-p", help="unstructured | N:M (2:4, 4:8) | hybrid[:T] (default: unstructured)"),
     calib: Optional[str] = typer.Option(None, "--calib", "--dataset", help="Calibration text: wikitext2, c4, a hub dataset, or a .txt/.jsonl/.parquet file (default: wikitext2)"),
     nsamples: Optional[int] = typer.Option(None, "--nsamples", help="Calibration windows (default: 128)"),
     seqlen: Optional[int] = typer.Option(None, "--seqlen", help="Tokens per window, capped at the model context (default: 2048)"),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed for drawing the windows and the CATS activation sample (default: 0)"),
-    skip: Optional[List[str]] = typer.Option(None, "--skip", help="Module-name pattern (fnmatch) to leave dense; repeatable; lm_head is always left dense"),
+    skip: Optional[List[str]] = typer.Option(None, "--skip", metavar="PATTERN", help="Module-name pattern (fnmatch) to leave dense; repeatable; lm_head is always left dense"),
     prune_lm_head: bool = typer.Option(False, "--prune-lm-head", help="Prune lm_head too (magnitude only; refused when it is tied to the embeddings)."),
     recipe: Optional[str] = typer.Option(None, "--recipe", "-r", help="Bundled recipe name (see `sparsekit recipes`, e.g. wanda-2of4) or a YAML file; flags override it."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="Output directory (default: out/<model>-<method>-<pattern>)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    delete_extra: bool = typer.Option(False, "--delete-extra", help="With --overwrite: also delete files in the old output that sparsekit did not write (refused otherwise)."),
     device: str = typer.Option("auto", "--device", help="auto | cuda | cpu: where each layer is pruned (the rest of the model stays in host memory, or on disk with --offload disk)."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (fp16 on CUDA, fp32 on CPU) | float16 | bfloat16 | float32"),
     blocksize: Optional[int] = typer.Option(None, "--blocksize", help="SparseGPT column block size (default: 128)"),
@@ -64,7 +71,7 @@ def prune_cmd(
     learn_batch: Optional[int] = typer.Option(None, "--learn-batch", help="--learn-mask: calibration windows per step (default: 8)"),
     holdout: Optional[float] = typer.Option(None, "--holdout", help="--learn-mask: fraction of the calibration windows held out to keep the best mask (default: 0.125; 0: keep the last)"),
     distill: bool = typer.Option(False, "--distill", help="--learn-mask: minimize the KL divergence from the dense model's next-token distribution instead of the LM loss"),
-    weight_update: Optional[bool] = typer.Option(None, "--weight-update/--no-weight-update", help="--learn-mask / --allocation global: recompute the kept weights from the dense ones with SparseGPT's update on the final mask (default: off; learning keeps the one-shot weights frozen)"),
+    weight_update: bool = typer.Option(False, "--weight-update", help="--learn-mask / --allocation global: recompute the kept weights from the dense ones with SparseGPT's update on the final mask (default: off; learning keeps the one-shot weights frozen)"),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", help="--learn-mask: save the learning state every K steps (0: never)"),
     checkpoint_dir: Optional[str] = typer.Option(None, "--checkpoint-dir", help="--learn-mask: where checkpoints go (default: OUTPUT-checkpoints)"),
     resume: bool = typer.Option(False, "--resume", help="--learn-mask: continue from the latest checkpoint (same settings and --seed)"),
@@ -83,21 +90,22 @@ def prune_cmd(
     learn = None
     if learn_mask:
         given = dict(steps=steps, lr=lr, batch_size=learn_batch, holdout=holdout)
-        learn = dict({k: v for k, v in given.items() if v is not None}, distill=distill, weight_update=bool(weight_update),
+        learn = dict({k: v for k, v in given.items() if v is not None}, distill=distill, weight_update=weight_update,
                      checkpoint_every=checkpoint_every, checkpoint_dir=checkpoint_dir, resume=resume)
     elif resume or checkpoint_every or distill or any(v is not None for v in (steps, lr, learn_batch, holdout)):
         raise SparsekitError("--steps, --lr, --learn-batch, --holdout, --distill, --checkpoint-every and --resume "
                              "go with --learn-mask")
-    elif weight_update is not None and allocation != "global":
+    elif weight_update and allocation != "global":
         raise SparsekitError("--weight-update goes with --learn-mask or --allocation global")
-    elif weight_update is not None:
-        learn = dict(steps=0, weight_update=weight_update)
+    elif weight_update:
+        learn = dict(steps=0, weight_update=True)
     with bars:
         report = prune(
             model, method=method, sparsity=sparsity, pattern=pattern, calib=calib, nsamples=nsamples,
             seqlen=seqlen, seed=seed, skip=skip, prune_lm_head=prune_lm_head or None, device=device, dtype=dtype, output=output,
             overwrite=overwrite, blocksize=blocksize, damp=damp, recipe=recipe, batch_size=batch_size,
             allocation=allocation, learn=learn, progress=bars.update, warn=warn, cats=cats, offload=offload,
+            delete_extra=delete_extra,
         )
     if json_out:
         emit_json(report)
@@ -148,8 +156,9 @@ def summary_table(report: dict):
     cal = report["calibration"]
     if cal.get("nsamples"):
         head.add_row("calibration", f"{cal['dataset']}: {cal['nsamples']} x {cal['seqlen']} tokens, seed {cal['seed']}")
-    head.add_row("device", f"{report['device']} ({report['dtype']} compute, saved as {report['saved_dtype']}), "
-                 f"peak device memory {_mib(report['peak_mem_bytes'])}")
+    # the figures first: a line that wraps at 80 columns then breaks in the words, not in "1,381 MiB"
+    head.add_row("device", f"{report['device']}, peak device memory {_mib(report['peak_mem_bytes'])} "
+                 f"({report['dtype']} compute, saved as {report['saved_dtype']})")
     head.add_row("host", host_memory_text(report))
     head.add_row("time", f"{report['elapsed_s']:.1f} s total, {report['prune_seconds']:.1f} s pruning "
                  f"({report['capture_seconds']:.1f} s capture)")

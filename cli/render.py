@@ -17,18 +17,20 @@ def ppl_table(report: dict):
 
     from sparsekit.evaluation.ppl import ROUGH_WINDOWS
 
-    t = Table(title=f"Perplexity of {report['model']}", box=box.SIMPLE_HEAD, show_edge=False, padding=0)
     dataset = str(report["dataset"])
     if Path(dataset).exists():  # a local file: its name is enough in the table (--json has the full path)
         dataset = Path(dataset).name
+    # what the run was on goes in the title: ten columns did not fit 80 ("seqle", "devic", "float3")
+    t = Table(title=f"Perplexity of {report['model']} on {dataset} ({report['device']}, {report['dtype']})",
+              box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1))
     base = report.get("baseline")
-    heads = ["dataset", "seqlen", "windows", "tokens", "device", "dtype", "nll", "ppl"]
+    heads = ["seqlen", "windows", "tokens", "nll", "ppl"]
     if base:
         heads += ["dense ppl", "x dense"]
     for head in heads:
-        t.add_column(head, justify="left" if head == "dataset" else "right", overflow="fold", no_wrap=True)
-    row = [dataset, str(report["seqlen"]), str(report["windows"]), f"{report['tokens']:,}",
-           report["device"], report["dtype"], f"{report['nll']:.4f}", f"{report['ppl']:.3f}"]
+        t.add_column(head, justify="right", no_wrap=True, min_width=len(head))
+    row = [str(report["seqlen"]), str(report["windows"]), f"{report['tokens']:,}", f"{report['nll']:.4f}",
+           f"{report['ppl']:.3f}"]
     if base:
         row += [f"{base['ppl']:.3f}", _fmt(report.get("ratio"), ".3f")]
     t.add_row(*row)
@@ -174,4 +176,4 @@ def host_memory_text(report: dict) -> str:
     """The prune summary's host line: where the weights lived and the peak host RSS."""
     where = "streamed from disk layer by layer" if report.get("offload") == "disk" else "loaded in host memory"
     peak = report.get("peak_host_bytes")
-    return f"weights {where}, peak host memory (RSS) {'-' if peak is None else f'{peak / 2**20:,.0f} MiB'}"
+    return f"peak host memory (RSS) {'-' if peak is None else f'{peak / 2**20:,.0f} MiB'}, weights {where}"

@@ -6,7 +6,7 @@ plain Python with the same names and signatures (``_intrinsics_sim``: warp excha
 per-block scratch array, ``mma`` an exact emulation of the fragment contract). This makes the
 kernels' decode, fragment layout and epilogue testable without a GPU; what the simulator does not
 cover is the PTX itself (instruction syntax, register constraints), which
-``scripts/gpu_check_kernels.py`` checks on the device.
+``scripts/checks/gpu_kernels.py`` checks on the device.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 instructions, ``shfl_*`` / ``syncwarp`` the warp intrinsics, ``bulk_copy`` / ``mbar_*`` Hopper bulk
 copies completing on mbarriers, ``cp_wait*`` ``cp.async.wait_group``. Importing this module needs no
 GPU (nothing compiles until a kernel does); what the simulator cannot cover (PTX syntax, register
-constraints) ``scripts/gpu_check_kernels.py`` checks on the device. Same public names and
+constraints) ``scripts/checks/gpu_kernels.py`` checks on the device. Same public names and
 signatures as ``_intrinsics_sim`` (checked by tests/test_kernels_layout.py).
 """
 from __future__ import annotations

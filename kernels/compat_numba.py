@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import ctypes
 
-import numba
-
 import numpy
 
 if not hasattr(numpy, "row_stack"):
@@ -95,6 +93,8 @@ def lost(feature: str, why: Exception | str) -> None:
     """A faster path this numba does not allow: one ``SparsekitWarning`` per process naming it and why,
     or a ``SparsekitError`` under ``SPARSEKIT_STRICT=1``. Never silent."""
     import warnings
+
+    import numba
 
     from sparsekit.errors import SparsekitError, SparsekitWarning, strict_mode
 

@@ -36,7 +36,7 @@ def install_hint() -> str:
     return f'pip install "sparsekit[{extra}]" (that is numba-cuda[{cu}] and cuda-core)'
 
 
-def _numba_cuda_version() -> str | None:
+def numba_cuda_version() -> str | None:
     try:
         from importlib.metadata import version
 
@@ -45,7 +45,7 @@ def _numba_cuda_version() -> str | None:
         return None
 
 
-def _self_test() -> None:
+def self_test() -> None:
     """One tiny product through the public entry point, checked against the reference."""
     import torch
 
@@ -76,7 +76,7 @@ def kernel_status() -> KernelStatus:
         return KernelStatus(False, f"kernels: torch does not import ({e})")
     if not torch.cuda.is_available():
         return KernelStatus(False, "kernels: no CUDA GPU visible to torch: sparse layers run the reference path")
-    version = _numba_cuda_version()
+    version = numba_cuda_version()
     try:
         from numba import cuda
 
@@ -95,7 +95,7 @@ def kernel_status() -> KernelStatus:
     try:
         if not cuda.is_available():
             return KernelStatus(False, "kernels: numba-cuda sees no usable GPU (driver?)", install_hint(), version)
-        _self_test()
+        self_test()
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return KernelStatus(False, f"kernels: a test kernel failed to compile or run ({type(e).__name__}: {first[:200]}): "

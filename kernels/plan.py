@@ -3,7 +3,7 @@
 What a launch looks like before anything runs: which kernel and variant, grid, warps per block,
 pipeline stages, shared-memory bytes, token chunks, split-K counts, and the shared-memory layout
 sizes they are made from (spmm_warp's and spmm.py's kernels import theirs from here). The tuned
-choices come from the H100 sweeps (scripts/tune_kernels.py, docs/kernels-notes.md). The launcher
+choices come from the H100 sweeps (scripts/bench/tune_kernels.py, docs/kernels-notes.md). The launcher
 (launch.py) applies them; tests/test_launch_plan.py checks their invariants.
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ def warp_plan(m: int, gk: int, n: int, vch: int, warps: int | None = None,
     """(warps per block, stages, dynamic shared bytes) for spmm_warp.
 
     Warps split K inside a block (one block per ``r`` strip rows), at most 32 steps each (their
-    offsets live in one register per lane). From the H100 sweeps (scripts/tune_kernels.py,
+    offsets live in one register per lane). From the H100 sweeps (scripts/bench/tune_kernels.py,
     docs/kernels-notes.md v6-v8): one step per warp when K is short (<= 16 GroupTiles). With
     r = 2: on tall weights (at least 2 blocks per SM, K < 128 GroupTiles) 4 warps of 16 steps and
     2 stages (6 warps and 3 stages below 8 tokens once the blocks exceed 4 per SM); otherwise 8

@@ -1,7 +1,7 @@
 """Launch planning for the 2:4 tile-mosaic kernel (sp24_kernel): pure functions of shapes (no numba).
 
 First guesses, not tuned on a GPU yet (docs/kernels-notes.md "v13-sp" gives the reasoning and
-scripts/gpu_check_sp24.py the knobs to sweep): enough blocks for two per SM where the rows allow,
+scripts/checks/gpu_sp24.py the knobs to sweep): enough blocks for two per SM where the rows allow,
 whole tiles (4 strip rows) per block when they do, and every warp streaming several tile columns.
 """
 from __future__ import annotations

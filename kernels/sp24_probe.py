@@ -1,6 +1,6 @@
 """One ``mma.sp`` m16n8k32 (selector 0) on one warp, with every lane's registers given by the caller:
 the fragment contract, checked on its own (tests/test_sp24_sim.py under the simulator,
-scripts/gpu_check_sp24.py on the device, where it is the real instruction).
+scripts/checks/gpu_sp24.py on the device, where it is the real instruction).
 
 ``random_operands`` builds a random case and every lane's registers by plain loops from the layouts of
 docs/kernels-notes.md "v13-sp" (as verified on an H100): a statement of the contract independent of

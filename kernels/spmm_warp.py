@@ -40,7 +40,7 @@ from .plan import warp_smem_bytes as smem_bytes  # noqa: F401
 
 _KERNELS: dict = {}
 ROT = 1     # blocks start their K loop at different steps (blockIdx mod steps), see _build
-PROBE = 0   # diagnostics only (scripts/probe_kernels.py): 1 = stream without decoding, 2 = decode L2-hot data
+PROBE = 0   # diagnostics only (scripts/bench/probe_kernels.py): 1 = stream without decoding, 2 = decode L2-hot data
 
 
 def compiled_kernels() -> dict:

@@ -20,10 +20,11 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "SparsekitError": "sparsekit.errors",
     "prune": "sparsekit.pruning.api",            # prune(model, ..., output) -> report
-    "encode": "sparsekit.packed.encoding",       # encode(pruned_dir, out_dir, ...) -> report
-    "decode": "sparsekit.packed.tcabme",         # decode(TcaBme) -> dense tensor, bit-exact
+    "encode_checkpoint": "sparsekit.packed.encoding",   # encode_checkpoint(pruned_dir, out_dir, ...) -> report
+    "encode": "sparsekit.packed.encoding",       # the old name of encode_checkpoint, kept for one release
+    "decode": "sparsekit.packed.tcabme",         # decode(TcaBme) -> dense tensor, bit-exact (one weight)
     "load": "sparsekit.runtime.loader",          # load(dir | hub id | alias, device, dtype) -> (model, tokenizer)
-    "load_packed": "sparsekit.runtime.loader",   # load_packed(dir, device="cuda") -> HF model
+    "load_packed": "sparsekit.runtime.loader",   # load_packed(dir, device="auto") -> HF model
     "perplexity": "sparsekit.evaluation.ppl",    # perplexity(model, tokenizer, text, ...) -> dict
 }
 

@@ -5,7 +5,6 @@ GPU otherwise. Outputs are poisoned (NaN) before each call, so a value never wri
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -168,7 +167,7 @@ def test_fuse_projections_leaves_cats_mlps_apart():
     assert isinstance(holder.mlp.mlp.gate_proj, nn.Linear) and isinstance(holder.mlp.mlp.up_proj, nn.Linear)
 
 
-def test_eligible_says_why_not():
+def test_eligible_says_why_not(monkeypatch):
     from sparsekit.runtime.cats import apply_threshold
     from sparsekit.runtime.cats_mlp import eligible
 
@@ -182,10 +181,12 @@ def test_eligible_says_why_not():
     biased.up_proj = nn.Linear(64, 32, bias=True).half()
     apply_threshold(biased, 0.1)
     assert "bias" in eligible(biased)
-    if os.environ.get("SPARSEKIT_CATS_ROWS") != "1":
-        from sparsekit.packed.tcabme import encode
-        from sparsekit.runtime.sparse_linear import SparseLinear
+    from sparsekit.packed.tcabme import encode
+    from sparsekit.runtime.sparse_linear import SparseLinear
 
-        packed = _cats_mlp().to("cpu")
-        packed.up_proj = SparseLinear(encode(packed.up_proj.weight.data))
-        assert "packed" in eligible(packed) or "GPU" in eligible(packed)
+    packed = _cats_mlp().to("cpu")   # on the CPU too: the packed rule comes before where the weights are
+    packed.up_proj = SparseLinear(encode(packed.up_proj.weight.data))
+    monkeypatch.delenv("SPARSEKIT_CATS_ROWS", raising=False)
+    assert eligible(packed).startswith("up_proj packed: the row-packed CATS kernels are slower")
+    monkeypatch.setenv("SPARSEKIT_CATS_ROWS", "1")   # row-packed kernels asked for: the next rule speaks
+    assert eligible(packed) == "weights not fp16 on a GPU"

@@ -292,7 +292,7 @@ def test_recipes_ask_for_both(tmp_path):
 
 # ----------------------------------------------------------------------------- the demo script
 def test_demo_script_smoke(tmp_path, capsys, monkeypatch):
-    """scripts/demo_cats.py --smoke: every row on a tiny random Llama on the CPU; the markdown table,
+    """scripts/demos/cats.py --smoke: every row on a tiny random Llama on the CPU; the markdown table,
     the commands and the JSON summary come out, the calibration check passes, CATS 0% is the dense
     model, and the packed rows score as their unpacked checkpoints."""
     import runpy
@@ -300,9 +300,10 @@ def test_demo_script_smoke(tmp_path, capsys, monkeypatch):
 
     from conftest import REPO
 
-    monkeypatch.setattr(sys, "argv", ["demo_cats.py", "--smoke", "--out", str(tmp_path), "--json", str(tmp_path / "s.json")])
+    monkeypatch.setattr(sys, "argv", ["cats.py", "--smoke", "--out", str(tmp_path), "--json", str(tmp_path / "s.json")])
+    monkeypatch.syspath_prepend(str(REPO))   # as `python -m scripts.demos.cats` from the repository root
     with pytest.raises(SystemExit) as done:
-        runpy.run_path(str(REPO / "scripts" / "demo_cats.py"), run_name="__main__")
+        runpy.run_module("scripts.demos.cats", run_name="__main__", alter_sys=True)
     printed = capsys.readouterr().out
     assert done.value.code == 0, printed
     summary = json.loads(printed.strip().splitlines()[-1])

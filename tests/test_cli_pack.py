@@ -74,6 +74,31 @@ def test_errors_are_one_line_exit_2(work, tmp_path):
     assert res.exit_code == 2 and "size" in res.output
 
 
+
+@pytest.mark.parametrize("damage, words", [
+    ("binary config.json", "config.json is not valid JSON"),
+    ("no tokenizer", "has no tokenizer files"),
+    ("no config.json", "has no config.json"),
+])
+def test_encode_refuses_at_once_what_verify_would_reject(work, tmp_path, damage, words):
+    """Issue 25 item 5: a binary config.json was a UnicodeDecodeError traceback (encode, export-bitmask).
+    Item 7: encode of a pruned directory without a tokenizer succeeded, then verify rejected the output."""
+    d, _ = work
+    src = tmp_path / "src"
+    shutil.copytree(d / "pruned", src)
+    if damage == "binary config.json":
+        (src / "config.json").write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe" + bytes(range(256)))
+    elif damage == "no tokenizer":
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            (src / f).unlink()
+    else:
+        (src / "config.json").unlink()
+    for cmd in ("encode", "export-bitmask") if damage != "no tokenizer" else ("encode",):
+        res = runner.invoke(app, [cmd, str(src), "-o", str(tmp_path / "o")])
+        assert res.exit_code == 2, (cmd, res.output)
+        assert len(res.stderr.strip().splitlines()) == 1 and words in res.stderr, (cmd, res.stderr)
+        assert not (tmp_path / "o").exists()
+
 def test_verify_corrupt_exit_2(work, tmp_path):
     d, _ = work
     bad = tmp_path / "bad"

@@ -72,3 +72,31 @@ def test_prune_help_lists_every_option():
     for opt in ("--method", "--sparsity", "--pattern", "--calib", "--nsamples", "--seqlen", "--seed", "--skip",
                 "--recipe", "--output", "--overwrite", "--device", "--dtype", "--blocksize", "--damp", "--json"):
         assert opt in res.stdout, opt
+
+
+def test_the_sparsity_help_states_the_defaults_that_apply():
+    """Issue 25 item 11: --help said the default sparsity is 0.5, and --pattern hybrid without
+    --sparsity pruned to 0.25."""
+    import typer
+
+    from sparsekit.pruning.recipes import resolve_settings
+
+    (option,) = [p for p in typer.main.get_command(app).commands["prune"].params if p.name == "sparsity"]
+    for pattern, words in (("unstructured", "default: {:g}"), ("hybrid", "hybrid {:g}")):
+        assert words.format(resolve_settings(pattern=pattern).sparsity) in option.help, (pattern, option.help)
+    assert "implied by N:M" in option.help
+
+
+def test_a_missing_calibration_file_is_reported_before_the_model_loads(workdir, monkeypatch):
+    """Issue 25 item 12: `--calib nosuch.txt` was reported only after the model had loaded."""
+    from sparsekit.hf import models
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded before the calibration path was checked")
+    monkeypatch.setattr(models, "load_model", no_loading)
+    monkeypatch.setattr(models, "resolve_model", no_loading)
+    for calib in ("nosuch.txt", str(workdir / "nosuch.jsonl"), str(workdir)):
+        res = runner.invoke(app, ["prune", str(workdir / "tiny"), "--calib", calib, "-o", str(workdir / "never")])
+        assert res.exit_code == 2, res.output
+        assert len(res.stderr.strip().splitlines()) == 1 and calib in res.stderr, res.stderr
+    assert not (workdir / "never").exists()

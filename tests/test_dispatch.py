@@ -41,8 +41,8 @@ def fake_timings(monkeypatch, table, calls=None):
             calls.append(n)
         return next((s, d) for k, s, d in table[(mods[0].out_features, mods[0].in_features)] if k == n)
 
-    monkeypatch.setattr(dispatch, "_usable", lambda mods: True)
-    monkeypatch.setattr(dispatch, "_time_group", timed)
+    monkeypatch.setattr(dispatch, "kernels_usable", lambda mods: True)
+    monkeypatch.setattr(dispatch, "time_group", timed)
 
 
 def test_speed_runs_losing_groups_dense_and_keeps_copies_for_the_rest(monkeypatch):

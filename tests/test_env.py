@@ -51,7 +51,7 @@ def test_builtin_numba_cuda_target_is_refused_with_the_install_line(fresh_status
     monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(health, "_numba_cuda_version", lambda: None)
+    monkeypatch.setattr(health, "numba_cuda_version", lambda: None)
     fake_numba_cuda(monkeypatch, implementation="Built-in")
     st = health.kernel_status()
     assert not st.ok
@@ -66,13 +66,13 @@ def test_cuda12_torch_gets_the_cu12_extra(monkeypatch):
 def test_a_kernel_that_fails_to_compile_is_caught_at_the_check(fresh_status, monkeypatch):
     monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(health, "_numba_cuda_version", lambda: "0.30.4")
+    monkeypatch.setattr(health, "numba_cuda_version", lambda: "0.30.4")
     fake_numba_cuda(monkeypatch, implementation="NVIDIA", is_available=lambda: True)
 
     def broken():
         raise TypeError("Failed in cuda mode pipeline (step: nopython frontend)\nmore lines")
 
-    monkeypatch.setattr(health, "_self_test", broken)
+    monkeypatch.setattr(health, "self_test", broken)
     st = health.kernel_status()
     assert not st.ok and "TypeError: Failed in cuda mode pipeline" in st.line and "\n" not in st.line
 
@@ -86,7 +86,7 @@ def test_installed_but_inactive_numba_cuda_is_named_as_such(fresh_status, monkey
     """numba-cuda's files are there but its import redirector never ran: numba.cuda is the built-in target."""
     monkeypatch.delenv("NUMBA_ENABLE_CUDASIM", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(health, "_numba_cuda_version", lambda: "0.30.4")
+    monkeypatch.setattr(health, "numba_cuda_version", lambda: "0.30.4")
     fake_numba_cuda(monkeypatch, implementation="Built-in")
     st = health.kernel_status()
     assert not st.ok and "0.30.4 is installed but inactive" in st.line

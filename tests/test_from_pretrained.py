@@ -135,7 +135,7 @@ def test_cpu_reference_path_says_the_same_notice_as_load(packed, monkeypatch):
     from sparsekit.runtime import sparse_linear
 
     model = from_pretrained(packed["llama"])
-    monkeypatch.setattr(sparse_linear, "_notices_shown", set())
+    monkeypatch.setattr(sparse_linear, "notices_shown", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with torch.no_grad():

@@ -4,7 +4,7 @@ What the simulator covers: the whole source of both kernels as written (stage ri
 bookkeeping, SMBD decode and its popcount indexing, the m16n8k16 fragment layout through an exact emulation of the mma contract,
 the CUDA-core variant, split-K partials with the last-block reduction and counter reset, M/K
 padding, token chunking). What it cannot cover: the inline PTX itself (mma.sync, cvt, 16-byte
-loads) and warp-synchronous timing; scripts/gpu_check_kernels.py checks those on a GPU. Sizes are
+loads) and warp-synchronous timing; scripts/checks/gpu_kernels.py checks those on a GPU. Sizes are
 tiny because the simulator runs every thread in Python.
 """
 from __future__ import annotations

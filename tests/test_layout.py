@@ -19,6 +19,7 @@ STAGES = {
     "sparsekit": 0,              # the package root: __version__ and lazy exports only
     "sparsekit.errors": 0,
     "sparsekit.progress": 0,
+    "sparsekit.host": 0,         # output directories and host memory: no models
     "sparsekit.hf": 0,
     "sparsekit.pruning": 1,
     "sparsekit.packed": 2,
@@ -77,7 +78,11 @@ def layering_errors(graph: dict[str, set[str]]) -> list[str]:
     """Imports of a later stage, and modules that import each other (directly or around a cycle)."""
     errors = [f"{m} (stage {stage_of(m)}) imports {d} (stage {stage_of(d)})"
               for m, deps in sorted(graph.items()) for d in sorted(deps) if stage_of(d) > stage_of(m)]
-    # cycles: Tarjan's strongly connected components
+    return errors + import_cycles(graph)
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Modules that import each other, directly or around a cycle (Tarjan's strongly connected components)."""
     index, low, stack, on, comps = {}, {}, [], set(), []
 
     def visit(v):
@@ -106,8 +111,7 @@ def layering_errors(graph: dict[str, set[str]]) -> list[str]:
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    errors += [f"import cycle: {' <-> '.join(c)}" for c in comps]
-    return errors
+    return [f"import cycle: {' <-> '.join(c)}" for c in comps]
 
 
 def package_graph() -> dict[str, set[str]]:
@@ -173,18 +177,98 @@ def private_reaches(path: Path) -> list[str]:
                     aliases.add(a.asname)
     for node in ast.walk(tree):
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
-                and node.attr.startswith("_") and not node.attr.startswith("__")):
+                and _private(node.attr)):
             found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+        elif (isinstance(node, ast.Call) and len(node.args) >= 2 and isinstance(node.args[0], ast.Name)
+              and node.args[0].id in aliases and isinstance(node.args[1], ast.Constant)
+              and isinstance(node.args[1].value, str) and _private(node.args[1].value)):
+            # monkeypatch.setattr(module, "_name", ...), getattr(module, "_name")
+            found.append(f"{path.name}:{node.lineno}: {node.args[0].id}.{node.args[1].value} (by name)")
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("sparsekit.")
+              and any(_private(part) for part in node.value.split("."))):
+            # monkeypatch.setattr("sparsekit.runtime.dispatch._usable", ...)
+            found.append(f"{path.name}:{node.lineno}: {node.value!r}")
     return found
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
 
 
 def test_private_reach_checker_can_fail(tmp_path):
     f = tmp_path / "s.py"
-    f.write_text("from sparsekit.evaluation import speed\nfrom sparsekit.runtime.loader import _x\nspeed._time_ms(1)\n")
-    assert len(private_reaches(f)) == 2
+    f.write_text("from sparsekit.evaluation import speed\nfrom sparsekit.runtime.loader import _x\nspeed._time_ms(1)\n"
+                 "monkeypatch.setattr(speed, '_time_ms', None)\ngetattr(speed, '_y')\n"
+                 "monkeypatch.setattr('sparsekit.runtime.dispatch._usable', None)\n"
+                 "monkeypatch.setattr(speed, 'public', None)\nprint('sparsekit.x', '_z')\n")
+    assert len(private_reaches(f)) == 5
 
 
 @pytest.mark.parametrize("folder", ["tests", "scripts"])
 def test_tests_and_scripts_use_public_names(folder):
-    found = [r for f in sorted((ROOT / folder).glob("*.py")) for r in private_reaches(f)]
+    found = [r for f in sorted((ROOT / folder).rglob("*.py")) for r in private_reaches(f)]
     assert found == []
+
+
+# ----------------------------------------------------------------------------- scripts/
+SCRIPT_GROUPS = ("bench", "checks", "demos")
+
+
+def script_files() -> dict[str, Path]:
+    """``{scripts.group.name: file}`` for every Python file under scripts/."""
+    return {".".join(("scripts", *f.relative_to(ROOT / "scripts").with_suffix("").parts)).removesuffix(".__init__"): f
+            for f in sorted((ROOT / "scripts").rglob("*.py"))}
+
+
+def script_problems(files: dict[str, Path]) -> list[str]:
+    """What the scripts/ rules forbid: a sys.path edit, importing tests, an import cycle between
+    scripts, a WikiText-2 folder named anywhere but in scripts/common.py."""
+    problems, graph = [], {}
+    for name, f in files.items():
+        tree = ast.parse(f.read_text(), str(f))
+        graph[name] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys":
+                problems.append(f"{name}: edits sys.path")
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for m in mods:
+                if m == "tests" or m.startswith("tests.") or m in ("tiny_models", "conftest"):
+                    problems.append(f"{name}: imports the tests ({m})")
+                if m in files and m != name:
+                    graph[name].add(m)
+            if (isinstance(node, ast.Constant) and isinstance(node.value, str) and "wikitext-2-raw-v1" in node.value
+                    and not name.endswith(".common") and "\n" not in node.value and " " not in node.value):
+                problems.append(f"{name}: locates the WikiText-2 folder itself (scripts.common.wikitext_file does)")
+    return problems + import_cycles(graph)
+
+
+def test_scripts_are_grouped_by_purpose_with_one_helper_module():
+    top = {p.name for p in (ROOT / "scripts").iterdir() if p.name != "__pycache__"}
+    assert top == {"__init__.py", *SCRIPT_GROUPS, "common.py"}
+    assert script_problems(script_files()) == []
+
+
+def test_the_readme_lists_every_script():
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `scripts/` |"))
+    for group in SCRIPT_GROUPS:
+        for f in sorted((ROOT / "scripts" / group).iterdir()):
+            if f.suffix in (".py", ".sh") and f.name != "__init__.py":
+                assert f"`{f.name}`" in row.split(f"`{group}/`", 1)[1].split("; ", 1)[0], f"{group}/{f.name}"
+
+
+def test_the_scripts_checker_can_fail(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("import sys\nsys.path.insert(0, 'x')\nfrom scripts.b import y\nD = '../shared/data/wikitext-2-raw-v1'\n")
+    b.write_text("from scripts.a import z\nfrom tiny_models import save_tiny\n")
+    problems = script_problems({"scripts.a": a, "scripts.b": b})
+    assert len(problems) == 4 and any("cycle" in p for p in problems)
+
+
+def test_moved_modules_keep_their_old_names_for_one_release():
+    """``sparsekit.hf.{atomic,outlock,filemode,hostmem}`` moved to ``sparsekit.host``; the old names are
+    the same module objects (so a monkeypatch through either reaches the code)."""
+    import importlib
+
+    for old, new in (("atomic", "atomic"), ("outlock", "outlock"), ("filemode", "filemode"), ("hostmem", "memory")):
+        assert importlib.import_module(f"sparsekit.hf.{old}") is importlib.import_module(f"sparsekit.host.{new}")

@@ -241,14 +241,15 @@ def test_cli_learn_mask_and_refusals(work):
 
 
 def test_demo_script_smoke(tmp_path):
-    """scripts/learn_masks_demo.py end to end on a tiny random model (its --smoke mode)."""
+    """scripts/demos/learn_masks.py end to end on a tiny random model (its --smoke mode), run as the
+    README says: `python -m scripts.demos.learn_masks` from the repository root."""
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "learn_masks_demo.py"
-    res = subprocess.run([sys.executable, str(script), "--smoke", "--sparsities", "0.35", "--out", str(tmp_path / "w"),
-                          "--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-m", "scripts.demos.learn_masks", "--smoke", "--sparsities", "0.35",
+                          "--out", str(tmp_path / "w"), "--json", str(tmp_path / "r.json")],
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     rep = json.loads((tmp_path / "r.json").read_text())
     rows = {r["row"]: r for r in rep["rows"]}

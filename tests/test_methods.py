@@ -259,7 +259,7 @@ def test_cholesky_failure_retries_with_more_damping():
     assert pd == 0.01 and len(quiet) == 1
     bad = InputStats(48, hessian=True)
     bad.hessian = torch.full((48, 48), float("nan"))
-    with pytest.raises(SparsekitError):
+    with pytest.raises(SparsekitError, match="input Hessian is not finite .* calibrate in fp32/bf16 or with other data"):
         prune_weight(w, "sparsegpt", 0.5, "2:4", bad)
 
 

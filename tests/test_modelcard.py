@@ -10,6 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from sparsekit.cli.app import app
+from sparsekit.host.manifest import OUTPUT_MARKER
 from sparsekit.hf import modelcard
 from tests import tiny_models
 
@@ -121,7 +122,8 @@ def test_eval_update_card_records_the_perplexity(dirs, tmp_path):
     assert entry["results"][-1]["dataset"]["name"] == dirs["calib"].name
     assert f"| {dirs['calib'].name} | perplexity (seqlen 32, 3 windows, float32) | {ppl:.4g} |" in body
     assert "No evaluation recorded yet" not in body and front["tags"][0] == "sparsekit"
-    assert [f.name for f in packed.iterdir() if f.name.startswith(".")] == []   # the temporary file was renamed
+    hidden = [f.name for f in packed.iterdir() if f.name.startswith(".")]
+    assert hidden == [OUTPUT_MARKER]   # the temporary file was renamed (the marker is the output's own)
 
 
 @pytest.mark.parametrize("args, message", [(["--speed"], "add --ppl"), ([], "has no sparsekit model card")])

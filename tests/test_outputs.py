@@ -1,6 +1,6 @@
 """Issue 15 (part 1): output writing that keeps every promise, for every command that writes.
 
-prune, encode, export-bitmask, import-bitmask and the demo conversion share ``sparsekit.hf.atomic``:
+prune, encode, export-bitmask, import-bitmask and the demo conversion share ``sparsekit.host.atomic``:
 a lock on the output for the whole run, checks before any work, a rename that never replaces what
 it did not mean to, one-line errors for a full or unwritable disk, clean-up after SIGTERM and after
 a killed run, and an ``--overwrite`` that replaces only sparsekit outputs. Each test failed before.
@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 from sparsekit.cli.app import app
 from sparsekit.errors import SparsekitError
+from sparsekit.host.manifest import STAGING_MARKER
 from sparsekit.packed.encoding import encode
 from sparsekit.packed.interchange import export_bitmask, import_bitmask
 from sparsekit.pruning.api import prune
@@ -128,7 +129,7 @@ def test_rename_never_replaces_an_output_that_appeared_meanwhile(srcs, tmp_path)
 
 
 def test_overwrite_swaps_in_the_new_output_and_leaves_no_old_folder(srcs, tmp_path, monkeypatch):
-    from sparsekit.hf import atomic
+    from sparsekit.host import atomic
 
     out = tmp_path / "x"
     encode(srcs / "pruned", out)
@@ -222,6 +223,58 @@ def test_disk_full_while_writing_is_one_line_and_leaves_nothing(srcs, tmp_path, 
         assert _beside(out) == []
 
 
+
+FULL_SCRIPT = """
+import json, resource, signal, sys
+from typer.testing import CliRunner
+from sparsekit.cli.app import app
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))   # no file may grow past 20 kB: the disk is full
+out = []
+for cmd in json.loads(sys.argv[1]):
+    res = CliRunner().invoke(app, cmd)
+    out.append([res.exit_code, res.stderr, repr(res.exception)])
+print(json.dumps(out))
+"""
+
+
+def test_disk_full_in_safetensors_is_one_line_and_leaves_nothing(srcs, tmp_path):
+    """Issue 25 item 4: the disk filling after the space check passed was a traceback (rc 1) from
+    safetensors' own error type (``SafetensorError ... No space left on device``) for prune (in
+    memory), encode, export-bitmask and import-bitmask. Real writes here, under a file-size limit."""
+    out = tmp_path / "x"
+    cmds = [["prune", str(srcs / "base"), "--method", "magnitude", "--device", "cpu", "--offload", "memory"],
+            ["encode", str(srcs / "pruned")], ["export-bitmask", str(srcs / "pruned")],
+            ["import-bitmask", str(srcs / "bitmask")]]
+    child = _child(FULL_SCRIPT, json.dumps([[*c, "-o", str(out)] for c in cmds]), cwd=tmp_path)
+    stdout, stderr = child.communicate(timeout=300)
+    assert child.returncode == 0, stderr
+    for cmd, (code, err, exc) in zip(cmds, json.loads(stdout.splitlines()[-1])):
+        assert code == 2, (cmd[0], err, exc)
+        last = err.strip().splitlines()[-1]   # (prune's progress bars come first)
+        assert "Traceback" not in err and last.startswith("error: ") and err.count("error") == 1, err
+        assert "File too large" in last and "nothing was written" in last, err
+    assert _beside(out) == []
+
+
+def test_safetensors_no_space_names_the_cause(srcs, tmp_path, monkeypatch):
+    import safetensors.torch
+    import transformers
+    from safetensors import SafetensorError
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(safetensors.torch, "save_file", full)
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", full)
+    out = tmp_path / "x"
+    for run in (lambda: encode(srcs / "pruned", out),
+                lambda: prune(str(srcs / "base"), method="magnitude", output=out, device="cpu", warn=lambda m: None)):
+        with pytest.raises(SparsekitError, match="no space left on the device while writing") as e:
+            run()
+        assert e.value.errno == errno.ENOSPC and _beside(out) == []
+
+
 # ----------------------------------------------------------------------------- 3. killed runs
 KILL_SCRIPT = """
 import os, signal, sys
@@ -261,9 +314,10 @@ def test_leftovers_of_a_killed_run_are_removed_by_the_next_and_reported(srcs, tm
     encode(srcs / "pruned", out, warn=notes.append)    # the next run to the same path
     assert len(notes) == 1 and f"removed {tmp_path / left}" in notes[0]
     assert _beside(out) == ["x"]
-    old = tmp_path / f".x.old-{_dead_pid()}"      # an --overwrite killed after the swap, while deleting the old
+    old = tmp_path / f".x.old-{_dead_pid()}-abc123"   # an --overwrite killed after the swap, while deleting the old
     old.mkdir()
     (old / "w.safetensors").write_bytes(b"0" * 1000)
+    (old / "tcabme.index.json").write_text("{}")      # what is left of a sparsekit output: its marks go last
     notes = []
     encode(srcs / "pruned", out, overwrite=True, warn=notes.append)
     assert len(notes) == 1 and f"removed {old}" in notes[0] and _beside(out) == ["x"]
@@ -297,8 +351,10 @@ def test_demo_conversion_locks_and_cleans_its_cache(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SPARSEKIT_DEMO_GGUF", str(tmp_path / "m.gguf"))
     out = models.demo_cache_dir()
-    stale = out.parent / f".{out.name}.tmp-{_dead_pid()}-killed1"
+    pid = _dead_pid()
+    stale = out.parent / f".{out.name}.tmp-{pid}-killed1"
     stale.mkdir(parents=True)
+    (stale / STAGING_MARKER).write_text(json.dumps({"pid": pid, "output": out.name}))   # as a killed run leaves it
     (stale / "model.safetensors").write_bytes(b"0" * 4096)
     assert models.ensure_demo_model() == out
     assert "removed" in capsys.readouterr().err

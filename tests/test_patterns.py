@@ -45,9 +45,15 @@ def test_parse_and_round_trip(text, kind, n, m, tile):
     assert str(Pattern.parse("hybrid:64")) == "hybrid"
 
 
-@pytest.mark.parametrize("bad", ["", "2:2", "4:2", "0:4", "2-4", "hybrid:6", "hybrid:0", "hybrid:x", "dense2", "2:4:8"])
-def test_parse_rejects(bad):
-    with pytest.raises(SparsekitError):
+@pytest.mark.parametrize("bad, message", [
+    ("", "unknown sparsity pattern ''"), ("2:2", "bad N:M pattern '2:2': need 1 <= N < M"),
+    ("4:2", "bad N:M pattern '4:2'"), ("0:4", "bad N:M pattern '0:4'"), ("2-4", "unknown sparsity pattern '2-4'"),
+    ("hybrid:6", "bad hybrid tile size in 'hybrid:6': the tile must be a positive multiple of 4"),
+    ("hybrid:0", "bad hybrid tile size in 'hybrid:0'"), ("hybrid:x", "unknown sparsity pattern 'hybrid:x'"),
+    ("dense2", "unknown sparsity pattern 'dense2'"), ("2:4:8", "unknown sparsity pattern '2:4:8'"),
+])
+def test_parse_rejects(bad, message):
+    with pytest.raises(SparsekitError, match=message):
         Pattern.parse(bad)
 
 
@@ -58,8 +64,14 @@ def test_resolve_sparsity():
     assert nm.resolve_sparsity(None) == 0.5 and nm.resolve_sparsity(0.5) == 0.5
     assert nm48.resolve_sparsity(None) == 0.75
     assert h.resolve_sparsity(None) == 0.25 and h.resolve_sparsity(0.5) == 0.5 and h.resolve_sparsity(0) == 0
-    for p, s in [(u, 1.0), (u, -0.1), (u, float("nan")), (u, "abc"), (nm, 0.6), (nm48, 0.5), (h, 0.51), (h, -0.01)]:
-        with pytest.raises(SparsekitError):
+    for p, s, message in [(u, 1.0, r"sparsity 1 is out of range: use a value in \[0, 1\)"),
+                          (u, -0.1, "sparsity -0.1 is out of range"), (u, float("nan"), "finite number .* got nan"),
+                          (u, "abc", "must be a number, got 'abc'"), (u, True, "must be a number, got True"),
+                          (nm, 0.6, "pattern 2:4 fixes the sparsity at 0.5, got 0.6"),
+                          (nm48, 0.5, "pattern 1:4 fixes the sparsity at 0.75, got 0.5"),
+                          (h, 0.51, r"sparsity 0.51 is out of range for pattern hybrid: use a value in \[0, 0.5\]"),
+                          (h, -0.01, "sparsity -0.01 is out of range for pattern hybrid")]:
+        with pytest.raises(SparsekitError, match=message):
             p.resolve_sparsity(s)
 
 
@@ -126,7 +138,7 @@ def test_nm_groups_are_consecutive_inputs_of_one_row():
 
 
 def test_nm_rejects_bad_width():
-    with pytest.raises(SparsekitError):
+    with pytest.raises(SparsekitError, match="2:4 needs in_features divisible by 4, got 10"):
         nm_mask(torch.rand(4, 10), 2, 4)
 
 

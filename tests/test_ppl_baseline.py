@@ -113,3 +113,18 @@ def test_different_tokenizer_is_refused(dirs, tmp_path):
 
 def test_baseline_needs_ppl(dirs):
     one_line_error([dirs["pruned"], "--tasks", "x", "--baseline"], "add --ppl")
+
+
+def test_the_table_fits_80_columns(dirs, tmp_path):
+    """Issue 25 item 15: at 80 columns the --baseline table cut its headers and values ("seqle",
+    "devic", "float3"), with the dataset file of the README's demo."""
+    text = tmp_path / "validation.stripped-nonblank-lines.txt"
+    shutil.copy(dirs["text"], text)
+    res = runner.invoke(app, ["eval", str(dirs["pruned"]), "--ppl", "--baseline", "--dataset", str(text),
+                              *WINDOWS], env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert "…" not in res.stdout and all(len(line) <= 80 for line in res.stdout.splitlines())
+    words = set(res.stdout.split())
+    for head in ("seqlen", "windows", "tokens", "nll", "ppl", "dense", "x"):
+        assert head in words, (head, res.stdout)
+    assert "(cpu, float32)" in " ".join(res.stdout.split())

@@ -12,7 +12,7 @@ from sparsekit.errors import SparsekitError
 from sparsekit.pruning.api import prune
 from tiny_models import make_workdir, save_tiny
 
-META_KEYS = {"sparsekit_version", "model", "method", "pattern", "sparsity", "calibration", "skip", "layers",
+META_KEYS = {"schema_version", "sparsekit_version", "model", "method", "pattern", "sparsity", "calibration", "skip", "layers",
              "versions", "elapsed_s"}
 
 
@@ -72,8 +72,11 @@ def test_existing_output_refused_before_loading(workdir):
     with pytest.raises(SparsekitError, match="not a sparsekit output"):  # --overwrite replaces only our outputs
         prune(str(workdir / "no-such-model"), method="magnitude", output=out, overwrite=True)
     assert (out / "keep.txt").read_text() == "mine"
-    (out / "sparsekit.json").write_text("{}")  # an earlier sparsekit output: replaced
-    prune(str(workdir / "llama"), method="magnitude", pattern="4:8", output=out, overwrite=True, device="cpu")
+    (out / "sparsekit.json").write_text("{}")  # an earlier sparsekit output, holding a file of the user's
+    with pytest.raises(SparsekitError, match=r"sparsekit did not write \(keep.txt\).*--delete-extra"):
+        prune(str(workdir / "no-such-model"), method="magnitude", output=out, overwrite=True)
+    prune(str(workdir / "llama"), method="magnitude", pattern="4:8", output=out, overwrite=True, delete_extra=True,
+          device="cpu")
     assert not (out / "keep.txt").exists()
     assert json.loads((out / "sparsekit.json").read_text())["calibration"]["nsamples"] == 0
 

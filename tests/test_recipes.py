@@ -88,6 +88,30 @@ def test_bad_recipes_fail_with_a_clear_message(tmp_path, text, match):
         resolve_settings(_write(tmp_path, text))
 
 
+
+@pytest.mark.parametrize("text,match", [
+    ("calibration: {nsamples: 2.5}\n", r"nsamples must be an integer, got 2\.5"),
+    ("calibration: {seqlen: 64.5}\n", r"seqlen must be an integer, got 64\.5"),
+    ("calibration: {seed: 1.5}\n", r"seed must be an integer, got 1\.5"),
+    ("sparsegpt: {blocksize: 12.5}\n", r"blocksize must be an integer, got 12\.5"),
+    ("calibration: {nsamples: true}\n", "nsamples must be an integer, got True"),
+    ("sparsity: true\n", "sparsity must be a number, got True"),
+    ("sparsegpt: {damp: true}\n", "damp must be a number, got True"),
+    ("", "sets nothing"),
+    ("description: only words\n", "sets nothing"),
+    ("{}\n", "sets nothing"),
+])
+def test_recipe_values_are_taken_as_written_or_refused(tmp_path, text, match):
+    """Issue 25 item 8: nsamples 2.5 silently became 2, an empty recipe ran on the defaults without a
+    word, and sparsity: true said "sparsity 1 is out of range"."""
+    with pytest.raises(SparsekitError, match=match):
+        resolve_settings(_write(tmp_path, text))
+
+
+def test_whole_floats_are_integers(tmp_path):
+    s = resolve_settings(_write(tmp_path, "calibration: {nsamples: 64.0, seqlen: 128}\n"))
+    assert (s.nsamples, s.seqlen) == (64, 128) and isinstance(s.nsamples, int)
+
 def test_missing_recipe_file():
     with pytest.raises(SparsekitError, match="not found"):
         load_recipe("recipes/does-not-exist.yaml")

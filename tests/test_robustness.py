@@ -183,7 +183,7 @@ def test_no_gpu_notice_points_at_the_caller_not_torch(dirs, monkeypatch):
     from sparsekit.runtime import sparse_linear
     from sparsekit.runtime.loader import load_packed
 
-    monkeypatch.setattr(sparse_linear, "_notices_shown", set())
+    monkeypatch.setattr(sparse_linear, "notices_shown", set())
     model = load_packed(dirs / "packed", device="cpu", dtype=torch.float32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -248,7 +248,7 @@ def test_cli_shows_the_no_gpu_notice_as_one_line(dirs, monkeypatch):
     """The CLI printed the notice with a line of torch internals (module.py, return forward_call(...))."""
     from sparsekit.runtime import sparse_linear
 
-    monkeypatch.setattr(sparse_linear, "_notices_shown", set())
+    monkeypatch.setattr(sparse_linear, "notices_shown", set())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     res = runner.invoke(app, ["eval", str(dirs / "packed"), "--dataset", str(dirs / "calib.txt"), "--seqlen", "32",
                               "--max-windows", "1", "--device", "cpu", "--json"])

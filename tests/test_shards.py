@@ -42,9 +42,11 @@ def test_parse_size(text, expect):
     assert sh.parse_size(text) == expect
 
 
-@pytest.mark.parametrize("bad", ["two GB", "-1GB", "0", "5XB"])
-def test_parse_size_rejects(bad):
-    with pytest.raises(SparsekitError):
+@pytest.mark.parametrize("bad, message", [("two GB", "cannot read size 'two GB': write e.g. 2GB"),
+                                          ("-1GB", "cannot read size '-1GB'"), ("5XB", "cannot read size '5XB'"),
+                                          ("0", "shard size must be positive, got '0'")])
+def test_parse_size_rejects(bad, message):
+    with pytest.raises(SparsekitError, match=message):
         sh.parse_size(bad)
 
 

@@ -78,10 +78,11 @@ def test_kernel_check_passes_and_a_wrong_kernel_is_one_line(monkeypatch):
     import sparsekit.runtime.sp24 as mod
 
     dev = "cpu" if SIM else "cuda"
-    monkeypatch.setattr(mod, "_CHECKED", {})
+    mod.forget_checks()
     mod.kernel_check(dev)                                   # the real kernel (simulator on CPU)
-    monkeypatch.setattr(mod, "_CHECKED", {})
+    mod.forget_checks()
     monkeypatch.setattr(mod, "sp24_mm", lambda x, d, s, t, m: torch.zeros(x.shape[0], m))
     with pytest.raises(SparsekitError, match=r"^the 2:4 kernel cannot run on .*off by 1") as e:
         mod.kernel_check(dev)
     assert "\n" not in str(e.value)
+    mod.forget_checks()

@@ -4,7 +4,7 @@ simulator (or on a GPU when there is one).
 What the simulator covers: the twin of ``mma.sp`` m16n8k32 (selector 0) with the fragment and metadata
 layouts of docs/kernels-notes.md "v13-sp", the ``ldmatrix.x4`` exchange, and the whole kernel source
 (tile kinds, strip addressing, the X slot, the metadata shuffle, split-K over warps, token chunks,
-padding). Not covered: the PTX itself (scripts/gpu_check_sp24.py runs these on the device). Sizes are
+padding). Not covered: the PTX itself (scripts/checks/gpu_sp24.py runs these on the device). Sizes are
 tiny: the simulator runs every thread in Python.
 """
 from __future__ import annotations

@@ -162,7 +162,7 @@ def test_a_killed_streamed_prune_leaves_nothing_at_the_target(work, tmp_path):
 
 MEASURE = """
 import json, sys, torch
-from sparsekit.hf.hostmem import current_rss
+from sparsekit.host.memory import current_rss
 from sparsekit.pruning.api import prune
 
 src, out = sys.argv[1:3]

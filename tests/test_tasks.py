@@ -143,6 +143,20 @@ def test_offline_dataset_is_one_line(tiny, in_tasks_dir, monkeypatch):
     assert err.startswith("error:") and "offline" in err and "--include-path" in err and len(err.splitlines()) == 1
 
 
+
+def test_a_relative_data_path_read_from_another_folder_is_one_line(tiny, tmp_path, monkeypatch):
+    """Issue 25 item 6: `eval --tasks NAME --include-path DIR` run from another folder than DIR, when
+    the task's data path is relative, was a 229-line traceback ending in FileNotFoundError."""
+    need_lm_eval()
+    only_local_tasks(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    res = runner.invoke(app, ["eval", str(tiny[0]), "--tasks", TASK, "--include-path", str(TASKS_DIR),
+                              "--device", "cpu"])
+    assert res.exit_code == 2, res.output
+    err = res.stderr.strip()
+    assert err.startswith("error:") and len(err.splitlines()) == 1 and "Traceback" not in res.output, err
+    assert "tiny_mc.jsonl" in err and "relative" in err and str(tmp_path) in err
+
 def test_unknown_task_is_refused_before_loading(tiny, monkeypatch):
     need_lm_eval()
     from sparsekit.evaluation import tasks

@@ -186,10 +186,14 @@ def test_tensors_round_trip_and_to():
     assert torch.equal(bits(decode(q)), bits(w))
 
 
-@pytest.mark.parametrize("bad", [torch.zeros(4, 4, 4, dtype=torch.float16), torch.zeros(8, 8),
-                                 torch.zeros(8, 8, dtype=torch.int8), torch.zeros(0, 8, dtype=torch.float16)])
-def test_bad_input_is_one_clear_error(bad):
-    with pytest.raises(SparsekitError):
+@pytest.mark.parametrize("bad, message", [
+    (torch.zeros(4, 4, 4, dtype=torch.float16), r"packs 2-D linear weights, got shape \(4, 4, 4\)"),
+    (torch.zeros(8, 8), "stores fp16 or bf16 weights, got torch.float32: cast"),
+    (torch.zeros(8, 8, dtype=torch.int8), "stores fp16 or bf16 weights, got torch.int8: cast"),
+    (torch.zeros(0, 8, dtype=torch.float16), r"cannot pack an empty weight of shape \(0, 8\)"),
+])
+def test_bad_input_is_one_clear_error(bad, message):
+    with pytest.raises(SparsekitError, match=message):
         encode(bad)
 
 
@@ -197,7 +201,7 @@ def test_corrupt_offsets_detected():
     w = torch.randn(64, 64, dtype=torch.float16)
     p = encode(w)
     p.gtile_offsets[1] += 8
-    with pytest.raises(SparsekitError):
+    with pytest.raises(SparsekitError, match="corrupt TCA-BME weight: GroupTile offsets do not match .* re-encode"):
         decode(p)
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from sparsekit.errors import SparsekitError
-from sparsekit.hf.checkpoint import METADATA_FILE
+from sparsekit.hf.metadata import METADATA_FILE, PruneMetadata
 from sparsekit.hf.data import cap_seqlen, check_seqlen, eval_text, tokenize
 from sparsekit.hf.models import open_tokenizer, resolve_device, resolve_dtype, resolve_model
 from sparsekit.packed.shards import INDEX_NAME
@@ -162,8 +162,8 @@ def perplexity_of_windows(model, windows: torch.Tensor, device: str | torch.devi
 
 def cats_target(location: str | Path) -> float | None:
     """The CATS activation-sparsity target recorded in ``location``'s ``sparsekit.json``, if any."""
-    with contextlib.suppress(OSError, ValueError, AttributeError, TypeError, KeyError):
-        return float(json.loads((Path(location) / METADATA_FILE).read_text())["cats"]["target"])
+    with contextlib.suppress(SparsekitError, AttributeError, TypeError, KeyError, ValueError):
+        return float(PruneMetadata.read(location).cats["target"])
     return None
 
 
@@ -172,10 +172,9 @@ def baseline_source(location: str | Path, model_dir: str) -> str:
     records, else (a packed directory without one) the ``source_model`` of its index metadata."""
     path = Path(location)
     source = None
-    meta = path / METADATA_FILE
-    if meta.is_file():
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            source = json.loads(meta.read_text()).get("model")
+    if (path / METADATA_FILE).is_file():
+        with contextlib.suppress(SparsekitError):
+            source = PruneMetadata.read(path).model
     elif (path / INDEX_NAME).is_file():
         with contextlib.suppress(OSError, ValueError, AttributeError):
             info = json.loads((path / INDEX_NAME).read_text()).get("metadata") or {}

@@ -176,6 +176,13 @@ def evaluate_tasks(model, tokenizer, tasks: list[str], *, limit: int | float | N
                     f"cannot download the dataset of --tasks {','.join(tasks)}: offline or the Hugging Face hub "
                     f"cannot be reached ({_first_line(e)}); run once with a connection to cache it, or use a "
                     "local task (--include-path DIR)") from None
+            missing = next((x for x in _chain(e) if isinstance(x, FileNotFoundError)), None)
+            if missing is not None:
+                raise SparsekitError(
+                    f"a data file of --tasks {','.join(tasks)} was not found ({_first_line(missing)}): a relative "
+                    f"path in a task YAML (dataset_kwargs: data_files) is read from the current folder "
+                    f"({os.getcwd()}), not from the YAML's; run from the folder it is relative to, or make "
+                    "it absolute") from None
             if _dataset_error(e):
                 raise SparsekitError(f"cannot load the dataset of --tasks {','.join(tasks)} ({_first_line(e)})") from None
             raise

@@ -1,3 +1,3 @@
 """Hugging Face plumbing: resolving and loading dense models and tokenizers, data sets, checkpoints, module finders, transformers compatibility.
-May import only ``sparsekit.errors`` and ``sparsekit.progress`` (and itself); never pruning, packed, kernels, the runtime or evaluation.
+May import only ``sparsekit.errors``, ``sparsekit.progress`` and ``sparsekit.host`` (and itself); never pruning, packed, kernels, the runtime or evaluation.
 """

@@ -1,30 +1,19 @@
-"""Write a pruned model: an ordinary HF checkpoint directory plus ``sparsekit.json``.
+"""Write a pruned model: an ordinary HF checkpoint directory plus ``sparsekit.json``
+(``sparsekit.hf.metadata.PruneMetadata``).
 
 The pruned weights are stored dense, with zeros (the contract between pruning and packing).
-``sparsekit.json``::
-
-    {"sparsekit_version", "model", "method", "pattern", "sparsity", "calibration": {...},
-     "skip": [...], "layers": {"<module name>": {"sparsity", "shape": [out, in], "kind"}},
-     "versions": {...}, "elapsed_s"}
-
-plus, for ``--method cats`` (no weight changed), ``"cats": {"target", "quantile", "activation_sparsity",
-"mlps": {"<gated MLP name>": {"threshold", "activation_sparsity", "samples", "exact"}}}``.
-
 A model card (``README.md``) is written beside it. The directory is written atomically (temporary
 sibling, then rename); an existing output is refused unless ``overwrite``.
 """
 from __future__ import annotations
 
-import json
 import platform
 from pathlib import Path
-from typing import Any
 
 from sparsekit.hf import modelcard
-from sparsekit.hf.atomic import atomic_output_dir
-from sparsekit.hf.filemode import public_tree
-
-METADATA_FILE = "sparsekit.json"
+from sparsekit.hf.metadata import PruneMetadata
+from sparsekit.host.atomic import atomic_output_dir
+from sparsekit.host.filemode import public_tree
 
 
 def package_versions() -> dict[str, str]:
@@ -45,30 +34,19 @@ def package_versions() -> dict[str, str]:
 
 def build_metadata(*, model: str, method: str, pattern: str, sparsity: float, calibration: dict,
                    skip: list[str], layers: dict[str, dict], elapsed_s: float,
-                   cats: dict | None = None) -> dict[str, Any]:
+                   cats: dict | None = None) -> PruneMetadata:
+    """The ``sparsekit.json`` of a prune run (this sparsekit's and its packages' versions included)."""
     from sparsekit import __version__
 
-    meta = {
-        "sparsekit_version": __version__,
-        "model": model,
-        "method": method,
-        "pattern": pattern,
-        "sparsity": sparsity,
-        "calibration": calibration,
-        "skip": list(skip),
-        "layers": {
-            name: {"sparsity": float(r["sparsity"]), "shape": [int(x) for x in r["shape"]], "kind": r["kind"]}
-            for name, r in layers.items()
-        },
-        "versions": package_versions(),
-        "elapsed_s": float(elapsed_s),
-    }
-    if cats is not None:
-        meta["cats"] = cats
-    return meta
+    return PruneMetadata(
+        sparsekit_version=__version__, model=model, method=method, pattern=pattern, sparsity=sparsity,
+        calibration=calibration, skip=list(skip),
+        layers={name: {"sparsity": float(r["sparsity"]), "shape": [int(x) for x in r["shape"]], "kind": r["kind"]}
+                for name, r in layers.items()},
+        versions=package_versions(), elapsed_s=float(elapsed_s), cats=cats)
 
 
-def save_pruned(model, tokenizer, output: str | Path, metadata: dict, *, overwrite: bool = False,
+def save_pruned(model, tokenizer, output: str | Path, metadata: PruneMetadata, *, overwrite: bool = False,
                 max_shard_size: str = "5GB") -> Path:
     """Save ``model`` (on the CPU), its tokenizer and ``metadata`` into ``output`` atomically."""
     with atomic_output_dir(output, overwrite=overwrite) as tmp:
@@ -80,14 +58,10 @@ def save_pruned(model, tokenizer, output: str | Path, metadata: dict, *, overwri
     return Path(output)
 
 
-def write_metadata(directory: Path, metadata: dict, *, replacing: Path | None = None) -> None:
+def write_metadata(directory: Path, metadata: PruneMetadata, *, replacing: Path | None = None) -> None:
     """``sparsekit.json`` and the model card (``README.md``, ``sparsekit.hf.modelcard``) of a pruned
     checkpoint, beside its weights; a README of the user's in the output it replaces stays instead."""
-    (directory / METADATA_FILE).write_text(json.dumps(metadata, indent=2) + "\n")
+    metadata.write(directory)
     modelcard.keep_user_readme(replacing, directory)
     size = sum(f.stat().st_size for f in directory.glob("*.safetensors"))
-    modelcard.write_card(directory, modelcard.render(metadata, packed=None, size_bytes=size))
-
-
-def read_metadata(path: str | Path) -> dict[str, Any]:
-    return json.loads((Path(path) / METADATA_FILE).read_text())
+    modelcard.write_card(directory, modelcard.render(metadata.to_dict(), packed=None, size_bytes=size))

@@ -23,7 +23,6 @@ from sparsekit.errors import SparsekitError
 
 WIKITEXT2 = ("Salesforce/wikitext", "wikitext-2-raw-v1")
 C4 = ("allenai/c4", "en/c4-train.00000-of-01024.json.gz")  # the shard the Wanda/SparseGPT code samples
-ALIASES = ("wikitext2", "c4")
 # The shortest window a user may ask for, in prune (calibration) and eval (perplexity) alike.
 MIN_SEQLEN = 8
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
@@ -135,6 +134,12 @@ def _local_path(source: str) -> Path:
     if not path.is_file():
         raise SparsekitError(f"no file at {source}: pass an existing .txt/.jsonl/.parquet file, or wikitext2 / c4")
     return path
+
+
+def check_source(source: str) -> None:
+    """A source naming a local file must name an existing one: checked before any model loads."""
+    if _is_local(str(source)):
+        _local_path(str(source))
 
 
 def calibration_text(source: str) -> str:

@@ -103,12 +103,12 @@ def demo_gguf_path() -> Path:
 
 def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, overwrite: bool = False) -> Path:
     """Dequantize a GGUF causal LM into an HF safetensors directory (float16 + tokenizer), atomically
-    (``out`` is locked before the dequantization, see ``sparsekit.hf.atomic``)."""
+    (``out`` is locked before the dequantization, see ``sparsekit.host.atomic``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from sparsekit.hf.atomic import atomic_output_dir, claim_output, held_claim
-    from sparsekit.hf.filemode import public_tree
+    from sparsekit.host.atomic import atomic_output_dir, claim_output, held_claim
+    from sparsekit.host.filemode import public_tree
 
     if held_claim(out) is None:
         with claim_output(out, overwrite=overwrite):
@@ -152,7 +152,7 @@ def ensure_demo_model() -> Path:
     out = demo_cache_dir()
     if (out / "config.json").is_file():
         return out
-    from sparsekit.hf.atomic import claim_output
+    from sparsekit.host.atomic import claim_output
 
     gguf = demo_gguf_path()
     try:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from sparsekit.errors import SparsekitError
-from sparsekit.hf.filemode import public_file
+from sparsekit.host.filemode import public_file
 from sparsekit.torch_compat import own_tensors, set_module_tensor
 
 INDEX_NAME = "model.safetensors.index.json"

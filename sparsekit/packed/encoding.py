@@ -1,4 +1,5 @@
-"""``sparsekit encode``: a pruned HF checkpoint (dense weights with zeros) -> a TCA-BME directory.
+"""``sparsekit encode`` (``encode_checkpoint``): a pruned HF checkpoint directory (dense weights with
+zeros) -> a TCA-BME directory. ``tcabme.encode`` packs one tensor.
 
 Which tensors are linear weights comes from ``sparsekit.json`` ("layers") when the pruner wrote
 one, else from the model skeleton built on the meta device from ``config.json``. Each linear
@@ -21,18 +22,20 @@ import numpy as np
 import torch
 
 from sparsekit.hf import modelcard
-from sparsekit.hf.atomic import atomic_output_dir, check_output_dir
+from sparsekit.host.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
+from sparsekit.hf.metadata import PruneMetadata
+from sparsekit.host.jsonfile import read_json_object
 from sparsekit.progress import Progress
 from sparsekit.packed import shards as sh
 from sparsekit.packed import quantconfig, tcabme
+from sparsekit.packed.estimate import encoded_nbytes, files_nbytes, recorded_sparsity
 from sparsekit.pruning.methods.cats import thresholds_from_metadata
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack")
 WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json", sh.INDEX_NAME)
 DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
-ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,12 +85,8 @@ def header_info(files: dict[str, Path]) -> dict[str, tuple[str, list[int]]]:
 
 
 def load_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise SparsekitError(f"{path} is not valid JSON ({e}): fix or remove it") from None
+    """A JSON object file as a dict ({} when absent); anything else is one line naming the file."""
+    return read_json_object(path) if path.is_file() else {}
 
 
 def refuse_bitmask_source(src: Path, config: dict) -> None:
@@ -98,9 +97,19 @@ def refuse_bitmask_source(src: Path, config: dict) -> None:
                              f"`sparsekit import-bitmask {src} -o DIR` first and pass DIR")
 
 
-def linear_modules(src: Path, config: dict, manifest: dict) -> dict[str, bool]:
-    """module name -> transposed (True for GPT-2 Conv1D, stored [in, out])."""
-    layers = manifest.get("layers")
+def check_loadable_source(src: Path) -> None:
+    """What ``sparsekit verify`` asks of the output, asked of the source before any work: a config.json
+    transformers reads, and tokenizer files (both are copied over)."""
+    from sparsekit.hf.models import check_tokenizer_files, read_config
+
+    fix = "copy {} of the source model into it (the packed checkpoint would not load without it)"
+    read_config(src, fix=fix.format("config.json"))
+    check_tokenizer_files(src, fix=fix.format("the tokenizer files"))
+
+
+def linear_modules(src: Path, config: dict, layers: dict) -> dict[str, bool]:
+    """module name -> transposed (True for GPT-2 Conv1D, stored [in, out]): the pruned ``layers`` that
+    ``sparsekit.json`` records, else the linears of the model ``config`` describes."""
     if isinstance(layers, dict) and layers:
         return {name: info.get("kind") == "conv1d" for name, info in layers.items()}
     if not config:
@@ -154,25 +163,27 @@ def detect_pattern(raw) -> str:
     return "unstructured"
 
 
+def side_files(src: Path) -> list[Path]:
+    """Config, generation config, tokenizer files, sparsekit.json, a README of the user's...: everything
+    but weights, dot files and sparsekit's model card (which describes ``src``, not a copy)."""
+    card = modelcard.is_card(src)
+    return [f for f in sorted(src.iterdir()) if f.is_file() and f.name not in WEIGHT_INDEXES
+            and not f.name.endswith(WEIGHT_SUFFIXES) and not f.name.startswith(".")
+            and not (card and f.name == modelcard.CARD_NAME)]
+
+
 def copy_side_files(src: Path, dst: Path) -> list[str]:
-    """Copy config, generation config, tokenizer files, sparsekit.json, a README of the user's...:
-    everything but weights and sparsekit's model card (which describes ``src``, not the copy)."""
-    copied = []
-    for f in sorted(src.iterdir()):
-        if not f.is_file() or f.name in WEIGHT_INDEXES or f.name.endswith(WEIGHT_SUFFIXES) or f.name.startswith("."):
-            continue
-        if f.name == modelcard.CARD_NAME and modelcard.is_card(src):
-            continue
+    """Copy ``side_files(src)`` into ``dst``; their names."""
+    for f in side_files(src):
         shutil.copy2(f, dst / f.name)
-        copied.append(f.name)
-    return copied
+    return [f.name for f in side_files(src)]
 
 
 # --------------------------------------------------------------------------------------------
 # Encoding
 
 
-def encode(
+def encode_checkpoint(
     pruned_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
@@ -182,6 +193,7 @@ def encode(
     overwrite: bool = False,
     progress: Progress | None = None,
     warn: Callable[[str], None] | None = None,
+    delete_extra: bool = False,
 ) -> dict[str, Any]:
     """Pack ``pruned_dir`` into ``out_dir`` (atomic). Returns a report (per-layer info and totals).
 
@@ -189,8 +201,9 @@ def encode(
     ``min_sparsity`` None (the default) packs each linear when packing gains bytes for its pattern
     (``sparsekit.packed.gain.worth_packing``); a number packs those with at least that fraction of zeros.
     ``max_shard_size`` is bytes or a string such as "2GB" / "500MB" / "1GiB". The output is locked,
-    checked and written as ``sparsekit.hf.atomic`` describes; ``warn`` (default: stderr) hears about
-    leftovers of killed runs that were cleaned up.
+    checked and written as ``sparsekit.host.atomic`` describes; ``warn`` (default: stderr) hears about
+    leftovers of killed runs that were cleaned up; ``delete_extra`` lets ``overwrite`` delete files in
+    the old output that sparsekit did not write (refused otherwise).
     """
     t0 = time.perf_counter()
     src, out = Path(pruned_dir), Path(out_dir)
@@ -201,17 +214,21 @@ def encode(
         raise SparsekitError(f"no pruned checkpoint at {src}: pass the output directory of `sparsekit prune`")
     if out.resolve() == src.resolve():
         raise SparsekitError("the output directory must differ from the input: pass another -o")
-    check_output_dir(out, overwrite, [src])
+    check_output_dir(out, overwrite, [src], delete_extra)
 
     files = checkpoint_files(src)
     headers = header_info(files)
     config = load_json(src / "config.json")
     refuse_bitmask_source(src, config)
-    manifest = load_json(src / "sparsekit.json")
-    modules = linear_modules(src, config, manifest)
+    check_loadable_source(src)
+    recorded = PruneMetadata.read(src)
+    meta = recorded or PruneMetadata()
+    manifest = recorded.to_dict() if recorded else {}   # what sparsekit.json says, for the card
+    modules = linear_modules(src, config, meta.layers)
 
     # Validate every linear weight from the headers before any heavy work.
     weight_keys: dict[str, tuple[str, bool]] = {}   # checkpoint key -> (module name, transposed)
+    recorded: dict[str, float | None] = {}          # checkpoint key -> the sparsity sparsekit.json records
     for module, transposed in modules.items():
         key = resolve_key(module, headers)
         if key is None:
@@ -224,6 +241,7 @@ def encode(
                 f"weight {key} has unsupported dtype {dtype}: sparsekit encode reads float16, bfloat16 or float32 checkpoints"
             )
         weight_keys[key] = (key[: -len(".weight")], transposed)
+        recorded[key] = recorded_sparsity(meta.layer(module))
     cast_to = target_dtype(config)
     cast = any(headers[k][0] == "F32" for k in weight_keys)
 
@@ -232,9 +250,10 @@ def encode(
     file_meta = {"format": tcabme.FORMAT_NAME, "format_version": str(tcabme.FORMAT_VERSION)}
     layers: dict[str, dict[str, Any]] = {}
     names = list(files)
-    estimate = sum(int(np.prod(shape)) * (2 if cast and dt == "F32" else ITEM_BYTES.get(dt, 4))
-                   for dt, shape in headers.values())   # the dense size: packing only shrinks it
-    with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=estimate, warn=warn) as tmp:
+    estimate = files_nbytes(side_files(src)) + encoded_nbytes(   # what will be written
+        headers, {k: (t, recorded[k]) for k, (_, t) in weight_keys.items()}, cast, min_sparsity=min_sparsity, force=force)
+    with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=estimate, warn=warn,
+                           delete_extra=delete_extra) as tmp:
         writer = sh.ShardWriter(tmp, max_bytes, file_metadata=file_meta)
         done = 0
         by_file: dict[Path, list[str]] = {}
@@ -254,7 +273,7 @@ def encode(
                         t = c
                     if key in weight_keys:
                         module, transposed = weight_keys[key]
-                        info, tensors = _encode_layer(module, t, transposed, min_sparsity, force, manifest)
+                        info, tensors = _encode_layer(module, t, transposed, min_sparsity, force, meta)
                         if not info["packed"]:
                             info["weight"] = key
                         layers[module] = info
@@ -273,10 +292,10 @@ def encode(
             "format": tcabme.FORMAT_NAME,
             "format_version": tcabme.FORMAT_VERSION,
             "sparsekit_version": _version(),
-            "source_model": manifest.get("model") or config.get("_name_or_path") or str(src),
+            "source_model": meta.model or config.get("_name_or_path") or str(src),
             "source_dir": str(src),
-            "method": manifest.get("method"),
-            "pattern": manifest.get("pattern"),
+            "method": meta.method,
+            "pattern": meta.pattern,
             "dtype": DTYPE_NAMES.get(cast_to if cast else _first_dtype(layers), "float16"),
             "cast_from": "float32" if cast else None,
             "min_sparsity": None if min_sparsity is None else float(min_sparsity),
@@ -314,8 +333,11 @@ def encode(
     }
 
 
+encode = encode_checkpoint   # the old name (beside tcabme.encode, which packs one tensor): kept for one release
+
+
 def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: float, force: bool,
-                  manifest: dict) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+                  meta: PruneMetadata) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     w = (t.t() if transposed else t).contiguous()
     # A pruner that masks by multiplying (w * mask) leaves -0.0 where w was negative. Those are
     # pruned weights, not values: store them as zeros (tcabme.encode itself keeps -0.0 bit-exact).
@@ -333,7 +355,7 @@ def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: 
         "transposed": bool(transposed),
         "dtype": DTYPE_NAMES[w.dtype],
         "sparsity": round(sparsity, 6),
-        "pattern": _layer_pattern(manifest, module) or detect_pattern(raw),
+        "pattern": _layer_pattern(meta, module) or detect_pattern(raw),
         "dense_bytes": dense_bytes,
     }
     if n_negative_zero:
@@ -354,11 +376,11 @@ def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: 
     return info, packed.tensors(module)
 
 
-def _layer_pattern(manifest: dict, module: str) -> str | None:
+def _layer_pattern(meta: PruneMetadata, module: str) -> str | None:
     """The pattern the pruner recorded for this layer (its own entry first, then the run's)."""
-    entry = (manifest.get("layers") or {}).get(module) or {}
+    entry = meta.layer(module)
     info = entry.get("info") if isinstance(entry.get("info"), dict) else {}
-    return entry.get("pattern") or info.get("pattern") or manifest.get("pattern")
+    return entry.get("pattern") or info.get("pattern") or meta.pattern
 
 
 def _first_dtype(layers: dict) -> torch.dtype:

@@ -22,11 +22,13 @@ import numpy as np
 import torch
 
 from sparsekit.packed import shards as sh
-from sparsekit.hf.atomic import atomic_output_dir, check_output_dir
+from sparsekit.host.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
+from sparsekit.hf.metadata import PruneMetadata
 from sparsekit.progress import Progress
-from sparsekit.packed.encoding import (ITEM_BYTES, checkpoint_files, copy_side_files, header_info, linear_modules,
-                                       load_json, refuse_bitmask_source, resolve_key)
+from sparsekit.packed.encoding import (checkpoint_files, copy_side_files, header_info, linear_modules,
+                                       load_json, refuse_bitmask_source, resolve_key, side_files)
+from sparsekit.packed.estimate import HEADER_BYTES, ITEM_BYTES, bitmask_nbytes, files_nbytes, recorded_sparsity
 
 FORMAT = "sparse-bitmask"
 PARTS = ("shape", "compressed", "bitmask", "row_offsets")
@@ -129,7 +131,7 @@ def _dense_tensors(src: Path):
         yield from _packed_tensors(src)
         return
     files = checkpoint_files(src)
-    modules = linear_modules(src, load_json(src / "config.json"), load_json(src / "sparsekit.json"))
+    modules = linear_modules(src, load_json(src / "config.json"), (PruneMetadata.read(src) or PruneMetadata()).layers)
     keys = {resolve_key(m, files) for m in modules} - {None}
     yield len(files)
     from safetensors import safe_open
@@ -143,13 +145,51 @@ def _dense_tensors(src: Path):
                 yield n, f.get_tensor(n), n in keys
 
 
-def _prepare(src, out, overwrite: bool, max_shard_size, what: str):
+def _nbytes(dtype: str, shape) -> int:
+    return int(np.prod(shape)) * ITEM_BYTES.get(dtype, 4)
+
+
+def _export_estimate(src: Path, config: dict) -> int:
+    """The bytes ``export_bitmask`` writes, from the headers and the recorded sparsity of each linear
+    (``sparsekit.packed.estimate``; a linear without one counts as dense)."""
+    from sparsekit.packed.tcabme import FIELDS
+
+    if sh.is_packed_dir(src):
+        index = sh.load_index(src)
+        headers: dict[str, tuple[str, list[int]]] = {}
+        for shard in set(index["weight_map"].values()):
+            header, _ = sh.read_header(src / shard)
+            headers.update({k: (v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"})
+        linears = {}   # tensor names the linears take -> (rows, cols as stored, sparsity, item bytes)
+        for m, info in index["layers"].items():
+            out, inp = info["shape"]
+            shape = (inp, out) if info.get("transposed") else (out, inp)
+            names = ([f"{m}{sh.TCABME_INFIX}{f}" for f in FIELDS] if info.get("packed")
+                     else [info.get("weight", f"{m}.weight")])
+            linears[m] = (names, shape, recorded_sparsity(info), 4 if info.get("dtype") == "float32" else 2)
+    else:
+        headers = header_info(checkpoint_files(src))
+        meta = PruneMetadata.read(src) or PruneMetadata()
+        linears = {}
+        for m in linear_modules(src, config, meta.layers):
+            key = resolve_key(m, headers)
+            if key is not None:
+                dt, shape = headers[key]
+                linears[m] = ([key], tuple(shape), recorded_sparsity(meta.layer(m)),
+                              ITEM_BYTES.get(dt, 4))
+    taken = {n for names, *_ in linears.values() for n in names}
+    total = files_nbytes(side_files(src)) + sum(_nbytes(dt, shape) + HEADER_BYTES
+                                                for n, (dt, shape) in headers.items() if n not in taken)
+    return total + sum(bitmask_nbytes(shape, sparsity or 0.0, item) for _, shape, sparsity, item in linears.values())
+
+
+def _prepare(src, out, overwrite: bool, max_shard_size, what: str, delete_extra: bool = False):
     """The checks both directions start with: ``(src, out, max shard bytes, config.json as a dict)``."""
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise SparsekitError(f"no checkpoint directory at {src}: pass {what}")
     max_bytes = sh.parse_size(max_shard_size)
-    check_output_dir(out, overwrite, [src])
+    check_output_dir(out, overwrite, [src], delete_extra)
     return src, out, max_bytes, load_json(src / "config.json")
 
 
@@ -165,21 +205,24 @@ def _finish_shards(writer, src: Path, tmp: Path) -> list:
 
 def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
                    max_shard_size: int | str = "2GB", progress: Progress | None = None,
-                   warn: Callable[[str], None] | None = None) -> dict[str, Any]:
+                   warn: Callable[[str], None] | None = None, delete_extra: bool = False) -> dict[str, Any]:
     """Write ``src`` (pruned HF dir or TCA-BME dir) as a compressed-tensors sparse-bitmask checkpoint.
 
-    The output is locked, checked and written as ``sparsekit.hf.atomic`` describes (``warn``: see there).
+    The output is locked, checked and written as ``sparsekit.host.atomic`` describes (``warn``,
+    ``delete_extra``: see ``encode``).
     """
     t0 = time.perf_counter()
-    src, out, max_bytes, config = _prepare(src, out, overwrite, max_shard_size, "a pruned or packed sparsekit checkpoint")
+    src, out, max_bytes, config = _prepare(src, out, overwrite, max_shard_size, "a pruned or packed sparsekit checkpoint",
+                                              delete_extra)
     if not config:
         raise SparsekitError(f"{src} has no config.json: cannot write a loadable checkpoint")
     refuse_bitmask_source(src, config)
     it = _dense_tensors(src)
     total = next(it)
     compressed, zeros, numel, done = [], 0, 0, 0
-    estimate = sum(f.stat().st_size for f in src.glob("*.safetensors"))  # the bitmask format is about as small
-    with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=estimate, warn=warn) as tmp:
+    estimate = _export_estimate(src, config)
+    with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=estimate, warn=warn,
+                           delete_extra=delete_extra) as tmp:
         writer = sh.ShardWriter(tmp, max_bytes, stem="model", file_metadata={"format": "pt"})
         for name, t, is_linear in it:
             if is_linear and name.endswith(".weight") and t.dim() == 2 and t.is_floating_point():
@@ -195,14 +238,14 @@ def export_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
             if progress:
                 progress("exporting", done, total, item=name)
         shards = _finish_shards(writer, src, tmp)
-        manifest = load_json(src / "sparsekit.json")
+        meta = PruneMetadata.read(src) or PruneMetadata()
         config = dict(config)
         config["quantization_config"] = {
             "quant_method": "compressed-tensors",
             "sparsity_config": {
                 "format": FORMAT,
                 "global_sparsity": zeros / numel if numel else 0.0,
-                "sparsity_structure": _structure(manifest.get("pattern")),
+                "sparsity_structure": _structure(meta.pattern),
                 "targets": sorted(compressed),
                 "ignore": [],
             },
@@ -223,7 +266,7 @@ def _dense_estimate(files: dict[str, Path], groups: dict[str, dict[str, str]]) -
     """The size of the dense checkpoint import-bitmask writes, from the safetensors headers alone."""
     headers = header_info(files)
     grouped = {n for parts in groups.values() for n in parts.values()}
-    total = sum(int(np.prod(shape)) * ITEM_BYTES.get(dt, 4) for n, (dt, shape) in headers.items() if n not in grouped)
+    total = sum(_nbytes(dt, shape) for n, (dt, shape) in headers.items() if n not in grouped)
     for parts in groups.values():
         bm_shape = headers[parts["bitmask"]][1]
         numel = int(np.prod(bm_shape)) * 8   # rows x ceil(cols / 8) bytes of bits
@@ -233,14 +276,15 @@ def _dense_estimate(files: dict[str, Path], groups: dict[str, dict[str, str]]) -
 
 def import_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool = False,
                    max_shard_size: int | str = "2GB", progress: Progress | None = None,
-                   warn: Callable[[str], None] | None = None) -> dict[str, Any]:
+                   warn: Callable[[str], None] | None = None, delete_extra: bool = False) -> dict[str, Any]:
     """Rebuild a dense pruned HF checkpoint (what `sparsekit encode` reads) from a sparse-bitmask one.
 
-    The output is locked, checked and written as ``sparsekit.hf.atomic`` describes (``warn``: see there).
+    The output is locked, checked and written as ``sparsekit.host.atomic`` describes (``warn``,
+    ``delete_extra``: see ``encode``).
     """
     t0 = time.perf_counter()
     src, out, max_bytes, config = _prepare(src, out, overwrite, max_shard_size,
-                                           "a compressed-tensors sparse-bitmask checkpoint")
+                                           "a compressed-tensors sparse-bitmask checkpoint", delete_extra)
     qc = config.get("quantization_config") or config.get("compression_config") or {}
     sc = qc.get("sparsity_config") or {}
     if sc.get("format") != FORMAT:
@@ -275,7 +319,7 @@ def import_bitmask(src: str | os.PathLike, out: str | os.PathLike, *, overwrite:
     total = len(groups) + len(files) - len(grouped)
     done = 0
     with atomic_output_dir(out, overwrite=overwrite, sources=[src], estimate=_dense_estimate(files, groups),
-                           warn=warn) as tmp:
+                           warn=warn, delete_extra=delete_extra) as tmp:
         writer = sh.ShardWriter(tmp, max_bytes, stem="model", file_metadata={"format": "pt"})
         emitted = set()
         for name in files:

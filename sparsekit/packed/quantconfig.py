@@ -29,13 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from sparsekit.errors import SparsekitError
-from sparsekit.hf import filemode
+from sparsekit.hf.metadata import METADATA_FILE
+from sparsekit.host import filemode
 from sparsekit.packed import shards as sh
 from sparsekit.packed.tcabme import FORMAT_NAME, FORMAT_VERSION
 
 QUANT_METHOD = "sparsekit"
 STUB_NAME = "tcabme.stub.safetensors"
-CATS_FILE = "sparsekit.json"
+CATS_FILE = METADATA_FILE   # sparsekit.json (sparsekit.hf.metadata)
 KEYS = ("quant_method", "format", "format_version", "packed_modules", "cats_thresholds", "sparsekit_version")
 _MODULE = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 _VERSION = re.compile(r"[0-9A-Za-z.+\-]{1,40}")

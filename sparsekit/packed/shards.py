@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from sparsekit.errors import SparsekitError
-from sparsekit.hf import filemode
+from sparsekit.host import filemode
 from sparsekit.packed.tcabme import FIELDS, FORMAT_NAME, FORMAT_VERSION, TcaBme
 
 INDEX_NAME = "tcabme.index.json"

@@ -26,7 +26,6 @@ FORMAT_NAME = "tcabme"
 FORMAT_VERSION = 1
 
 GROUP = 64        # GroupTile edge
-BITMAP = 8        # BitmapTile edge
 BT_PER_GT = 64    # BitmapTiles per GroupTile: 4 strips x 4 TCTiles x 4 BitmapTiles
 ALIGN = 8         # each GroupTile's values are padded to a multiple of 8 (16 bytes)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -58,10 +57,6 @@ class TcaBme:
         return int(self.gtile_offsets.numel()) - 1
 
     @property
-    def nbt(self) -> int:
-        return int(self.bitmaps.numel())
-
-    @property
     def dtype(self) -> torch.dtype:
         return self.values.dtype
 
@@ -84,11 +79,6 @@ class TcaBme:
             + self.strip_offsets.numel() * 4
             + 16
         )
-
-    @property
-    def dense_nbytes(self) -> int:
-        m, k = self.shape
-        return m * k * self.values.element_size()
 
     def to(self, device=None, dtype: torch.dtype | None = None) -> "TcaBme":
         """Move to ``device``; ``dtype`` (fp16/bf16) converts the values only when given.

@@ -69,6 +69,7 @@ def prune(
     progress: Progress | None = None,
     warn: Callable[[str], None] = print,
     cats: float | None = None,
+    delete_extra: bool = False,
 ) -> dict[str, Any]:
     """Prune ``model`` and write the result to ``output``; returns the report (``sparsekit.json``
     plus timings, peak device memory and per-module-type sparsity).
@@ -99,7 +100,9 @@ def prune(
     hybrid tiles over the whole model (one-shot, or as the start of learning). Both record how the
     mask was made under ``learning`` in ``sparsekit.json``.
     """
-    from sparsekit.hf.atomic import claim_output
+    from sparsekit.hf.data import check_source
+    from sparsekit.host.atomic import claim_output
+    from sparsekit.pruning.methods import METHODS
     from sparsekit.pruning.recipes import resolve_settings
 
     t0 = time.perf_counter()
@@ -114,10 +117,12 @@ def prune(
         raise SparsekitError("--learn-mask learns the masks of the decoder linears: drop --prune-lm-head")
     if note := s.ignored_calibration(calib=calib, nsamples=nsamples, seqlen=seqlen):
         warn(note)
+    if METHODS[s.method].needs_calibration or s.cats is not None or learn is not None:
+        check_source(s.dataset)   # a missing --calib file before the model loads
     if batch_size is not None and (isinstance(batch_size, bool) or int(batch_size) != batch_size or batch_size < 1):
         raise SparsekitError(f"batch size must be a positive number of windows, got {batch_size!r}: drop --batch-size for the default")
     out = Path(output) if output is not None else default_output(model, s.method, s.pattern, s.sparsity, s.cats)
-    with claim_output(out, overwrite=overwrite, warn=warn) as claim:  # checked and locked before any work
+    with claim_output(out, overwrite=overwrite, warn=warn, delete_extra=delete_extra) as claim:  # checked and locked before any work
         return _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offload, progress, warn, t0, learn)
 
 
@@ -126,7 +131,7 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
     import contextlib
 
     from sparsekit.hf import checkpoint
-    from sparsekit.hf.hostmem import HostPeak
+    from sparsekit.host.memory import HostPeak
     from sparsekit.pruning.streamed import StreamedModel, choose_offload
     from sparsekit.pruning.methods.cats import cats_metadata, read_thresholds, require_gated_mlps, thresholds_in_force
     from sparsekit.hf.models import load_model, model_context, open_tokenizer, resolve_device, resolve_dtype, resolve_model
@@ -224,13 +229,13 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
             calibration=calibration, skip=s.skip, layers=report["layers"], elapsed_s=elapsed, **extra,
         )
         if "learning" in report:
-            meta["learning"] = report["learning"]
+            meta.learning = report["learning"]
         if stream:
             stream.finish(staged, tokenizer, meta, Path(out))
         else:
             checkpoint.save_pruned(net, tokenizer, out, meta, overwrite=overwrite)
     return {
-        **meta,
+        **meta.to_dict(),
         "output": str(out),
         "device": str(dev),
         "dtype": str(torch_dtype).removeprefix("torch."),

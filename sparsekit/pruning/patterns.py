@@ -98,6 +98,8 @@ class Pattern:
         if sparsity is None:
             return self.default_sparsity
         try:
+            if isinstance(sparsity, bool):  # float(True) is 1.0: "sparsity 1 is out of range" was wrong
+                raise TypeError
             s = float(sparsity)
         except (TypeError, ValueError):
             raise SparsekitError(f"sparsity must be a number, got {sparsity!r}") from None

@@ -151,6 +151,9 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
             raise SparsekitError(f"recipe {path}: {section} must be a mapping of {', '.join(sorted(keys))}")
         _check_keys(section, sub, keys, path)
         out.update(sub)
+    if not out:
+        raise SparsekitError(f"recipe {path} sets nothing (it would run on the defaults): give it some of "
+                             f"{', '.join(sorted(_TOP_KEYS - {'description'}))}, or drop --recipe")
     return out
 
 
@@ -175,6 +178,25 @@ def resolve_settings(recipe: str | Path | None = None, **overrides: Any) -> Prun
         if Pattern.parse(str(overrides["pattern"])).is_nm:
             settings["sparsity"] = None  # the recipe's sparsity went with its pattern; N:M fixes its own
     return validate(settings)
+
+
+def _integer(key: str, value: Any) -> int:
+    """``value`` as an int, refusing what is not one as written (2.5, true) instead of rounding it."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise SparsekitError(f"{key} must be an integer, got {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise SparsekitError(f"{key} must be an integer, got {value!r}") from None
+
+
+def _number(key: str, value: Any) -> float:
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return float(value)
+    except (TypeError, ValueError):
+        raise SparsekitError(f"{key} must be a number, got {value!r}") from None
 
 
 def _check_cats(cats: Any, method) -> float | None:
@@ -211,17 +233,11 @@ def validate(s: dict[str, Any]) -> PruneSettings:
     s["sparsity"] = pattern.resolve_sparsity(s["sparsity"])  # None -> the pattern's default
     s["pattern"] = str(pattern)
     for key, lo in (("nsamples", 1), ("seqlen", MIN_SEQLEN), ("blocksize", 1)):
-        try:
-            s[key] = int(s[key])
-        except (TypeError, ValueError):
-            raise SparsekitError(f"{key} must be an integer, got {s[key]!r}") from None
+        s[key] = _integer(key, s[key])
         if s[key] < lo:
             raise SparsekitError(f"{key} must be at least {lo}, got {s[key]}")
-    for key, kind in (("seed", int), ("damp", float)):
-        try:
-            s[key] = kind(s[key])
-        except (TypeError, ValueError):
-            raise SparsekitError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {s[key]!r}") from None
+    s["seed"] = _integer("seed", s["seed"])
+    s["damp"] = _number("damp", s["damp"])
     if not -(2**63) <= s["seed"] < 2**64:  # what torch.Generator.manual_seed accepts
         raise SparsekitError(f"seed {s['seed']} is out of range: use a 64-bit integer, e.g. 0")
     if not 0 < s["damp"] < 1:

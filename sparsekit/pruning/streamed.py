@@ -13,7 +13,7 @@
   output shards as soon as it is pruned, then dropped;
 - :meth:`finish` writes the tensors outside the stack (an untied head is read and copied only now),
   the config, tokenizer and ``sparsekit.json``; the output directory is the claim's staging folder
-  (``hf.atomic``), renamed into place only when everything is written.
+  (``host.atomic``), renamed into place only when everything is written.
 
 The output keeps the source checkpoint's tensor names; floating tensors are stored in the save dtype
 exactly as the in-memory path stores them, so both paths write the same tensors, bit for bit.
@@ -29,7 +29,7 @@ import torch
 from sparsekit.errors import SparsekitError
 from sparsekit.hf import modules as L
 from sparsekit.hf.compat import checkpoint_renamings, meta_skeleton
-from sparsekit.hf.hostmem import available_memory
+from sparsekit.host.memory import available_memory
 from sparsekit.hf.streaming import SafetensorsSource, ShardedWriter, safetensors_files
 
 OFFLOAD_MODES = ("auto", "memory", "disk")
@@ -185,10 +185,11 @@ class StreamedModel:
             self.write(name, t.data)
             self.slots.reset(name)
 
-    def finish(self, tmp: Path, tokenizer, metadata: dict, output: Path | None = None) -> None:
-        """Close the shards and write the config, tokenizer, ``metadata`` and the model card beside them."""
+    def finish(self, tmp: Path, tokenizer, metadata, output: Path | None = None) -> None:
+        """Close the shards and write the config, tokenizer, ``metadata`` (a ``PruneMetadata``) and the model
+        card beside them."""
         from sparsekit.hf.checkpoint import write_metadata
-        from sparsekit.hf.filemode import public_tree
+        from sparsekit.host.filemode import public_tree
 
         self.writer.close()
         config = self.model.config

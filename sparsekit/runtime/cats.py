@@ -14,7 +14,6 @@ import contextlib
 import torch
 from torch import nn
 
-from sparsekit.errors import SparsekitError
 from sparsekit.pruning.methods.cats import named_gated_mlps, read_thresholds, threshold_activation
 
 

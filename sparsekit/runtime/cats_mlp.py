@@ -18,7 +18,7 @@ model must never be slower than its weight sparsity alone. Such MLPs keep the th
 activation on the TCA-BME path.
 
 More tokens take the original module (thresholded activation, the MLP's own linears): at batch
-> 1 the union of active neurons grows, and ``scripts/bench_cats.py`` measures where the kernels stop
+> 1 the union of active neurons grows, and ``scripts/bench/cats.py`` measures where the kernels stop
 paying (``DEFAULT_MAX_TOKENS``; env ``SPARSEKIT_CATS_MAX_TOKENS`` overrides).
 """
 from __future__ import annotations
@@ -136,6 +136,10 @@ def eligible(mlp: nn.Module) -> str | None:
     for name in ("gate_proj", "up_proj", "down_proj"):
         if getattr(getattr(mlp, name), "bias", None) is not None:
             return f"{name} has a bias"
+    packed = [n for n in ("up_proj", "down_proj") if isinstance(getattr(mlp, n), SparseLinear)]
+    if packed and os.environ.get("SPARSEKIT_CATS_ROWS") != "1":   # the layers' kind, before where they are
+        return (f"{' and '.join(packed)} packed: the row-packed CATS kernels are slower than TCA-BME alone "
+                "(scripts/bench/cats.py); SPARSEKIT_CATS_ROWS=1 uses them anyway")
     for name in ("gate_proj", "up_proj", "down_proj"):
         lin = getattr(mlp, name)
         if isinstance(lin, nn.Linear) and (lin.weight.dtype != torch.float16 or not lin.weight.is_cuda):
@@ -144,10 +148,6 @@ def eligible(mlp: nn.Module) -> str | None:
             return "weights not on a GPU"
     if mlp.up_proj.in_features % 8:
         return "hidden size not divisible by 8"
-    packed = [n for n in ("up_proj", "down_proj") if isinstance(getattr(mlp, n), SparseLinear)]
-    if packed and os.environ.get("SPARSEKIT_CATS_ROWS") != "1":
-        return (f"{' and '.join(packed)} packed: the row-packed CATS kernels are slower than TCA-BME alone "
-                "(scripts/bench_cats.py); SPARSEKIT_CATS_ROWS=1 uses them anyway")
     return None
 
 

@@ -24,7 +24,7 @@ equalized (``fusion.equalize_packed_sizes`` / ``prepare_for_decode``), else ever
 compiles its own graph.
 
 ``use_graph=False`` (or no GPU) runs the very same step eagerly: the fallback, and the reference
-the graph is checked against (scripts/gpu_check_runtime.py). Prompts in a batch share one length
+the graph is checked against (scripts/checks/gpu_runtime.py). Prompts in a batch share one length
 (no padding); decoding is greedy and ignores EOS, which is what speed measurement needs.
 """
 from __future__ import annotations

@@ -44,7 +44,7 @@ def _group_key(m: SparseLinear) -> tuple:
     return (m.out_features, m.in_features, round(m.sparsity, 1), m.bias is not None)
 
 
-def _time_group(layers: list[SparseLinear], dense: list[torch.Tensor], n: int) -> tuple[float, float]:
+def time_group(layers: list[SparseLinear], dense: list[torch.Tensor], n: int) -> tuple[float, float]:
     """(sparse ms, dense ms) of one pass over ``layers`` (and their decoded weights ``dense``) at ``n`` tokens."""
     x = torch.randn(n, layers[0].in_features, device=layers[0].values.device, dtype=torch.float16)
     sparse_ms = graph_ms(lambda: [m.kernel_forward(x) for m in layers])
@@ -64,7 +64,8 @@ def crossover(rows: list[dict], margin: float = MARGIN) -> int:
     return best
 
 
-def _usable(mods: list[SparseLinear]) -> bool:
+def kernels_usable(mods: list[SparseLinear]) -> bool:
+    """Whether the sparse kernels can run these layers here (on a CUDA GPU, after their self-test)."""
     return mods[0].values.is_cuda and kernels_ready()
 
 
@@ -83,7 +84,7 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
                            "dense_layers": {}, "dense_copy_bytes": 0}
     if not names:
         return out
-    if not _usable(list(names.values())):
+    if not kernels_usable(list(names.values())):
         out["skipped"] = "no usable GPU kernels: the sparse layers keep the reference path"
         return out
     counts = sorted(int(n) for n in token_counts)
@@ -133,7 +134,7 @@ def _measure_group(timed: list[SparseLinear], counts: list[int]) -> list[dict]:
     dense = [m.dense_weight(torch.float16) for m in timed]  # decoded once per group, for every count
     rows = []
     for n in counts:
-        s_ms, d_ms = _time_group(timed, dense, n)
+        s_ms, d_ms = time_group(timed, dense, n)
         rows.append({"n": n, "sparse_ms": s_ms / len(timed), "dense_ms": d_ms / len(timed),
                      "speedup": d_ms / s_ms if s_ms > 0 else None})
         if crossover(rows) < n:

@@ -1,7 +1,9 @@
 """Text generation from a loaded model (``runtime.loader.load``): one prompt, or a chat with history.
 
 ``generate_text`` continues one prompt and returns the text with its timings; ``on_text`` receives
-the text as it is produced (whole words, through a transformers ``TextStreamer``). Two engines:
+the text token by token as it is produced (``TokenStreamer``), and on an interrupt (Ctrl-C, SIGTERM)
+everything generated so far before the exception goes on. ``max_new_tokens`` is capped so that
+prompt and reply fit the model's context (a ``SparsekitWarning`` says so). Two engines:
 
 * ``"hf"``: transformers' ``model.generate`` (greedy, or sampling with temperature and top-p), with
   everything the model's generation config asks for; works everywhere.
@@ -18,13 +20,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import torch
 from torch import nn
 
-from sparsekit.errors import SparsekitError, strict_mode
+from sparsekit.errors import SparsekitError, SparsekitWarning, strict_mode
 
 ENGINES = ("auto", "hf", "static")
 # generation-config fields that change greedy logits: the static engine does not apply them
@@ -119,9 +122,9 @@ class StopFilter:
 
 
 def _streamer(tokenizer, on_text: Callable[[str], None], skip_prompt: bool, clock: dict):
-    from transformers import TextStreamer
+    from sparsekit.runtime.streamer import TokenStreamer
 
-    class _Streamer(TextStreamer):
+    class _Streamer(TokenStreamer):
         def put(self, value):
             if not (self.skip_prompt and self.next_tokens_are_prompt) and "first" not in clock:
                 clock["first"] = time.perf_counter()
@@ -133,6 +136,25 @@ def _streamer(tokenizer, on_text: Callable[[str], None], skip_prompt: bool, cloc
     return _Streamer(tokenizer, skip_prompt=skip_prompt, skip_special_tokens=True)
 
 
+def fit_context(model: nn.Module, prompt_tokens: int, sampling: Sampling) -> Sampling:
+    """``sampling`` with ``max_new_tokens`` cut so that prompt and reply fit the model's context
+    (a ``SparsekitWarning`` says so); a prompt that fills the context is a one-line error."""
+    from sparsekit.hf.models import model_context
+
+    ctx = model_context(model)
+    if not ctx:
+        return sampling
+    room = ctx - prompt_tokens
+    if room < 1:
+        raise SparsekitError(f"the prompt takes {prompt_tokens} tokens, the whole context of the model ({ctx}): "
+                             "shorten it (or /reset the chat)")
+    if sampling.max_new_tokens <= room:
+        return sampling
+    warnings.warn(f"--max-new-tokens {sampling.max_new_tokens} goes past the model's context of {ctx} tokens: "
+                  f"at most {room} new tokens (the prompt takes {prompt_tokens})", SparsekitWarning, stacklevel=2)
+    return replace(sampling, max_new_tokens=room)
+
+
 @torch.no_grad()
 def generate_ids(model: nn.Module, tokenizer, input_ids: torch.Tensor, sampling: Sampling, *,
                  on_text: Callable[[str], None] | None = None, engine: str = "auto",
@@ -141,6 +163,7 @@ def generate_ids(model: nn.Module, tokenizer, input_ids: torch.Tensor, sampling:
     requested, engine = engine, pick_engine(model, sampling, engine)
     dev = model_device(model)
     input_ids = input_ids.to(dev)
+    sampling = fit_context(model, int(input_ids.shape[1]), sampling)
     sink = stop if stop is not None else on_text
     clock: dict = {}
     streamer = _streamer(tokenizer, sink or (lambda _t: None), engine == "hf", clock)
@@ -148,23 +171,25 @@ def generate_ids(model: nn.Module, tokenizer, input_ids: torch.Tensor, sampling:
         torch.manual_seed(sampling.seed)
     notes: list[str] = []
     start = time.perf_counter()
-    if engine == "hf":
-        new = _hf_generate(model, tokenizer, input_ids, sampling, streamer, stop)
-    else:
-        try:
-            new = _static_generate(model, input_ids, sampling.max_new_tokens, eos_ids(model, tokenizer), streamer,
-                                   stop, notes, clock)
-        except _NoStaticDecoder as e:
-            if requested == "static" or strict_mode():
-                raise SparsekitError(f"the static decoder cannot run this model: {e.__cause__}") from None
-            notes.append(f"the static decoder cannot run this model ({e.__cause__}): decoding with transformers' "
-                         "generate, slower")
-            engine = "hf"
-            streamer.skip_prompt = streamer.next_tokens_are_prompt = True
+    try:
+        if engine == "hf":
             new = _hf_generate(model, tokenizer, input_ids, sampling, streamer, stop)
-    streamer.end()
-    if stop is not None:
-        stop.flush()
+        else:
+            try:
+                new = _static_generate(model, input_ids, sampling.max_new_tokens, eos_ids(model, tokenizer), streamer,
+                                       stop, notes, clock)
+            except _NoStaticDecoder as e:
+                if requested == "static" or strict_mode():
+                    raise SparsekitError(f"the static decoder cannot run this model: {e.__cause__}") from None
+                notes.append(f"the static decoder cannot run this model ({e.__cause__}): decoding with transformers' "
+                             "generate, slower")
+                engine = "hf"
+                streamer.skip_prompt = streamer.next_tokens_are_prompt = True
+                new = _hf_generate(model, tokenizer, input_ids, sampling, streamer, stop)
+    finally:  # also on Ctrl-C / SIGTERM: what was generated so far goes out
+        streamer.end()
+        if stop is not None:
+            stop.flush()
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     warmup = clock.get("warmup", 0.0)

@@ -104,7 +104,7 @@ def load(id_or_path=None, device="cpu", dtype=None, *, prefer: str | None = None
     ``device`` (``auto``/``cpu``/``cuda``) in ``dtype`` (default float16 on CUDA, float32 on CPU), in
     eval mode, with its CATS thresholds installed. Packed linears run as ``SparseLinear``.
     ``prefer`` (``"speed"`` or ``"memory"``, on a GPU): run each sparse layer in its fastest form,
-    measured now (``runtime.dispatch.plan_dispatch``; its report is ``model.sparsekit_dispatch``)."""
+    measured now (``runtime.dispatch.plan_dispatch``, which returns the report when called itself)."""
     dev = models.resolve_device(device)
     torch_dtype = models.resolve_dtype(dtype, dev)
     location = models.resolve_model(id_or_path)
@@ -133,21 +133,24 @@ def make_ready(model: nn.Module, path: Path, device: torch.device, *, prefer: st
     if device.type == "cuda" and any(isinstance(m, SparseLinear) for m in model.modules()):
         kernel()  # the kernels' load-time check: on failure one notice now, the reference path later
         if prefer is not None:
-            model.sparsekit_dispatch = plan_dispatch(model, prefer=prefer)
+            plan_dispatch(model, prefer=prefer)
     return model
 
 
-def load_packed(path, device="cuda", dtype: torch.dtype = torch.float16, *, prefer: str | None = None) -> nn.Module:
-    """A HF causal LM whose packed linears are ``SparseLinear`` modules, on ``device``, in eval mode.
+def load_packed(path, device="auto", dtype: torch.dtype | str | None = None, *, prefer: str | None = None) -> nn.Module:
+    """A HF causal LM whose packed linears are ``SparseLinear`` modules, on ``device`` (``auto``: the GPU
+    when there is one, else the CPU, like ``load``), in eval mode.
 
-    ``dtype`` applies to the dense tensors (embeddings, norms, biases); the packed values keep
-    their stored dtype. The bundled kernels need fp16 activations, so keep the default on a GPU.
+    ``dtype`` applies to the dense tensors (embeddings, norms, biases; default float16 on CUDA, float32
+    on the CPU); the packed values keep their stored dtype. The bundled kernels need fp16 activations,
+    so keep the default on a GPU.
     ``prefer="speed"`` measures each group of sparse layers against cuBLAS now and runs each in its
     faster form (dense copies kept where dense wins; ``"memory"`` keeps the packed weights only).
     """
     path = Path(path)
     check_packed_dir(path)
-    return open_model(path, models.resolve_device(device), dtype, prefer=prefer)
+    dev = models.resolve_device(device)
+    return open_model(path, dev, models.resolve_dtype(dtype, dev), prefer=prefer)
 
 
 def _open_packed(path: Path, dev: torch.device, dtype: torch.dtype) -> nn.Module:

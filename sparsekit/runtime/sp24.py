@@ -5,7 +5,7 @@ all 2:4 or dense (``sparsekit.packed.sp24``) and keeps the layout beside it (non
 nothing changes on disk). Those layers then run ``sparsekit.kernels.sp24.sp24_matmul`` (``mma.sp`` on
 2:4 tiles, ``mma.sync`` on dense ones) on a GPU wherever they would run the TCA-BME kernel (fp16, at
 most ``dense_above`` tokens) up to ``SparseLinear.sp24_max_n`` tokens; prefill and the CPU keep their paths. Not on by default: it has not been
-measured on a GPU yet (docs/kernels-notes.md "v13-sp" holds the prediction, scripts/gpu_check_sp24.py
+measured on a GPU yet (docs/kernels-notes.md "v13-sp" holds the prediction, scripts/checks/gpu_sp24.py
 the check).
 """
 from __future__ import annotations
@@ -53,6 +53,11 @@ def kernel_check(device) -> None:
             _CHECKED[key] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
     if _CHECKED[key]:
         raise SparsekitError(f"the 2:4 kernel cannot run on {key} ({_CHECKED[key]}): leave the layers on TCA-BME")
+
+
+def forget_checks() -> None:
+    """Forget which devices ``kernel_check`` passed (the next call checks again)."""
+    _CHECKED.clear()
 
 
 def _tensors(layout: Sp24Layout) -> tuple:

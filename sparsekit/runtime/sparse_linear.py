@@ -9,7 +9,7 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
 * CUDA, ``N > dense_above`` with a kept dense copy (``runtime.dispatch``, ``prefer="speed"``) ->
   ``F.linear`` on that copy.
 * CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (the
-  decode kernel ``sparsekit.kernels.decode``), then ``F.linear`` (cuBLAS). The threshold is measured by ``scripts/gpu_check_runtime.py`` (kernel
+  decode kernel ``sparsekit.kernels.decode``), then ``F.linear`` (cuBLAS). The threshold is measured by ``scripts/checks/gpu_runtime.py`` (kernel
   vs decode + cuBLAS per N) and recorded in docs/benchmarks.md ("End to end"); override it with
   the environment variable ``SPARSEKIT_DENSE_ABOVE`` or per module (``layer.dense_above = n``).
   Inside a compiled or graph-captured step the decode is ``decode_dense`` (no host sync).
@@ -34,14 +34,14 @@ from sparsekit.errors import SparsekitError, SparsekitWarning
 from sparsekit.packed.tcabme import TcaBme, decode, encode
 
 # Kernel up to and including this many tokens, decode + cuBLAS above: measured on an H100 with
-# scripts/gpu_check_runtime.py (7B shapes, 50%, eager calls; see docs/benchmarks.md, "End to end").
+# scripts/checks/gpu_runtime.py (7B shapes, 50%, eager calls; see docs/benchmarks.md, "End to end").
 # With the decode kernel (0.11-0.19 ms per 7B weight) decode + cuBLAS wins from 96 tokens on.
 DEFAULT_DENSE_ABOVE = 64
 
 NO_GPU_NOTICE = "no CUDA GPU: sparse layers run the reference path (decode + matmul), which is slow"
 CPU_NOTICE = "sparse layers on the CPU run the reference path (decode + matmul), which is slow"
 
-_notices_shown: set[str] = set()
+notices_shown: set[str] = set()   # the notices this process has shown (``notice_once``)
 
 
 # Frames of these packages are not where a notice "comes from": it points at the caller's own line
@@ -63,14 +63,17 @@ def _caller_frame():
 def notice_once(message: str) -> None:
     """Warn once per process with a ``SparsekitWarning`` (a UserWarning) attributed to the first
     caller outside torch / transformers / sparsekit; the CLI shows just the message on stderr."""
-    if message in _notices_shown:
+    if message in notices_shown:
         return
-    _notices_shown.add(message)
+    notices_shown.add(message)
     frame = _caller_frame()
     module = frame.f_globals.get("__name__", "sparsekit")
-    warnings.warn_explicit(message, SparsekitWarning, frame.f_code.co_filename, frame.f_lineno, module=module,
-                           registry=frame.f_globals.setdefault("__warningregistry__", {}),
-                           module_globals=frame.f_globals)
+    where = dict(filename=frame.f_code.co_filename, lineno=frame.f_lineno, module=module,
+                 registry=frame.f_globals.setdefault("__warningregistry__", {}))
+    try:
+        warnings.warn_explicit(message, SparsekitWarning, module_globals=frame.f_globals, **where)
+    except ImportError:  # a caller run as `python -m pkg.mod`: its loader will not read "__main__"'s source
+        warnings.warn_explicit(message, SparsekitWarning, **where)
 
 
 _KERNEL: Callable | None | bool = None  # None: not looked up yet; False: unavailable

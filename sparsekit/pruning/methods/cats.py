@@ -25,9 +25,7 @@ as it was.
 from __future__ import annotations
 
 import contextlib
-import json
 import zlib
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -128,14 +126,10 @@ def thresholds_from_metadata(meta: dict) -> dict[str, float]:
 
 def read_thresholds(directory) -> dict[str, float]:
     """``{mlp name: threshold}`` from ``directory/sparsekit.json`` (empty when there is none or no CATS entry)."""
-    path = Path(directory) / "sparsekit.json"
-    if not path.is_file():
-        return {}
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SparsekitError(f"{path} cannot be read ({e}): fix or remove it") from None
-    return thresholds_from_metadata(meta)
+    from sparsekit.hf.metadata import PruneMetadata
+
+    meta = PruneMetadata.read(directory)
+    return thresholds_from_metadata({"cats": meta.cats}) if meta is not None else {}
 
 
 def named_gated_mlps(model: nn.Module, names) -> dict[str, nn.Module]:

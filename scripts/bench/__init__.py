@@ -1,0 +1,1 @@
+"""scripts.bench: see scripts/__init__.py."""

@@ -1,0 +1,1 @@
+"""scripts.checks: see scripts/__init__.py."""

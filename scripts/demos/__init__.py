@@ -1,0 +1,1 @@
+"""scripts.demos: see scripts/__init__.py."""
