@@ -1,7 +1,8 @@
 """Numba CUDA kernels for TCA-BME sparse x dense products (installed as ``sparsekit.kernels``).
 
 Owns the GPU kernels, their launch planning and launches, and every reach into numba's internals.
-May import only ``sparsekit.errors`` and ``sparsekit.packed.tcabme`` (the format); never the runtime.
+May import only ``sparsekit.errors``, ``sparsekit.packed.tcabme`` (the format) and ``sparsekit.packed.sp24``
+(the runtime layout of 2:4 and hybrid weights); never the runtime.
 
     tcabme_matmul(x, w, out=None)  # y[N, M] = x[N, K] @ W^T, W packed (sparsekit.packed.tcabme.TcaBme)
     reference_matmul(x, w)          # decode + matmul, any device
@@ -13,6 +14,8 @@ Modules: ``plan`` (pure launch planning: grids, warps, stages, shared memory, tu
 cuda-core internals, with the versions checked), ``common`` (``SIM``: simulator or GPU), ``spmm`` /
 ``spmm_warp`` / ``decode`` (the kernels), ``_intrinsics*`` / ``_warp_intrinsics*`` (their device
 primitives: ``_ptx`` on a GPU, ``_sim`` under the simulator), ``health`` (can the kernels run here).
+2:4 and hybrid weights: ``sp24`` (``sp24_matmul``, host side), ``sp24_plan``, ``sp24_kernel`` (mma.sp for
+2:4 tiles, mma.sync for dense ones), ``_sp_intrinsics*``, ``sp24_probe`` (one mma.sp, for checks).
 
 Importing this package is cheap and safe on a CPU-only machine: numba.cuda and the kernels load
 on first use.

@@ -9,7 +9,7 @@ what a kernel computes. What reaches in:
 - ``silence_low_occupancy_warnings``: both numba's and numba-cuda's config copies;
 - ``cuda_typing``: numba-cuda >= 0.20 carries its own ``types`` / ``cgutils``, the bundled target uses
   numba.core's;
-- ``sim_syncthreads``: the simulator's per-thread kernel context (``_get_kernel_context``);
+- ``sim_kernel`` / ``sim_syncthreads``: the simulator's per-launch kernel context (``_get_kernel_context``);
 - ``opt_in_smem``: ``Dispatcher._compile_for_args`` + the code library's ``CUfunction`` +
   ``cuKernelSetAttribute`` (dynamic shared memory past 48 KB);
 - ``fast_entry`` / ``launch_direct`` / ``flat``: numba's kernel argument packing (checked once per
@@ -53,14 +53,21 @@ def cuda_typing():
     return types, cgutils
 
 
-def sim_syncthreads() -> None:
-    """``cuda.syncthreads()`` of the simulated thread running this call (simulator only)."""
+def sim_kernel() -> object:
+    """The simulator's per-launch ``cuda`` module of the running kernel (simulator only). Helpers in
+    another module than the kernel use it instead of ``cuda``: the simulator swaps ``cuda`` in a device
+    function's module globals per call, which races between its threads."""
     global _sim_context
     if _sim_context is None:
         from numba.cuda.simulator.kernel import _get_kernel_context
 
         _sim_context = _get_kernel_context
-    _sim_context().syncthreads()
+    return _sim_context()
+
+
+def sim_syncthreads() -> None:
+    """``cuda.syncthreads()`` of the simulated thread running this call (simulator only)."""
+    sim_kernel().syncthreads()
 
 
 def opt_in_smem(kern, args, nbytes: int) -> bool:

@@ -118,22 +118,22 @@ def _allow_smem(kern, args, dyn: int) -> bool:
     return False
 
 
-def launch_tensors(kern, blocks: int, threads: int, tensors, scalars) -> None:
+def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int = 0) -> None:
     """Launch ``kern[blocks, threads]`` on torch's current stream with 1-D contiguous tensors (as
-    numba arrays) then int64 scalars, directly once numba's packing of them is checked (no dynamic
-    shared memory)."""
+    numba arrays) then int64 scalars, directly once numba's packing of them is checked; ``dyn``
+    bytes of dynamic shared memory (at most 48 KB: no opt-in)."""
     device = tensors[0].device
     if SIM:
-        kern[blocks, threads](*[_as_numba(t) for t in tensors], *scalars)
+        kern[blocks, threads, 0, dyn](*[_as_numba(t) for t in tensors], *scalars)
         return
     fkey = (id(kern), device.index)
     ck = _fast.get(fkey)
     if ck is not None:
         flat = [f for t in tensors for f in compat_numba.flat(t.data_ptr(), t.numel(), t.element_size())]
-        compat_numba.launch_direct(ck, blocks, threads, 0, _stream(device), flat, scalars)
+        compat_numba.launch_direct(ck, blocks, threads, dyn, _stream(device), flat, scalars)
         return
     args = tuple(_as_numba(t) for t in tensors) + tuple(scalars)
-    kern[blocks, threads, _stream(device)](*args)
+    kern[blocks, threads, _stream(device), dyn](*args)
     if fkey not in _fast:
         _fast[fkey] = compat_numba.fast_entry(kern, args)
 

@@ -64,6 +64,7 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
     """
     from . import launch
     from .common import SIM
+    from .io import output_for, padded
 
     if x.dim() != 2:
         raise ValueError(f"tcabme_matmul expects x of shape [N, K], got {tuple(x.shape)}")
@@ -75,17 +76,11 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
         raise ValueError(f"tcabme_matmul needs fp16 x and values, got {x.dtype} and {w.values.dtype}")
     if not SIM and (not x.is_cuda or x.device != w.values.device):
         raise ValueError(f"x ({x.device}) and the packed weight ({w.values.device}) must share one CUDA device")
-    if out is None:
-        out = torch.empty((n, m), dtype=torch.float16, device=x.device)
-    elif out.shape != (n, m) or out.dtype != torch.float16 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous fp16 tensor of shape {(n, m)}")
+    out = output_for(x, m, out)
     if n == 0 or m == 0:
         return out
     kp = w.grid[1] * 64
-    if kp != k or not x.is_contiguous() or x.data_ptr() % 16:
-        xp = torch.zeros((n, kp), dtype=x.dtype, device=x.device)
-        xp[:, :k] = x
-        x = xp
+    x = padded(x, kp)
     if kp == 0 or w.values.numel() == 0:   # nothing stored: the product is zero
         return out.zero_()
     kernel = tuning.pop("kernel", None)

@@ -30,8 +30,9 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, f2h, mma, ptr_of, shfl_idx, syncwarp
+from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, mma, ptr_of, shfl_idx, syncwarp
 from ._warp_intrinsics import byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_counts, sts64b
+from .block import dynamic_smem, make_warp_sums, thread_ids
 from .plan import BMW, DENSE_CHUNKS, MAX_N, MAX_STEPS, MAX_WARPS, WBW, XROW  # noqa: F401 - layout sizes
 from .plan import warp_max_registers as max_registers
 from .plan import warp_slot_words as slot_words  # noqa: F401 - the kernel's stage layout
@@ -40,9 +41,6 @@ from .plan import warp_smem_bytes as smem_bytes  # noqa: F401
 _KERNELS: dict = {}
 ROT = 1     # blocks start their K loop at different steps (blockIdx mod steps), see _build
 PROBE = 0   # diagnostics only (scripts/bench/probe_kernels.py): 1 = stream without decoding, 2 = decode L2-hot data
-_SIM_U64 = np.dtype(np.uint64) if SIM else np.uint64
-_SIM_U32 = np.dtype(np.uint32) if SIM else np.uint32
-_SIM_F32 = np.dtype(np.float32) if SIM else np.float32
 
 
 def compiled_kernels() -> dict:
@@ -71,6 +69,7 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int, PROBE: int = 0, 
     u64 = np.uint64
 
     step_issue = make_step_issue(CMAX, XIT, 8 * R)
+    warp_sums = make_warp_sums(R, NB, N)
     RACC = R * NACC
     TABB = 256                 # bytes of one strip's table
 
@@ -160,25 +159,13 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int, PROBE: int = 0, 
 
     @cuda.jit(**({} if SIM else {"max_registers": MAXREG}))
     def kernel(bm, vals, goff, soff, x, y, M, GK, ldxb, vch, sw):
-        if SIM:
-            d64 = cuda.shared.array(0, _SIM_U64)
-            d32 = cuda.shared.array(0, _SIM_U32)
-            df = cuda.shared.array(0, _SIM_F32)
-        else:
-            d64 = cuda.shared.array(0, np.uint64, alignment=16)
-            d32 = cuda.shared.array(0, np.uint32, alignment=16)
-            df = cuda.shared.array(0, np.float32, alignment=16)
+        d64, d32, df = dynamic_smem()
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
 
-        tid = cuda.threadIdx.x
-        warp = tid >> 5
-        lane = tid & 31
-        gid = lane >> 2
-        tig = lane & 3
+        tid, warp, lane, gid, tig, nw = thread_ids()
         hsel = lane >> 4
         p = u32(2 * (lane & 15))
         lmask = (u32(1) << p) - u32(1)
-        nw = cuda.blockDim.x >> 5
 
         sr = cuda.blockIdx.x * R      # first strip row: GroupTile row gm, strip s (R strips: s .. s+R-1)
         gm = sr >> 2
@@ -288,23 +275,6 @@ def _build(N: int, STAGES: int, CMAX: int, R: int, MAXREG: int, PROBE: int = 0, 
             i += u32(1)
 
         # ---- the warps' partial sums meet in shared memory (the ring is free now)
-        cuda.syncthreads()
-        for r in range(R):
-            for jb in range(NB):
-                for oi in range(4):
-                    n = 8 * jb + 2 * tig + (oi & 1)
-                    if n < N:
-                        df[((warp * R + r) * N + n) * 16 + gid + 8 * (oi >> 1)] = acc[r * NACC + 4 * jb + oi]
-        cuda.syncthreads()
-        for e in range(tid, R * 16 * N, cuda.blockDim.x):
-            r = e // (16 * N)
-            n = (e >> 4) - r * N
-            row = e & 15
-            tot = np.float32(0.0)
-            for w in range(nw):
-                tot += df[((w * R + r) * N + n) * 16 + row]
-            m = (sr + r) * 16 + row
-            if m < M:
-                y[n * M + m] = np.int16(f2h(tot))
+        warp_sums(df, acc, y, tid, warp, lane, nw, sr, M, 0, N)
 
     return kernel

@@ -139,3 +139,17 @@ def test_strip_chunks_and_vcap():
     assert 1 <= plan.strip_chunks(p, 1) < 128 and plan.vcap(p) < plan.VCAP_DENSE
     assert plan.strip_chunks(p, 2, capturing=True) == 2 * plan.DENSE_CHUNKS
     assert plan.vcap(p, capturing=True) == plan.VCAP_DENSE
+
+
+@pytest.mark.parametrize("m", [16, 100, 4096, 22016])
+@pytest.mark.parametrize("gk", [1, 3, 64, 448])
+@pytest.mark.parametrize("n", [1, 8, 9, 16, 17, 32, 33, 512])
+def test_sp24_plan_invariants(m, gk, n):
+    """The 2:4 kernel's plan: a compiled variant (8/16/32 tokens; the spill-free strip counts), every
+    output row and token covered, warps within the K tiles, shared memory within its limit."""
+    from sparsekit.kernels import sp24_plan
+
+    nt, r, nw, rb, chunks, dyn = sp24_plan.plan(m, gk, n)
+    assert nt in (8, 16, 32) and nt >= min(n, 32) and chunks * nt >= n > (chunks - 1) * nt
+    assert r <= {8: 4, 16: 2, 32: 1}[nt] and rb * r * 16 >= m > (rb - 1) * r * 16
+    assert 1 <= nw <= min(gk, sp24_plan.MAX_WARPS) and dyn == sp24_plan.smem_bytes(nw, nt, r) <= sp24_plan.SMEM_MAX

@@ -4,7 +4,8 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
 
 * CUDA, fp16, ``N <= SparseLinear.dense_above`` -> the bundled kernel
   ``sparsekit.kernels.tcabme_matmul`` (decode steps; launched on torch's current stream, so a
-  CUDA graph can capture it).
+  CUDA graph can capture it); or, for a layer given its 2:4 layout (``runtime.sp24.enable_sp24``,
+  off by default) and ``N <= sp24_max_n``, the 2:4 tile-mosaic kernel ``sparsekit.kernels.sp24.sp24_matmul``.
 * CUDA, ``N > dense_above`` with a kept dense copy (``runtime.dispatch``, ``prefer="speed"``) ->
   ``F.linear`` on that copy.
 * CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (the
@@ -141,6 +142,9 @@ class SparseLinear(nn.Module):
     """``y = x @ W^T + b`` with ``W`` ([out_features, in_features]) stored as TCA-BME buffers."""
 
     dense_above: int = _env_dense_above()
+    # the 2:4 kernel (when enabled) up to this many tokens, the TCA-BME kernel above: its first design
+    # re-reads X per 16-64 rows, which the prediction (docs/kernels-notes.md "v13-sp") says loses from 32 on
+    sp24_max_n: int = 16
 
     def __init__(self, packed: TcaBme, bias: torch.Tensor | None = None, *, transposed: bool = False):
         super().__init__()
@@ -161,6 +165,10 @@ class SparseLinear(nn.Module):
         self.n_values = int(packed.values.numel())  # the buffer may be padded past this later
         # a dense copy of the weight for token counts above dense_above (runtime.dispatch, prefer="speed")
         self.register_buffer("dense_copy", None, persistent=False)
+        # the 2:4 tile-mosaic layout (runtime.sp24.enable_sp24; off by default, never saved)
+        self.register_buffer("sp24_dense", None, persistent=False)
+        self.register_buffer("sp24_sp", None, persistent=False)
+        self.register_buffer("sp24_tiles", None, persistent=False)
         self._packed: TcaBme | None = None
         self._packed_src: torch.Tensor | None = None
 
@@ -238,6 +246,22 @@ class SparseLinear(nn.Module):
         if self.dense_copy is None:
             self.dense_copy = self.dense_weight(torch.float16).contiguous()
 
+    def use_sp24(self, layout) -> None:
+        """Run the 2:4 tile-mosaic kernel where the TCA-BME kernel would run (``layout``: this weight's
+        ``sparsekit.packed.sp24.Sp24Layout``); ``None`` turns it off."""
+        if layout is not None and tuple(layout.shape) != (self.out_features, self.in_features):
+            raise SparsekitError(f"a 2:4 layout of shape {tuple(layout.shape)} does not fit this "
+                                 f"[{self.out_features}, {self.in_features}] layer")
+        dev = self.values.device
+        self.sp24_dense = None if layout is None else layout.dense.to(dev)
+        self.sp24_sp = None if layout is None else layout.sp.to(dev)
+        self.sp24_tiles = None if layout is None else layout.tiles.to(dev)
+
+    @property
+    def form(self) -> str:
+        """The kernel this layer runs at decode sizes on a GPU: ``"sp24"`` or ``"tcabme"``."""
+        return "sp24" if self.sp24_tiles is not None else "tcabme"
+
     def dense_copy_bytes(self) -> int:
         return 0 if self.dense_copy is None else self.dense_copy.numel() * self.dense_copy.element_size()
 
@@ -253,7 +277,8 @@ class SparseLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, sparsity={self.sparsity:.3f}, dtype={self.values.dtype}")
+                f"bias={self.bias is not None}, sparsity={self.sparsity:.3f}, dtype={self.values.dtype}"
+                + (", form=sp24" if self.form == "sp24" else ""))
 
     # forward --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -261,7 +286,12 @@ class SparseLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         n = x2.shape[0]
         if x2.is_cuda:
-            if (n <= self.dense_above and x2.dtype == torch.float16 and self.values.dtype == torch.float16
+            if (n <= min(self.dense_above, self.sp24_max_n) and x2.dtype == torch.float16
+                    and self.sp24_tiles is not None and kernels_ready()):
+                from sparsekit.runtime.sp24 import sp24_mm
+
+                y = sp24_mm(x2.contiguous(), self.sp24_dense, self.sp24_sp, self.sp24_tiles, self.out_features)
+            elif (n <= self.dense_above and x2.dtype == torch.float16 and self.values.dtype == torch.float16
                     and kernels_ready()):
                 y = tcabme_mm(x2.contiguous(), self.bitmaps, self.values, self.gtile_offsets,
                               self.strip_offsets, self.out_features, True)

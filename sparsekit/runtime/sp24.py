@@ -1,0 +1,90 @@
+"""The 2:4 tile-mosaic path of ``SparseLinear`` (issue 22), off unless a caller turns it on.
+
+:func:`enable_sp24` transcodes the TCA-BME weight of every ``SparseLinear`` of a model whose tiles are
+all 2:4 or dense (``sparsekit.packed.sp24``) and keeps the layout beside it (non-persistent buffers:
+nothing changes on disk). Those layers then run ``sparsekit.kernels.sp24.sp24_matmul`` (``mma.sp`` on
+2:4 tiles, ``mma.sync`` on dense ones) on a GPU wherever they would run the TCA-BME kernel (fp16, at
+most ``dense_above`` tokens) up to ``SparseLinear.sp24_max_n`` tokens; prefill and the CPU keep their paths. Not on by default: it has not been
+measured on a GPU yet (docs/kernels-notes.md "v13-sp" holds the prediction, scripts/checks/gpu_sp24.py
+the check).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sparsekit.errors import SparsekitError, strict_mode
+from sparsekit.packed.sp24 import Sp24Layout, transcode
+
+
+@torch.library.custom_op("sparsekit::sp24_mm", mutates_args=())
+def sp24_mm(x: torch.Tensor, dense: torch.Tensor, sp: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x[N, K] @ W^T`` through the 2:4 mosaic kernel, as one torch op (kept whole by ``torch.compile``)."""
+    from sparsekit.kernels.sp24 import sp24_matmul
+
+    return sp24_matmul(x, Sp24Layout(dense=dense, sp=sp, tiles=tiles, shape=(out_features, x.shape[1])))
+
+
+@sp24_mm.register_fake
+def _sp24_mm_fake(x, dense, sp, tiles, out_features):
+    return x.new_empty((x.shape[0], out_features))
+
+
+_CHECKED: dict[str, str | None] = {}
+
+
+def kernel_check(device) -> None:
+    """One small 2:4 + dense product through the kernel on ``device`` against float64 (once per device),
+    so that a GPU or numba that cannot run ``mma.sp`` is found when the path is turned on, in one line."""
+    key = str(device)
+    if key not in _CHECKED:
+        _CHECKED[key] = None
+        try:
+            g = torch.Generator().manual_seed(0)
+            w = torch.randn(64, 128, generator=g).half()
+            w[:, 64:] = torch.where(torch.arange(64 * 64).reshape(64, 64) % 4 < 2, w[:, 64:], 0).half()
+            x = torch.randn(3, 128, generator=g).half()
+            y = sp24_mm(x.to(device), *_tensors(transcode(w.to(device))), 64).cpu().double()
+            ref = x.double() @ w.double().t()
+            err = float((y - ref).norm() / ref.norm())
+            if not err < 1e-2:
+                _CHECKED[key] = f"its self-test product is off by {err:.3g} (relative)"
+        except Exception as e:  # noqa: BLE001 - said in one line below
+            _CHECKED[key] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+    if _CHECKED[key]:
+        raise SparsekitError(f"the 2:4 kernel cannot run on {key} ({_CHECKED[key]}): leave the layers on TCA-BME")
+
+
+def forget_checks() -> None:
+    """Forget which devices ``kernel_check`` passed (the next call checks again)."""
+    _CHECKED.clear()
+
+
+def _tensors(layout: Sp24Layout) -> tuple:
+    return layout.dense, layout.sp, layout.tiles
+
+
+def enable_sp24(model: nn.Module) -> dict[str, str]:
+    """Give every eligible ``SparseLinear`` of ``model`` its 2:4 layout; returns ``{layer: "sp24"}`` or
+    ``{layer: why not}``. A layer with an unstructured tile is not eligible (it keeps TCA-BME), except
+    under ``SPARSEKIT_STRICT=1``, where that is an error. On a GPU the kernel first runs one checked
+    product (``kernel_check``); if it cannot, that is an error, never a silent fallback."""
+    out: dict[str, str] = {}
+    for name, m in model.named_modules():
+        if not hasattr(m, "use_sp24"):          # a SparseLinear (not imported: it imports this module)
+            continue
+        if m.values.dtype != torch.float16:
+            out[name] = f"values are {m.values.dtype}: the 2:4 kernel takes fp16"
+            continue
+        try:
+            layout = transcode(m.packed)
+        except SparsekitError as e:
+            if strict_mode():
+                raise SparsekitError(f"{name}: {e} (SPARSEKIT_STRICT is set)") from None
+            out[name] = str(e)
+            continue
+        if m.values.is_cuda:
+            kernel_check(m.values.device)
+        m.use_sp24(layout)
+        out[name] = "sp24"
+    return out

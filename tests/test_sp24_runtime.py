@@ -1,0 +1,88 @@
+"""The 2:4 path of SparseLinear (sparsekit.runtime.sp24): off by default, on only when asked, never
+saved, the CPU reference path unchanged, and its torch op against float64 (through the simulator on CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sparsekit.errors import SparsekitError
+from sparsekit.kernels.common import SIM
+from sparsekit.packed.sp24 import to_dense
+from sparsekit.pruning.patterns import nm_mask
+from sparsekit.runtime.sp24 import enable_sp24, sp24_mm
+from sparsekit.runtime.sparse_linear import SparseLinear
+
+
+def _model(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    sp, un = nn.Linear(128, 64), nn.Linear(64, 64)
+    with torch.no_grad():
+        sp.weight.mul_(nm_mask(torch.rand(64, 128, generator=g), 2, 4))
+        un.weight[torch.rand(64, 64, generator=g) < 0.5] = 0
+    return nn.Sequential(SparseLinear.from_linear(sp), SparseLinear.from_linear(un)), sp.weight.detach().half()
+
+
+def test_off_by_default_and_on_only_for_eligible_layers(monkeypatch):
+    model, w = _model()
+    assert [m.form for m in model] == ["tcabme", "tcabme"]
+    monkeypatch.setenv("SPARSEKIT_STRICT", "0")
+    report = enable_sp24(model)
+    assert report["0"] == "sp24" and "neither 2:4 nor dense" in report["1"]
+    assert [m.form for m in model] == ["sp24", "tcabme"]
+    assert "form=sp24" in repr(model[0])
+    assert torch.equal(to_dense(_layout(model[0])), w)
+    assert not any("sp24" in k for k in model.state_dict())      # nothing new on disk
+    model[0].use_sp24(None)
+    assert model[0].form == "tcabme"
+
+
+def _layout(m):
+    from sparsekit.packed.sp24 import Sp24Layout
+
+    return Sp24Layout(m.sp24_dense, m.sp24_sp, m.sp24_tiles, (m.out_features, m.in_features))
+
+
+def test_strict_mode_makes_an_ineligible_layer_an_error(monkeypatch):
+    model, _ = _model()
+    monkeypatch.setenv("SPARSEKIT_STRICT", "1")
+    with pytest.raises(SparsekitError, match=r"^1: .*neither 2:4 nor dense.*SPARSEKIT_STRICT"):
+        enable_sp24(model)
+
+
+def test_cpu_forward_is_unchanged(monkeypatch):
+    monkeypatch.setenv("SPARSEKIT_STRICT", "0")
+    model, _ = _model()
+    x = torch.randn(3, 128).half()
+    before = model[0](x)
+    enable_sp24(model)
+    assert torch.equal(model[0](x), before)
+
+
+def test_the_op_matches_float64():
+    if not SIM and not torch.cuda.is_available():
+        pytest.skip("neither the CUDA simulator nor a GPU")
+    dev = "cpu" if SIM else "cuda"
+    model, w = _model(1)
+    enable_sp24(model[:1])
+    m = model[0].to(dev)
+    x = torch.randn(2, 128).half()
+    y = sp24_mm(x.to(dev), m.sp24_dense, m.sp24_sp, m.sp24_tiles, 64)
+    ref = x.double() @ w.double().t()
+    assert float((y.cpu().double() - ref).norm() / ref.norm()) < 1e-3
+
+
+def test_kernel_check_passes_and_a_wrong_kernel_is_one_line(monkeypatch):
+    if not SIM and not torch.cuda.is_available():
+        pytest.skip("neither the CUDA simulator nor a GPU")
+    import sparsekit.runtime.sp24 as mod
+
+    dev = "cpu" if SIM else "cuda"
+    mod.forget_checks()
+    mod.kernel_check(dev)                                   # the real kernel (simulator on CPU)
+    mod.forget_checks()
+    monkeypatch.setattr(mod, "sp24_mm", lambda x, d, s, t, m: torch.zeros(x.shape[0], m))
+    with pytest.raises(SparsekitError, match=r"^the 2:4 kernel cannot run on .*off by 1") as e:
+        mod.kernel_check(dev)
+    assert "\n" not in str(e.value)
+    mod.forget_checks()

@@ -1,0 +1,92 @@
+"""The 2:4 tile-mosaic kernel and its mma.sp twin against float64 references, under Numba's CUDA
+simulator (or on a GPU when there is one).
+
+What the simulator covers: the twin of ``mma.sp`` m16n8k32 (selector 0) with the fragment and metadata
+layouts of docs/kernels-notes.md "v13-sp", the ``ldmatrix.x4`` exchange, and the whole kernel source
+(tile kinds, strip addressing, the X slot, the metadata shuffle, split-K over warps, token chunks,
+padding). Not covered: the PTX itself (scripts/checks/gpu_sp24.py runs these on the device). Sizes are
+tiny: the simulator runs every thread in Python.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekit.kernels.common import SIM
+from sparsekit.kernels.sp24 import sp24_matmul
+from sparsekit.kernels.sp24_probe import c_fragment, mma_sp_once, random_operands, swap_halves
+from sparsekit.packed import sp24
+from sparsekit.pruning.patterns import hybrid_mask, nm_mask
+
+DEV = "cpu" if SIM else "cuda"
+if not SIM and not torch.cuda.is_available():  # pragma: no cover - conftest sets the simulator
+    pytest.skip("neither the CUDA simulator nor a GPU", allow_module_level=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mma_sp_twin_matches_float64(seed):
+    a, b, c, (ar, br, meta, cr) = random_operands(seed)
+    d = mma_sp_once(ar.to(DEV), br.to(DEV), meta.to(DEV), cr.to(DEV)).cpu().double()
+    ref = c_fragment(a.double() @ b.double() + c.double())
+    assert (d - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
+def test_mma_sp_twin_catches_swapped_row_halves():
+    a, b, c, (ar, br, meta, cr) = random_operands(2)
+    d = mma_sp_once(ar.to(DEV), br.to(DEV), swap_halves(meta).to(DEV), cr.to(DEV)).cpu().double()
+    ref = c_fragment(a.double() @ b.double() + c.double())
+    assert (d - ref).abs().max() > 0.1 * ref.abs().max()
+
+
+def _weight(m, k, kind, g):
+    w = torch.randn(m, k, generator=g).half()
+    s = torch.rand(m, k, generator=g)
+    if kind == "2:4":
+        return w * nm_mask(s, 2, 4)
+    if kind == "hybrid":
+        return w * hybrid_mask(s, 0.25, 64)
+    if kind == "halves":                       # tile column 0 dense, the others 2:4
+        w[:, 64:] *= nm_mask(s[:, 64:], 2, 4)
+    return w
+
+
+def _rel_err(lay, w, x, **tuning):
+    m, n = w.shape[0], x.shape[0]
+    out = torch.full((n, m), float("nan"), dtype=torch.float16, device=DEV)      # poisoned
+    y = sp24_matmul(x.to(DEV), lay.to(DEV), out=out, **tuning)
+    assert y is out
+    assert not torch.isnan(y).any(), "some outputs were never written"
+    ref = x.double() @ w.double().t()
+    return float((y.cpu().double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("m,k,n,kind,tuning", [
+    (64, 128, 1, "2:4", {}),                                # one tile row, 2 steps on one warp
+    (64, 128, 3, "dense", dict(warps=2)),                   # dense tiles, split-K over 2 warps
+    (128, 128, 5, "hybrid", dict(warps=2)),                 # a mixed mosaic: warps on tiles of both kinds
+    (100, 136, 9, "2:4", dict(warps=3, strips=2)),          # M, K padding; odd N, 2 mma blocks; 7 strip rows
+    (130, 72, 2, "2:4", dict(strips=4)),                    # 3 tile rows, the last mostly padding
+    (16, 128, 37, "halves", {}),                            # 64-token chunk, rows past N; mixed kinds
+    (16, 64, 70, "2:4", dict(warps=1)),                     # two token chunks (grid blocks 0 and 1)
+])
+def test_kernel_matches_float64(m, k, n, kind, tuning):
+    g = torch.Generator().manual_seed(m * 7 + n)
+    w = _weight(m, k, kind, g)
+    x = torch.randn(n, k, generator=g).half()
+    lay = sp24.transcode(w)
+    if kind in ("hybrid", "halves"):
+        assert 0 < int(lay.kinds.sum()) < lay.kinds.numel()
+    assert _rel_err(lay, w, x, **tuning) < 1e-3       # fp16 output rounding is ~2e-4
+
+
+def test_kernel_catches_a_planted_metadata_bug():
+    """The same layout with each metadata word's row halves swapped must fail the check above."""
+    g = torch.Generator().manual_seed(11)
+    w = _weight(64, 64, "2:4", g)
+    x = torch.randn(2, 64, generator=g).half()
+    lay = sp24.transcode(w)
+    sp = lay.sp.clone().reshape(-1, sp24.SP_STRIP_WORDS)
+    sp[:, sp24.SP_VALUE_WORDS:] = swap_halves(sp[:, sp24.SP_VALUE_WORDS:])
+    bad = sp24.Sp24Layout(dense=lay.dense, sp=sp.reshape(-1), tiles=lay.tiles, shape=lay.shape)
+    assert _rel_err(lay, w, x) < 1e-3
+    assert _rel_err(bad, w, x) > 0.1
