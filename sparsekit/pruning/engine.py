@@ -33,8 +33,13 @@ from sparsekit.pruning.linears import prune_linears, weight_report
 from sparsekit.pruning.methods import METHODS, get_method
 from sparsekit.pruning.methods.cats import require_gated_mlps
 from sparsekit.pruning.offload import LayerMover
+from sparsekit.pruning.methods.wanda import wanda_scores
 from sparsekit.pruning.outside import check_outside_linears, prune_outside_linears
+from sparsekit.pruning.owl import Allotment, outlier_ratio, owl_sparsities
+from sparsekit.pruning.patterns import HYBRID_MAX_SPARSITY
 from sparsekit.pruning.stats import collect_stats
+
+OWL_MAX_SPARSITY = 0.99  # no layer is pruned further under OWL (unstructured)
 
 
 def _device_sync(device: torch.device) -> None:
@@ -80,6 +85,7 @@ def prune_model(
     seed: int = 0,
     cats: float | None = None,
     layer_mover: Callable | None = None,
+    owl=None,
 ) -> dict:
     """Prune ``model`` in place (it stays on the CPU; one layer at a time visits ``device``).
 
@@ -104,6 +110,13 @@ def prune_model(
     ``cats`` (with a weight method) stacks CATS on the pruning: once a layer's linears are pruned, its
     gated MLPs get thresholds for this activation sparsity, calibrated on the pruned layer (so layer i's
     thresholds see layers < i pruned and thresholded); the report's ``cats`` holds them as above.
+
+    ``owl`` (a ``sparsekit.pruning.owl.OwlSettings``; unstructured or hybrid patterns) gives each
+    decoder layer its own sparsity (OWL, ``sparsekit.pruning.owl``), ``sparsity`` being the global
+    target: a first, read-only pass over the layers (:func:`owl_scan`, the same one-layer-at-a-time
+    capture, on ``owl.windows`` of the windows) measures each layer's outlier ratio on the dense model,
+    then the layers are pruned as usual, each at its own sparsity. The report's ``allocation`` holds
+    the ratios and targets, and each ``per_layer`` entry its ``target`` and ``sparsity``.
     """
     if isinstance(method, str) and method not in METHODS:
         raise SparsekitError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
@@ -112,6 +125,10 @@ def prune_model(
     device = torch.device(device)
     skip = list(skip)
     needs_calibration = meth.needs_calibration or stacked is not None
+    if owl is not None and pattern is not None:
+        from sparsekit.pruning.patterns import Pattern
+
+        pattern = Pattern.parse(pattern)
     if needs_calibration and calib is None:
         raise SparsekitError(f"{meth.name} needs calibration data: pass calibration windows")
     model.eval()
@@ -123,6 +140,20 @@ def prune_model(
     if stacked is not None:
         require_gated_mlps(layers, skip=skip, fix="drop --cats")
     check_outside_linears(model, stack_name, skip, meth)
+    allot, allocation = None, None
+    if owl is not None:
+        if not meth.changes_weights or pattern.is_nm:
+            raise SparsekitError(f"OWL varies the sparsity per layer: it needs a weight method and an unstructured or "
+                                 f"hybrid pattern, not {meth.name} {pattern}")
+        if calib is None:
+            raise SparsekitError("OWL measures outliers on calibration data: pass calibration windows")
+        t0 = time.perf_counter()
+        ratios, params = owl_scan(model, calib, device, owl, skip, batch_size, layer_mover, overlap, progress)
+        hi = HYBRID_MAX_SPARSITY if pattern.is_hybrid else OWL_MAX_SPARSITY
+        targets = owl_sparsities(ratios, sparsity, owl.lam, params, hi=hi)
+        allot = Allotment(targets, hi)
+        allocation = {"kind": "owl", **owl.as_dict(), "outlier_ratio": ratios, "target": targets,
+                      "scan_seconds": time.perf_counter() - t0}
 
     acts = None
     t_capture = 0.0
@@ -156,7 +187,15 @@ def prune_model(
                 if meth.needs_stats and linears:
                     stats = collect_stats(layer, linears, acts, meth.needs_hessian, device)
                     phases.mark("stats")
-                rep = prune_linears(linears, stats, meth, sparsity, pattern, warn, blocksize, percdamp)
+                if allot is None:
+                    rep = prune_linears(linears, stats, meth, sparsity, pattern, warn, blocksize, percdamp)
+                else:  # OWL: this layer's target, each linear's rounding carried into the next
+                    rep = {}
+                    for name, mod in linears.items():
+                        numel = L.weight_out_in(mod).numel()
+                        rep.update(prune_linears({name: mod}, stats, meth, allot.take(idx, numel), pattern, warn,
+                                                 blocksize, percdamp))
+                        allot.record(rep[name]["sparsity"] * numel)
                 phases.mark("prune")
                 if acts is not None and not last and stacked is None:
                     acts.run(layer, write=True)  # the pruned layer's outputs: next layer's inputs
@@ -181,7 +220,10 @@ def prune_model(
                 "phases": phases.seconds,
                 "peak_mem_bytes": _peak_mem(device),
                 "linears": list(rep),
+                "sparsity": _weighted_sparsity(rep.values()),
             })
+            if allocation is not None:
+                layer_reports[-1]["target"] = allocation["target"][idx]
             del stats
             report(progress, meth.progress_stage, idx + 1, len(layers))
     linear_reports.update(prune_outside_linears(model, stack_name, skip, meth, sparsity, pattern, warn))
@@ -201,7 +243,49 @@ def prune_model(
     key = stacked.report_key if stacked is not None else meth.report_key
     if key:
         out[key] = method_reports
+    if allocation is not None:
+        out["allocation"] = allocation
     return out
+
+
+def _weighted_sparsity(entries) -> float:
+    entries = list(entries)
+    total = sum(r["shape"][0] * r["shape"][1] for r in entries)
+    return sum(r["sparsity"] * r["shape"][0] * r["shape"][1] for r in entries) / total if total else 0.0
+
+
+@torch.no_grad()
+def owl_scan(model: nn.Module, calib: torch.Tensor, device: torch.device, owl, skip: list[str],
+             batch_size: int | None = None, layer_mover: Callable | None = None, overlap: bool = True,
+             progress: Progress | None = None) -> tuple[list[float], list[int]]:
+    """OWL's first pass: each decoder layer's outlier ratio (percent, ``owl.m``) and its number of
+    prunable weights, on the dense model, one layer at a time on the device and nothing written
+    (the layer mover runs with ``write=False``). Reads the first ``owl.windows`` calibration windows."""
+    stack_name, layers = L.find_decoder_layers(model)
+    ids = calib if owl.windows is None else calib[: owl.windows]
+    acts = capture_inputs(model, ids, device, batch_size or default_batch_size(ids.shape[1]))
+    ratios, params = [], []
+    with (layer_mover or LayerMover)(layers, device, overlap, write=False) as mover:
+        for idx, layer in enumerate(layers):
+            mover.load(idx)
+            mover.prefetch(idx + 1)
+            linears = L.find_linears(layer, prefix=f"{stack_name}.{idx}", skip=skip)
+            last = idx + 1 == len(layers)
+            stats = collect_stats(layer, linears, acts, False, device, write=not last) if linears else {}
+            scores = []
+            for name, mod in linears.items():
+                if name not in stats:
+                    raise SparsekitError(f"{name} received no calibration input: add it to --skip")
+                scores.append(wanda_scores(L.weight_out_in(mod), stats[name].col_sq_sum))
+            if not linears and not last:
+                acts.run(layer, write=True)
+            ratios.append(outlier_ratio(scores, owl.m))
+            params.append(sum(s.numel() for s in scores))
+            del stats, scores
+            mover.offload(idx)
+            report(progress, "outliers", idx + 1, len(layers))
+    del acts
+    return ratios, params
 
 
 def stacked_cats(meth):
