@@ -11,7 +11,7 @@ from sparsekit.errors import SparsekitError
 
 HELP = (
     "Prune a causal LM layer by layer and write an HF checkpoint (dense weights with zeros).\n\n"
-    "Methods: magnitude, wanda, sparsegpt, cats. Patterns: unstructured (with --sparsity), N:M (2:4, 4:8, ...), "
+    "Methods: magnitude, wanda, sparsegpt, admm, cats. Patterns: unstructured (with --sparsity), N:M (2:4, 4:8, ...), "
     "hybrid[:T] (TxT tiles, each dense or 2:4). Settings come from the defaults, then --recipe, then the "
     "flags you pass.\n\n"
     "Recipes: --recipe takes the name of a bundled recipe (list them with `sparsekit recipes`, e.g. wanda-2of4) "
@@ -42,7 +42,7 @@ def register(app: typer.Typer) -> None:
 @handle_errors
 def prune_cmd(
     model: str = typer.Argument("smollm2-135m", help="Local HF directory, hub id, or the demo alias smollm2-135m."),
-    method: Optional[str] = typer.Option(None, "--method", "-m", help="magnitude | wanda | sparsegpt | cats (default: wanda)"),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="magnitude | wanda | sparsegpt | admm | cats (default: wanda)"),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", "-s", help="Fraction of weights (cats: of gate activations) to zero in [0, 1) (default: 0.5; implied by N:M)"),
     pattern: Optional[str] = typer.Option(None, "--pattern", "-p", help="unstructured | N:M (2:4, 4:8) | hybrid[:T] (default: unstructured)"),
     calib: Optional[str] = typer.Option(None, "--calib", "--dataset", help="Calibration text: wikitext2, c4, a hub dataset, or a .txt/.jsonl/.parquet file (default: wikitext2)"),

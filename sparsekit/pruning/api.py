@@ -175,8 +175,8 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
         if dtype in (None, "auto"):
             dtype = "float32"  # fp32 weights under bf16 autocast: the logits' gradients need the range
     torch_dtype = resolve_dtype(dtype, dev)
-    meth = with_steps(METHODS[s.method], update=s.update, admm_iters=s.admm_iters, refine=s.refine,
-                      dsnot_cycles=s.dsnot_cycles) if not learned else METHODS[s.method]
+    steps = {} if learned else dict(update=s.update, refine=s.refine, dsnot_cycles=s.dsnot_cycles)  # learned: see _learn
+    meth = with_steps(METHODS[s.method], admm_iters=s.admm_iters, **steps)
 
     location = resolve_model(model)
     claim.add_sources([location])
@@ -292,11 +292,12 @@ def _learn(net, calib_ids, s, meth, dev, learn, out, model, calibration, batch_s
     ckpt = cfg.checkpoint_dir or f"{Path(out)}-checkpoints"
     fingerprint = {"model": str(model), "method": s.method, "pattern": s.pattern, "sparsity": s.sparsity,
                    "allocation": s.allocation, "seed": s.seed, "calibration": calibration, "skip": list(s.skip),
+                   **({"update": s.update, "admm_iters": s.admm_iters} if s.update else {}),
                    **cfg.fingerprint()}
     rep = learn_prune(net, calib_ids, method=meth, pattern=Pattern.parse(s.pattern), sparsity=s.sparsity, skip=s.skip,
                       device=dev, cfg=cfg, allocation=s.allocation, seed=s.seed, blocksize=s.blocksize,
                       percdamp=s.damp, batch_size=batch_size, checkpoint_dir=ckpt, fingerprint=fingerprint,
-                      progress=progress, warn=warn)
+                      progress=progress, warn=warn, admm_iters=s.admm_iters if s.update == "admm" else None)
     if cfg.checkpoint_every:
         rep["learning"]["checkpoint_dir"] = ckpt
     return rep

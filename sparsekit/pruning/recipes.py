@@ -300,6 +300,8 @@ def _check_steps(s: dict[str, Any], method) -> None:
             elif v not in allowed:
                 raise SparsekitError(f"unknown --{key} {s[key]!r}: use {' or '.join(allowed)} (or leave it out)")
         s[key] = v
+        if key == "update" and v is not None and hasattr(method, "with_iters"):
+            raise SparsekitError(f"--method {method.name} already updates the weights with ADMM: drop --update")
         if v is not None and not method.changes_weights:
             raise SparsekitError(f"--{key} {v} works on a weight method's mask, and {method.name} changes no weight")
     for key, lo in (("admm_iters", 1), ("dsnot_cycles", 0)):

@@ -53,7 +53,10 @@ class WithSteps(Method):
 
 def with_steps(method: Method, *, update: str | None = None, admm_iters: int = 20, refine: str | None = None,
                dsnot_cycles: int = 50) -> Method:
-    """``method`` itself when no step is asked for, else a ``WithSteps`` around it."""
+    """``method`` itself when no step is asked for, else a ``WithSteps`` around it (a method with its
+    own iteration count, ``--method admm``, gets ``admm_iters``)."""
+    if hasattr(method, "with_iters"):
+        method = method.with_iters(admm_iters)
     if update is None and refine is None:
         return method
     return WithSteps(method, update, admm_iters, refine, dsnot_cycles)
