@@ -35,7 +35,7 @@ import torch
 
 from sparsekit.errors import SparsekitError
 from sparsekit.pruning.methods.base import Method, Observes, PruneResult
-from sparsekit.pruning.patterns import Pattern, select_mask
+from sparsekit.pruning.patterns import Pattern, n_pruned, select_mask
 
 DEFAULT_ITERS = 20
 DAMP = 0.1  # the paper's dampening, in the normalized space
@@ -51,12 +51,16 @@ def reconstruction_error(dense: torch.Tensor, new: torch.Tensor, hessian: torch.
 
 def _gradual_mask(scores: torch.Tensor, pattern: Pattern, sparsity: float, frac: float) -> torch.Tensor:
     """Keep-mask pruning the ``frac`` lowest-scoring of the weights the pattern would prune on ``scores``."""
-    final = select_mask(scores, pattern, sparsity, group="layer")
-    cand = (~final).reshape(-1)
-    k = int(round(frac * int(cand.sum())))
-    keep = torch.ones_like(cand)
+    flat = scores.reshape(-1)
+    if pattern.is_unstructured:  # the lowest of the lowest n are the lowest overall
+        k = int(round(frac * n_pruned(flat.numel(), sparsity)))
+        cand = None
+    else:
+        cand = (~select_mask(scores, pattern, sparsity, group="layer")).reshape(-1)
+        k = int(round(frac * int(cand.sum())))
+    keep = torch.ones(flat.shape, dtype=torch.bool, device=flat.device)
     if k > 0:
-        s = scores.reshape(-1).masked_fill(~cand, float("inf"))
+        s = flat if cand is None else flat.masked_fill(~cand, float("inf"))
         keep[torch.topk(s, k, largest=False, sorted=False).indices] = False
     return keep.reshape(scores.shape)
 
