@@ -71,14 +71,13 @@ def targets(ppl: dict[str, float]) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calib", default=None, help="calibration text (default: WikiText-2 validation lines)")
-    ap.add_argument("--eval", default=None, help="evaluation text (default: the WikiText-2 test string)")
-    ap.add_argument("--nsamples", type=int, default=128)
-    ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval-seqlen", type=int, default=2048)
-    ap.add_argument("--max-windows", type=int, default=None)
-    ap.add_argument("--device", default="cuda")
+    for flag, kind, default, text in (  # the protocol of docs/results.md
+            ("--calib", str, None, "calibration text (default: WikiText-2 validation lines)"),
+            ("--eval", str, None, "evaluation text (default: the WikiText-2 test string)"),
+            ("--nsamples", int, 128, "calibration windows"), ("--seqlen", int, 512, "tokens per calibration window"),
+            ("--seed", int, 0, "calibration seed"), ("--eval-seqlen", int, 2048, "evaluation window"),
+            ("--max-windows", int, None, "evaluation windows (default: all)"), ("--device", str, "cuda", "cuda | cpu")):
+        ap.add_argument(flag, type=kind, default=default, help=text)
     ap.add_argument("--rows", nargs="*", default=None,
                     help="row names or groups (50, 2:4, 70) to run (default: all): " + ", ".join(ROWS))
     ap.add_argument("--tasks", default=None, help="lm-eval zero-shot tasks for dense and each target's best row")
@@ -90,28 +89,22 @@ def main(argv=None) -> int:
     if args.smoke:
         args.nsamples, args.seqlen, args.max_windows, args.device = 16, 256, 4, "cpu"
 
-    from sparsekit.evaluation.ppl import perplexity
-    from sparsekit.hf.data import eval_text
+    from sparsekit.evaluation.ppl import perplexity_report
     from sparsekit.hf.models import resolve_model
     from sparsekit.pruning.api import prune
-    from sparsekit.runtime.loader import load
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     calib = args.calib or find_data("validation.stripped-nonblank-lines.txt")
-    text = eval_text(args.eval or find_data("test.eval-string.txt"))
+    text = args.eval or find_data("test.eval-string.txt")
     gpu = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else "cpu"
     wanted = [k for k in ROWS if args.rows is None or k in args.rows or ROWS[k][0] in args.rows]
     t0 = time.perf_counter()
 
     def ppl_of(path) -> float:
-        model, tok = load(str(path), device=args.device)
-        r = perplexity(model, tok, text, seqlen=args.eval_seqlen, max_windows=args.max_windows)
-        del model
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return r["ppl"]
+        return perplexity_report(str(path), dataset=text, seqlen=args.eval_seqlen, max_windows=args.max_windows,
+                                 device=args.device)["ppl"]
 
     demo = Path(resolve_model("smollm2-135m"))
     results = {"dense": {"ppl": ppl_of(demo)}}

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from typer.testing import CliRunner
 
 from sparsekit.cli.app import app
@@ -18,6 +17,7 @@ from sparsekit.errors import SparsekitError
 from sparsekit.pruning.api import prune
 from sparsekit.pruning.owl import outlier_ratio, owl_sparsities
 
+from test_streaming import tensors
 from tiny_models import make_workdir
 
 runner = CliRunner()
@@ -132,21 +132,13 @@ def test_hybrid_owl_keeps_tiles_and_the_global_sparsity(work):
         assert bool(((per_tile == 0).all(1) | (per_tile >= 2).all(1)).all()), name  # dense or 2:4
 
 
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
-    return out
-
-
 def test_streamed_equals_in_memory(work):
     mem = _prune(work, "owl-mem", method="sparsegpt", offload="memory")
     disk = _prune(work, "owl-disk", method="sparsegpt", offload="disk")
     assert (mem["offload"], disk["offload"]) == ("memory", "disk")
     assert mem["allocation"]["outlier_ratio"] == disk["allocation"]["outlier_ratio"]
     assert mem["allocation"]["target"] == disk["allocation"]["target"]
-    a, b = _tensors(Path(mem["output"])), _tensors(Path(disk["output"]))
+    a, b = tensors(Path(mem["output"])), tensors(Path(disk["output"]))
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), k

@@ -161,22 +161,15 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
             out["skip"] = [skip]
         elif not (isinstance(skip, list) and all(isinstance(s, str) for s in skip)):
             raise SparsekitError(f"recipe {path}: skip must be a list of module-name patterns")
-    for section, keys in (("calibration", _CALIB_KEYS), ("sparsegpt", _SPARSEGPT_KEYS)):
+    sections = [("calibration", _CALIB_KEYS, ""), ("sparsegpt", _SPARSEGPT_KEYS, "")]
+    for section, keys, prefix in sections + [(name, keys, f"{name}_") for name, keys in _PREFIXED.items()]:
         sub = data.get(section)
         if sub is None:
             continue
         if not isinstance(sub, dict):
             raise SparsekitError(f"recipe {path}: {section} must be a mapping of {', '.join(sorted(keys))}")
         _check_keys(section, sub, keys, path)
-        out.update(sub)
-    for section, keys in _PREFIXED.items():
-        sub = data.get(section)
-        if sub is None:
-            continue
-        if not isinstance(sub, dict):
-            raise SparsekitError(f"recipe {path}: {section} must be a mapping of {', '.join(sorted(keys))}")
-        _check_keys(section, sub, keys, path)
-        out.update({f"{section}_{k}": v for k, v in sub.items()})
+        out.update({prefix + k: v for k, v in sub.items()})
     return out
 
 
