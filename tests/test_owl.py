@@ -165,6 +165,9 @@ def test_owl_settings_from_cli_and_recipe(work, tmp_path):
     (["--allocation", "owl", "--owl-m", "0"], "M"),
     (["--method", "cats", "--allocation", "owl"], "weight method"),
     (["--allocation", "owl", "--learn-mask", "--pattern", "hybrid"], "one-shot"),
+    (["--owl-lambda", "0.1"], "--allocation owl"),
+    (["--dsnot-cycles", "3"], "--refine dsnot"),
+    (["--admm-iters", "3"], "--update admm"),
 ])
 def test_bad_owl_input_is_a_one_line_error(work, tmp_path, args, words):
     res = runner.invoke(app, ["prune", str(work / "llama"), "--device", "cpu", "-o", str(tmp_path / "x"), *args])

@@ -193,7 +193,23 @@ def resolve_settings(recipe: str | Path | None = None, **overrides: Any) -> Prun
 
         if Pattern.parse(str(overrides["pattern"])).is_nm:
             settings["sparsity"] = None  # the recipe's sparsity went with its pattern; N:M fixes its own
-    return validate(settings)
+    s = validate(settings)
+    _check_orphans(s, overrides)
+    return s
+
+
+def _check_orphans(s: PruneSettings, given: dict[str, Any]) -> None:
+    """A knob passed for a step the run does not take is most likely a mistake: one line."""
+    from sparsekit.pruning.methods import METHODS
+
+    admm = s.update == "admm" or hasattr(METHODS[s.method], "with_iters")
+    for keys, used, what in ((("owl_lambda", "owl_m", "owl_windows"), s.allocation == "owl", "--allocation owl"),
+                             (("admm_iters",), admm, "--update admm or --method admm"),
+                             (("dsnot_cycles",), s.refine == "dsnot", "--refine dsnot")):
+        passed = [k for k in keys if given.get(k) is not None]
+        if passed and not used:
+            flags = ", ".join("--" + k.replace("_", "-") for k in passed)
+            raise SparsekitError(f"{flags} go{'es' if len(passed) == 1 else ''} with {what}: add it or drop {flags}")
 
 
 def _check_cats(cats: Any, method) -> float | None:
