@@ -1,4 +1,5 @@
-"""Layer-sequential pruning engine: one decoder layer on the device at a time.
+"""Layer-sequential pruning engine: one decoder layer on the device at a time (OWL adds a read-only
+first pass, ``owl_pass``).
 
 1. Capture the inputs of decoder layer 0 once, for every method that needs calibration data
    (``capture.py``).
@@ -33,13 +34,9 @@ from sparsekit.pruning.linears import prune_linears, weight_report
 from sparsekit.pruning.methods import METHODS, get_method
 from sparsekit.pruning.methods.cats import require_gated_mlps
 from sparsekit.pruning.offload import LayerMover
-from sparsekit.pruning.methods.wanda import wanda_scores
 from sparsekit.pruning.outside import check_outside_linears, prune_outside_linears
-from sparsekit.pruning.owl import Allotment, outlier_ratio, owl_sparsities
-from sparsekit.pruning.patterns import HYBRID_MAX_SPARSITY
+from sparsekit.pruning.owl_pass import owl_allotment, prune_allotted, weighted_sparsity
 from sparsekit.pruning.stats import collect_stats
-
-OWL_MAX_SPARSITY = 0.99  # no layer is pruned further under OWL (unstructured)
 
 
 def _device_sync(device: torch.device) -> None:
@@ -113,7 +110,7 @@ def prune_model(
 
     ``owl`` (a ``sparsekit.pruning.owl.OwlSettings``; unstructured or hybrid patterns) gives each
     decoder layer its own sparsity (OWL, ``sparsekit.pruning.owl``), ``sparsity`` being the global
-    target: a first, read-only pass over the layers (:func:`owl_scan`, the same one-layer-at-a-time
+    target: a first, read-only pass over the layers (``owl_pass.owl_scan``, the same one-layer-at-a-time
     capture, on ``owl.windows`` of the windows) measures each layer's outlier ratio on the dense model,
     then the layers are pruned as usual, each at its own sparsity. The report's ``allocation`` holds
     the ratios and targets, and each ``per_layer`` entry its ``target`` and ``sparsity``.
@@ -125,10 +122,6 @@ def prune_model(
     device = torch.device(device)
     skip = list(skip)
     needs_calibration = meth.needs_calibration or stacked is not None
-    if owl is not None and pattern is not None:
-        from sparsekit.pruning.patterns import Pattern
-
-        pattern = Pattern.parse(pattern)
     if needs_calibration and calib is None:
         raise SparsekitError(f"{meth.name} needs calibration data: pass calibration windows")
     model.eval()
@@ -141,19 +134,9 @@ def prune_model(
         require_gated_mlps(layers, skip=skip, fix="drop --cats")
     check_outside_linears(model, stack_name, skip, meth)
     allot, allocation = None, None
-    if owl is not None:
-        if not meth.changes_weights or pattern.is_nm:
-            raise SparsekitError(f"OWL varies the sparsity per layer: it needs a weight method and an unstructured or "
-                                 f"hybrid pattern, not {meth.name} {pattern}")
-        if calib is None:
-            raise SparsekitError("OWL measures outliers on calibration data: pass calibration windows")
-        t0 = time.perf_counter()
-        ratios, params = owl_scan(model, calib, device, owl, skip, batch_size, layer_mover, overlap, progress)
-        hi = HYBRID_MAX_SPARSITY if pattern.is_hybrid else OWL_MAX_SPARSITY
-        targets = owl_sparsities(ratios, sparsity, owl.lam, params, hi=hi)
-        allot = Allotment(targets, hi)
-        allocation = {"kind": "owl", **owl.as_dict(), "outlier_ratio": ratios, "target": targets,
-                      "scan_seconds": time.perf_counter() - t0}
+    if owl is not None:  # the read-only first pass over the dense model
+        allot, allocation = owl_allotment(model, calib, meth, sparsity, pattern, owl, skip, device, batch_size,
+                                          layer_mover, overlap, progress)
 
     acts = None
     t_capture = 0.0
@@ -190,12 +173,7 @@ def prune_model(
                 if allot is None:
                     rep = prune_linears(linears, stats, meth, sparsity, pattern, warn, blocksize, percdamp)
                 else:  # OWL: this layer's target, each linear's rounding carried into the next
-                    rep = {}
-                    for name, mod in linears.items():
-                        numel = L.weight_out_in(mod).numel()
-                        rep.update(prune_linears({name: mod}, stats, meth, allot.take(idx, numel), pattern, warn,
-                                                 blocksize, percdamp))
-                        allot.record(rep[name]["sparsity"] * numel)
+                    rep = prune_allotted(linears, stats, meth, allot, idx, pattern, warn, blocksize, percdamp)
                 phases.mark("prune")
                 if acts is not None and not last and stacked is None:
                     acts.run(layer, write=True)  # the pruned layer's outputs: next layer's inputs
@@ -220,7 +198,7 @@ def prune_model(
                 "phases": phases.seconds,
                 "peak_mem_bytes": _peak_mem(device),
                 "linears": list(rep),
-                "sparsity": _weighted_sparsity(rep.values()),
+                "sparsity": weighted_sparsity(rep.values()),
             })
             if allocation is not None:
                 layer_reports[-1]["target"] = allocation["target"][idx]
@@ -246,46 +224,6 @@ def prune_model(
     if allocation is not None:
         out["allocation"] = allocation
     return out
-
-
-def _weighted_sparsity(entries) -> float:
-    entries = list(entries)
-    total = sum(r["shape"][0] * r["shape"][1] for r in entries)
-    return sum(r["sparsity"] * r["shape"][0] * r["shape"][1] for r in entries) / total if total else 0.0
-
-
-@torch.no_grad()
-def owl_scan(model: nn.Module, calib: torch.Tensor, device: torch.device, owl, skip: list[str],
-             batch_size: int | None = None, layer_mover: Callable | None = None, overlap: bool = True,
-             progress: Progress | None = None) -> tuple[list[float], list[int]]:
-    """OWL's first pass: each decoder layer's outlier ratio (percent, ``owl.m``) and its number of
-    prunable weights, on the dense model, one layer at a time on the device and nothing written
-    (the layer mover runs with ``write=False``). Reads the first ``owl.windows`` calibration windows."""
-    stack_name, layers = L.find_decoder_layers(model)
-    ids = calib if owl.windows is None else calib[: owl.windows]
-    acts = capture_inputs(model, ids, device, batch_size or default_batch_size(ids.shape[1]))
-    ratios, params = [], []
-    with (layer_mover or LayerMover)(layers, device, overlap, write=False) as mover:
-        for idx, layer in enumerate(layers):
-            mover.load(idx)
-            mover.prefetch(idx + 1)
-            linears = L.find_linears(layer, prefix=f"{stack_name}.{idx}", skip=skip)
-            last = idx + 1 == len(layers)
-            stats = collect_stats(layer, linears, acts, False, device, write=not last) if linears else {}
-            scores = []
-            for name, mod in linears.items():
-                if name not in stats:
-                    raise SparsekitError(f"{name} received no calibration input: add it to --skip")
-                scores.append(wanda_scores(L.weight_out_in(mod), stats[name].col_sq_sum))
-            if not linears and not last:
-                acts.run(layer, write=True)
-            ratios.append(outlier_ratio(scores, owl.m))
-            params.append(sum(s.numel() for s in scores))
-            del stats, scores
-            mover.offload(idx)
-            report(progress, "outliers", idx + 1, len(layers))
-    del acts
-    return ratios, params
 
 
 def stacked_cats(meth):
