@@ -11,7 +11,7 @@ from sparsekit.errors import SparsekitError
 
 HELP = (
     "Prune a causal LM layer by layer and write an HF checkpoint (dense weights with zeros).\n\n"
-    "Methods: magnitude, wanda, sparsegpt, cats. Patterns: unstructured (with --sparsity), N:M (2:4, 4:8, ...), "
+    "Methods: magnitude, wanda, sparsegpt, admm, cats. Patterns: unstructured (with --sparsity), N:M (2:4, 4:8, ...), "
     "hybrid[:T] (TxT tiles, each dense or 2:4). Settings come from the defaults, then --recipe, then the "
     "flags you pass.\n\n"
     "Recipes: --recipe takes the name of a bundled recipe (list them with `sparsekit recipes`, e.g. wanda-2of4) "
@@ -25,7 +25,12 @@ HELP = (
     "--learn-mask (hybrid or 2:4) learns the mask instead, weights frozen: logits per tile (dense or 2:4) and "
     "per group of 4 (which 2 to keep), started from the method's one-shot choice and trained for --steps on "
     "the calibration text; --allocation global ranks the hybrid tiles of the whole model at once.\n\n"
+    "--allocation owl (unstructured, hybrid) gives each decoder layer its own sparsity from its share of outlier "
+    "activations (OWL; --owl-lambda, --owl-m), keeping --sparsity as the global one. --refine dsnot swaps pruned "
+    "and kept weights where that lowers a layer's reconstruction error; --update admm recomputes the kept weights "
+    "on the final mask with ADMM (--admm-iters); --method admm chooses the mask during ADMM itself.\n\n"
     "Example: sparsekit prune smollm2-135m --method wanda --sparsity 0.5 -o out/wanda50\n\n"
+    "Example: sparsekit prune smollm2-135m --method wanda --sparsity 0.7 --allocation owl --update admm\n\n"
     "Example: sparsekit prune smollm2-135m --method sparsegpt --pattern hybrid --sparsity 0.35 --learn-mask --steps 300"
 )
 
@@ -43,7 +48,7 @@ def register(app: typer.Typer) -> None:
 @handle_errors
 def prune_cmd(
     model: str = typer.Argument("smollm2-135m", metavar="MODEL", help="Local HF directory, hub id, or the demo alias smollm2-135m."),
-    method: Optional[str] = typer.Option(None, "--method", "-m", help="magnitude | wanda | sparsegpt | cats (default: wanda)"),
+    method: Optional[str] = typer.Option(None, "--method", "-m", help="magnitude | wanda | sparsegpt | admm | cats (default: wanda)"),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", "-s", help=SPARSITY_HELP),
     pattern: Optional[str] = typer.Option(None, "--pattern", "-p", help="unstructured | N:M (2:4, 4:8) | hybrid[:T] (default: unstructured)"),
     calib: Optional[str] = typer.Option(None, "--calib", "--dataset", help="Calibration text: wikitext2, c4, a hub dataset, or a .txt/.jsonl/.parquet file (default: wikitext2)"),
@@ -64,7 +69,14 @@ def prune_cmd(
     cats: Optional[float] = typer.Option(None, "--cats", help="Also calibrate CATS thresholds zeroing this fraction of the gate "
                                          "activations of each gated MLP, on the pruned model (a weight method only)."),
     offload: str = typer.Option("auto", "--offload", help="auto | memory | disk: disk streams a safetensors checkpoint from disk layer by layer and writes each pruned layer at once (host memory: a few layers); auto streams when the model would not fit comfortably in free host memory."),
-    allocation: Optional[str] = typer.Option(None, "--allocation", help="Hybrid tiles: layer (every linear at --sparsity) | global (one ranking over the model; sensitive linears stay denser) (default: layer)"),
+    allocation: Optional[str] = typer.Option(None, "--allocation", help="layer (every linear at --sparsity) | global (hybrid tiles: one ranking over the model; sensitive linears stay denser) | owl (unstructured / hybrid: each decoder layer's sparsity from its share of outliers, OWL; --sparsity stays the global target) (default: layer)"),
+    owl_lambda: Optional[float] = typer.Option(None, "--owl-lambda", help="--allocation owl: spread, each layer within --sparsity +- lambda (default: 0.08, the paper's)"),
+    owl_m: Optional[float] = typer.Option(None, "--owl-m", help="--allocation owl: outlier threshold M, in multiples of the layer's mean Wanda score (default: 5, the paper's)"),
+    owl_windows: Optional[int] = typer.Option(None, "--owl-windows", help="--allocation owl: calibration windows of the outlier scan of the dense model (default: 16)"),
+    update: Optional[str] = typer.Option(None, "--update", help="admm: recompute the kept weights on the method's final mask with ADMM on the layer's least-squares problem (any pattern; gathers the Hessian)"),
+    admm_iters: Optional[int] = typer.Option(None, "--admm-iters", help="--update admm / --method admm: ADMM iterations (default: 20)"),
+    refine: Optional[str] = typer.Option(None, "--refine", help="dsnot: refine the method's mask by swapping pruned and kept weights of a row (N:M group, 2:4 tile) where that lowers the layer's reconstruction error"),
+    dsnot_cycles: Optional[int] = typer.Option(None, "--dsnot-cycles", help="--refine dsnot: at most this many swaps per row (default: 50)"),
     learn_mask: bool = typer.Option(False, "--learn-mask", help="Learn the hybrid / 2:4 mask on the calibration text, weights frozen (see sparsekit.pruning.learn)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="--learn-mask: optimizer steps (default: 300)"),
     lr: Optional[float] = typer.Option(None, "--lr", help="--learn-mask: Adam learning rate on the mask logits (default: 0.1)"),
@@ -106,6 +118,8 @@ def prune_cmd(
             overwrite=overwrite, blocksize=blocksize, damp=damp, recipe=recipe, batch_size=batch_size,
             allocation=allocation, learn=learn, progress=bars.update, warn=warn, cats=cats, offload=offload,
             delete_extra=delete_extra,
+            owl_lambda=owl_lambda, owl_m=owl_m, owl_windows=owl_windows, update=update, admm_iters=admm_iters,
+            refine=refine, dsnot_cycles=dsnot_cycles,
         )
     if json_out:
         emit_json(report)
@@ -118,6 +132,7 @@ class _Bars:
     """rich progress bars on stderr, one per stage ("calibration", "layers"), created on first use."""
 
     LABELS = {"calibration": "capturing calibration inputs", "layers": "pruning decoder layers",
+              "outliers": "measuring outliers (OWL)",
               "thresholds": "calibrating CATS thresholds", "scores": "scoring (dense model)",
               "learning": "learning masks", "final": "final weights on the learned mask"}
 
@@ -176,6 +191,14 @@ def summary_table(report: dict):
         loss = f", calibration loss {cl['init']:.4f} (one-shot) -> {cl['learned_mask']:.4f}" if cl.get("init") is not None else ""
         head.add_row("mask", f"{lr_['allocation']} allocation, {lr_['steps']} learning steps from {lr_['init']} scores "
                      f"({lr_['learn_seconds']:.1f} s){loss}{', SparseGPT update' if lr_['weight_update'] else ''}")
+    if report.get("allocation"):
+        a = report["allocation"]
+        t = a["target"]
+        head.add_row("allocation", f"OWL (lambda {a['lambda']:g}, M {a['m']:g}): layer targets {min(t):.4f} to "
+                     f"{max(t):.4f}, outlier ratios {min(a['outlier_ratio']):.3g}% to {max(a['outlier_ratio']):.3g}%")
+    steps = [f"{k} {report[k]['kind']}" for k in ("refine", "update") if report.get(k)]
+    if steps:
+        head.add_row("steps", ", then ".join(steps))
     head.add_row("output", report["output"])
     if report.get("cats") and not stacked:
         return Group(head, cats_table(report["cats"]))
@@ -191,13 +214,17 @@ def summary_table(report: dict):
     layers.add_column("layer", justify="right")
     layers.add_column("linears", justify="right")
     layers.add_column("sparsity", justify="right")
+    owl = bool(report.get("allocation"))
+    if owl:
+        layers.add_column("target", justify="right")
     layers.add_column("time", justify="right")
     layers.add_column("peak mem", justify="right")
     for r in report["per_layer"]:
         lin = [report["layers"][n] for n in r["linears"]]
         tot = sum(x["shape"][0] * x["shape"][1] for x in lin)
         sp = sum(x["sparsity"] * x["shape"][0] * x["shape"][1] for x in lin) / tot if tot else 0.0
-        layers.add_row(str(r["index"]), str(len(lin)), f"{sp:.4f}", f"{r['seconds']:.2f} s", _mib(r["peak_mem_bytes"]))
+        target = [f"{r['target']:.4f}"] if owl else []
+        layers.add_row(str(r["index"]), str(len(lin)), f"{sp:.4f}", *target, f"{r['seconds']:.2f} s", _mib(r["peak_mem_bytes"]))
     return Group(head, types, layers, *([cats_table(report["cats"])] if stacked else []))
 
 

@@ -20,14 +20,15 @@ def register(app: typer.Typer) -> None:
 
 def recipe_rows() -> list[dict]:
     """One dict per bundled recipe: name, description, method, pattern, sparsity (resolved), cats
-    (stacked CATS target or None), path."""
+    (stacked CATS target or None), allocation, refine, update (None when unset), path."""
     from sparsekit.pruning.recipes import bundled_recipes, resolve_settings
 
     rows = []
     for r in bundled_recipes():
         s = resolve_settings(r.name)
         rows.append({"name": r.name, "description": r.description, "method": s.method, "pattern": s.pattern,
-                     "sparsity": s.sparsity, "cats": s.cats, "path": r.path})
+                     "sparsity": s.sparsity, "cats": s.cats, "allocation": s.allocation, "refine": s.refine,
+                     "update": s.update, "path": r.path})
     return rows
 
 
@@ -49,4 +50,7 @@ def recipes_cmd(json_out: bool = JSON_OPTION) -> None:
 
 
 def _spec(r: dict) -> str:
-    return f"{r['method']} {r['pattern']} {r['sparsity']:.4g}" + (f" + cats {r['cats']:.4g}" if r.get("cats") is not None else "")
+    extra = [f"{r['allocation']} allocation"] if r.get("allocation", "layer") != "layer" else []
+    extra += [f"{r[k]} {k}" for k in ("refine", "update") if r.get(k)]
+    return (f"{r['method']} {r['pattern']} {r['sparsity']:.4g}" + (f" + cats {r['cats']:.4g}" if r.get("cats") is not None else "")
+            + "".join(f" + {e}" for e in extra))

@@ -14,22 +14,31 @@ from sparsekit.pruning.settings import PruneSettings
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 PATTERN_OF_TAG = {"unstructured50": ("unstructured", 0.5), "2of4": ("2:4", 0.5), "4of8": ("4:8", 0.5),
                   "hybrid": ("hybrid", 0.25)}
+# the issue-23 combinations: -owl (allocation), -dsnot (refine), -admm (update) after the pattern tag
+COMBINATIONS = {"wanda-unstructured70-owl", "sparsegpt-unstructured70-owl", "admm-unstructured70-owl",
+                "wanda-unstructured50-dsnot", "wanda-2of4-dsnot", "wanda-unstructured50-admm",
+                "sparsegpt-2of4-dsnot-admm"}
 
 
 def test_shipped_recipes_cover_every_method_and_pattern():
     names = {p.stem for p in RECIPES.glob("*.yaml")}
     assert names == ({f"{m}-{t}" for m in METHODS if m != "cats" for t in PATTERN_OF_TAG}
-                     | {"cats-unstructured50", "wanda-unstructured50-cats50"})
+                     | {"cats-unstructured50", "wanda-unstructured50-cats50"} | COMBINATIONS)
 
 
 @pytest.mark.parametrize("path", sorted(RECIPES.glob("*.yaml")), ids=lambda p: p.stem)
 def test_shipped_recipe_is_valid_and_named_after_its_content(path):
     s = resolve_settings(path)
-    method, tag = path.stem.split("-", 1)
-    tag, _, cats = tag.partition("-cats")  # stacked CATS: -cats<percent>
+    method, tag, *extras = path.stem.split("-")
+    cats = next((e[4:] for e in extras if e.startswith("cats")), "")  # stacked CATS: -cats<percent>
     assert s.method == method
-    assert (s.pattern, s.sparsity) == PATTERN_OF_TAG[tag]
+    assert (s.pattern, s.sparsity) == ({**PATTERN_OF_TAG, "unstructured70": ("unstructured", 0.7)})[tag]
     assert s.cats == (int(cats) / 100 if cats else None)
+    assert s.allocation == ("owl" if "owl" in extras else "layer")
+    assert s.refine == ("dsnot" if "dsnot" in extras else None)
+    assert s.update == ("admm" if "admm" in extras else None)
+    if "owl" in extras:
+        assert (s.owl_lambda, s.owl_m, s.owl_windows) == (0.08, 5.0, 16)  # the paper's lambda and M
     assert "lm_head" in s.skip
 
 

@@ -44,7 +44,7 @@ def test_a_path_still_works_and_an_existing_file_wins(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("ref,match", [
-    ("wanda-3of4", "one of the bundled recipes: cats-unstructured50, magnitude-2of4"),
+    ("wanda-3of4", "one of the bundled recipes: admm-2of4, admm-4of8"),
     ("elsewhere/wanda-2of4.yaml", "the bundled recipe of that name is --recipe wanda-2of4"),
     ("missing/r.yaml", "not found"),
 ])
@@ -92,6 +92,6 @@ def test_prune_help_says_where_methods_patterns_and_recipes_are():
     res = runner.invoke(app, ["prune", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
     assert res.exit_code == 0
     text = " ".join(res.stdout.split())
-    for needle in ("magnitude, wanda, sparsegpt, cats", "unstructured", "N:M", "hybrid[:T]", "sparsekit recipes",
+    for needle in ("magnitude, wanda, sparsegpt, admm, cats", "unstructured", "N:M", "hybrid[:T]", "sparsekit recipes",
                    "wanda-2of4"):
         assert needle in text, needle

@@ -3,6 +3,11 @@
     python -m scripts.bench.prune --shape llama2-7b --methods wanda sparsegpt --json out.json
     python -m scripts.bench.prune --shape smollm2-135m --methods magnitude wanda sparsegpt
     python -m scripts.bench.prune --disk --compare llama2-7b:4 --stream llama2-70b:8   # streamed pruning
+    python -m scripts.bench.prune --shape llama2-7b --methods sparsegpt admm wanda wanda+owl sparsegpt+owl \
+        wanda+dsnot sparsegpt+admm --ratios     # issue 23: the new methods against SparseGPT, OWL against its base
+
+A method spec is a method name with optional ``+owl`` (OWL allocation), ``+dsnot`` (--refine dsnot) and
+``+admm`` (--update admm); ``--ratios`` prints each spec's time over sparsegpt's and OWL's over its base.
 
 With ``--disk`` (see ``disk_bench``) a random-weight fp16 checkpoint of the first N layers of a
 shape is written to disk first and pruned from there: ``--compare SHAPE:N`` prunes it in memory
@@ -59,21 +64,30 @@ def run_one(shape: str, method: str, pattern: str, nsamples: int, seqlen: int, d
             overlap: bool = True) -> dict:
     from sparsekit.pruning.engine import prune_model
     from sparsekit.pruning.methods import get_method
+    from sparsekit.pruning.methods.steps import with_steps
+    from sparsekit.pruning.owl import OwlSettings
     from sparsekit.pruning.patterns import Pattern
+
+    spec = method
+    method, *extras = spec.split("+")
+    meth = with_steps(get_method(method), update="admm" if "admm" in extras else None,
+                      refine="dsnot" if "dsnot" in extras else None)
+    owl = OwlSettings() if "owl" in extras else None
 
     t0 = time.perf_counter()
     model = build_model(shape)
     t_build = time.perf_counter() - t0
     vocab = model.config.vocab_size
-    calib = torch.randint(0, vocab, (nsamples, seqlen), generator=torch.Generator().manual_seed(0)) if get_method(method).needs_stats else None
+    calib = (torch.randint(0, vocab, (nsamples, seqlen), generator=torch.Generator().manual_seed(0))
+             if meth.needs_stats or owl is not None else None)
     warnings: list[str] = []
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     pat = Pattern.parse(pattern)
-    rep = prune_model(model, calib, method=method, sparsity=pat.resolve_sparsity(None), pattern=pat,
+    rep = prune_model(model, calib, method=meth, sparsity=pat.resolve_sparsity(None), pattern=pat,
                       skip=["lm_head"], device=device, batch_size=batch_size, overlap=overlap,
-                      warn=warnings.append)
+                      warn=warnings.append, owl=owl)
     # the pruned values really landed in the CPU model (first and last layer)
     cpu_sparsity = [round(float((lay.mlp.down_proj.weight == 0).float().mean()), 4)
                     for lay in (model.model.layers[0], model.model.layers[-1])]
@@ -86,7 +100,7 @@ def run_one(shape: str, method: str, pattern: str, nsamples: int, seqlen: int, d
             phases[k] = phases.get(k, 0.0) + v
     sp = [v["sparsity"] for v in rep["layers"].values()]
     out = {
-        "shape": shape, "method": method, "pattern": pattern, "nsamples": nsamples, "seqlen": seqlen,
+        "shape": shape, "method": spec, "pattern": pattern, "nsamples": nsamples, "seqlen": seqlen,
         "overlap": overlap,
         "build_s": round(t_build, 2),
         "total_s": round(rep["seconds"], 2),
@@ -117,6 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-overlap", action="store_true", help="move layers synchronously (no background copies)")
     ap.add_argument("--warmup", action="store_true", help="run the first (shape, method) once untimed first")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--ratios", action="store_true", help="print each method's time over sparsegpt's and +owl's over its base")
     ap.add_argument("--disk", action="store_true", help="disk-backed mode: write checkpoints, prune them from disk")
     ap.add_argument("--compare", nargs="*", default=[], metavar="SHAPE:N", help="--disk: in memory vs streamed")
     ap.add_argument("--stream", nargs="*", default=[], metavar="SHAPE:N", help="--disk: streamed only")
@@ -149,6 +164,13 @@ def main(argv=None) -> int:
                         overlap=not args.no_overlap)
             print(json.dumps(r), flush=True)
             results.append(r)
+    if args.ratios:
+        for r in results:
+            same = {x["method"]: x["total_s"] for x in results if x["shape"] == r["shape"]}
+            base = r["method"].replace("+owl", "")
+            r["vs_sparsegpt"] = round(r["total_s"] / same["sparsegpt"], 3) if "sparsegpt" in same else None
+            r["owl_vs_base"] = round(r["total_s"] / same[base], 3) if "+owl" in r["method"] and base in same else None
+            print(json.dumps({k: r[k] for k in ("shape", "method", "total_s", "vs_sparsegpt", "owl_vs_base")}), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"info": info, "results": results}, f, indent=2)

@@ -65,6 +65,13 @@ def prune(
     batch_size: int | None = None,
     offload: str | None = None,
     allocation: str | None = None,
+    owl_lambda: float | None = None,
+    owl_m: float | None = None,
+    owl_windows: int | None = None,
+    update: str | None = None,
+    admm_iters: int | None = None,
+    refine: str | None = None,
+    dsnot_cycles: int | None = None,
     learn: Any = None,
     progress: Progress | None = None,
     warn: Callable[[str], None] = print,
@@ -99,6 +106,15 @@ def prune(
     of a hybrid or 2:4 pattern instead (``sparsekit.pruning.learn``); ``allocation="global"`` ranks
     hybrid tiles over the whole model (one-shot, or as the start of learning). Both record how the
     mask was made under ``learning`` in ``sparsekit.json``.
+
+    ``allocation="owl"`` (unstructured or hybrid, any weight method) gives each decoder layer its own
+    sparsity from its share of outlier activations (OWL, ``sparsekit.pruning.owl``; ``owl_lambda``,
+    ``owl_m``: the paper's lambda 0.08 and M 5; ``owl_windows``: windows of the dense-model scan), the
+    global sparsity staying ``sparsity``; it streams like any one-shot run. The report's
+    ``allocation`` and ``sparsekit.json``'s ``allocation`` hold the ratios and per-layer targets.
+    ``refine="dsnot"`` refines the method's mask (``sparsekit.pruning.methods.dsnot``) and
+    ``update="admm"`` recomputes the kept weights with ADMM (``admm_iters`` iterations,
+    ``sparsekit.pruning.methods.admm``); both need the input Hessian, gathered for any method.
     """
     from sparsekit.hf.data import check_source
     from sparsekit.host.atomic import claim_output
@@ -108,13 +124,19 @@ def prune(
     t0 = time.perf_counter()
     s = resolve_settings(recipe, method=method, pattern=pattern, sparsity=sparsity, dataset=calib,
                          nsamples=nsamples, seqlen=seqlen, seed=seed, skip=skip, prune_lm_head=prune_lm_head,
-                         blocksize=blocksize, damp=damp, cats=cats, allocation=allocation)
+                         blocksize=blocksize, damp=damp, cats=cats, allocation=allocation, owl_lambda=owl_lambda,
+                         owl_m=owl_m, owl_windows=owl_windows, update=update, admm_iters=admm_iters, refine=refine,
+                         dsnot_cycles=dsnot_cycles)
     if isinstance(learn, dict):
         from sparsekit.pruning.learn import LearnConfig
 
         learn = LearnConfig(**learn)
     if learn is not None and prune_lm_head:
         raise SparsekitError("--learn-mask learns the masks of the decoder linears: drop --prune-lm-head")
+    if learn is not None and s.allocation == "owl":
+        raise SparsekitError("--allocation owl is a one-shot allocation: drop --learn-mask, or use --allocation layer/global")
+    if learn is not None and s.refine is not None:
+        raise SparsekitError("--refine works on the one-shot mask: drop --learn-mask or --refine")
     if note := s.ignored_calibration(calib=calib, nsamples=nsamples, seqlen=seqlen):
         warn(note)
     if METHODS[s.method].needs_calibration or s.cats is not None or learn is not None:
@@ -137,6 +159,8 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
     from sparsekit.hf.models import load_model, model_context, open_tokenizer, resolve_device, resolve_dtype, resolve_model
     from sparsekit.pruning import engine
     from sparsekit.pruning.methods import METHODS
+    from sparsekit.pruning.methods.steps import with_steps
+    from sparsekit.pruning.owl import OwlSettings
     from sparsekit.pruning.patterns import Pattern
 
     host = HostPeak()
@@ -156,7 +180,8 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
         if dtype in (None, "auto"):
             dtype = "float32"  # fp32 weights under bf16 autocast: the logits' gradients need the range
     torch_dtype = resolve_dtype(dtype, dev)
-    meth = METHODS[s.method]
+    steps = {} if learned else dict(update=s.update, refine=s.refine, dsnot_cycles=s.dsnot_cycles)  # learned: see _learn
+    meth = with_steps(METHODS[s.method], admm_iters=s.admm_iters, **steps)
 
     location = resolve_model(model)
     claim.add_sources([location])
@@ -177,7 +202,9 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
     _warn_unmatched_skip(meth.skip_targets(net), s.skip, warn)
     calib_ids = None
     calibration: dict[str, Any]
-    if meth.needs_calibration or s.cats is not None or (learn is not None and (learn.steps > 0 or learn.weight_update)):
+    owl = OwlSettings(s.owl_lambda, s.owl_m, s.owl_windows) if s.allocation == "owl" else None
+    if (meth.needs_calibration or s.cats is not None or owl is not None
+            or (learn is not None and (learn.steps > 0 or learn.weight_update))):
         from sparsekit.hf.data import calibration_windows
 
         ctx = model_context(net)
@@ -209,7 +236,7 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
                     net, calib_ids, method=meth, sparsity=s.sparsity, pattern=Pattern.parse(s.pattern),
                     skip=s.skip, device=dev, blocksize=s.blocksize, percdamp=s.damp, batch_size=batch_size,
                     progress=progress, warn=warn, seed=s.seed, cats=s.cats,
-                    layer_mover=stream.mover if stream else None,
+                    layer_mover=stream.mover if stream else None, owl=owl,
                 )
         if not report["layers"] and meth.changes_weights:
             raise SparsekitError(f"no linear layer was pruned: the skip patterns {s.skip} exclude them all")
@@ -230,6 +257,12 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
         )
         if "learning" in report:
             meta.learning = report["learning"]
+        for key in ("update", "refine"):  # written as top-level keys of sparsekit.json
+            if getattr(s, key) is not None:
+                meta.extra[key] = {"update": {"kind": s.update, "iters": s.admm_iters},
+                                   "refine": {"kind": s.refine, "cycles": s.dsnot_cycles}}[key]
+        if "allocation" in report:
+            meta.extra["allocation"] = {k: v for k, v in report["allocation"].items() if k != "scan_seconds"}
         if stream:
             stream.finish(staged, tokenizer, meta, Path(out))
         else:
@@ -248,6 +281,7 @@ def _prune_into(claim, model, s, out, overwrite, device, dtype, batch_size, offl
         "offload": mode,
         "offload_reason": why,
         "per_layer": report["per_layer"],
+        **({"allocation": report["allocation"]} if "allocation" in report else {}),
         "by_type": sparsity_by_type(report["layers"]),
         "overall_sparsity": overall_sparsity(report["layers"]),
         "elapsed_s": time.perf_counter() - t0,
@@ -263,11 +297,12 @@ def _learn(net, calib_ids, s, meth, dev, learn, out, model, calibration, batch_s
     ckpt = cfg.checkpoint_dir or f"{Path(out)}-checkpoints"
     fingerprint = {"model": str(model), "method": s.method, "pattern": s.pattern, "sparsity": s.sparsity,
                    "allocation": s.allocation, "seed": s.seed, "calibration": calibration, "skip": list(s.skip),
+                   **({"update": s.update, "admm_iters": s.admm_iters} if s.update else {}),
                    **cfg.fingerprint()}
     rep = learn_prune(net, calib_ids, method=meth, pattern=Pattern.parse(s.pattern), sparsity=s.sparsity, skip=s.skip,
                       device=dev, cfg=cfg, allocation=s.allocation, seed=s.seed, blocksize=s.blocksize,
                       percdamp=s.damp, batch_size=batch_size, checkpoint_dir=ckpt, fingerprint=fingerprint,
-                      progress=progress, warn=warn)
+                      progress=progress, warn=warn, admm_iters=s.admm_iters if s.update == "admm" else None)
     if cfg.checkpoint_every:
         rep["learning"]["checkpoint_dir"] = ckpt
     return rep

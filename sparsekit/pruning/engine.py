@@ -1,4 +1,5 @@
-"""Layer-sequential pruning engine: one decoder layer on the device at a time.
+"""Layer-sequential pruning engine: one decoder layer on the device at a time (OWL adds a read-only
+first pass, ``owl_pass``).
 
 1. Capture the inputs of decoder layer 0 once, for every method that needs calibration data
    (``capture.py``).
@@ -34,6 +35,7 @@ from sparsekit.pruning.methods import METHODS, get_method
 from sparsekit.pruning.methods.cats import require_gated_mlps
 from sparsekit.pruning.offload import LayerMover
 from sparsekit.pruning.outside import check_outside_linears, prune_outside_linears
+from sparsekit.pruning.owl_pass import owl_allotment, prune_allotted, weighted_sparsity
 from sparsekit.pruning.stats import collect_stats
 
 
@@ -80,6 +82,7 @@ def prune_model(
     seed: int = 0,
     cats: float | None = None,
     layer_mover: Callable | None = None,
+    owl=None,
 ) -> dict:
     """Prune ``model`` in place (it stays on the CPU; one layer at a time visits ``device``).
 
@@ -104,6 +107,13 @@ def prune_model(
     ``cats`` (with a weight method) stacks CATS on the pruning: once a layer's linears are pruned, its
     gated MLPs get thresholds for this activation sparsity, calibrated on the pruned layer (so layer i's
     thresholds see layers < i pruned and thresholded); the report's ``cats`` holds them as above.
+
+    ``owl`` (a ``sparsekit.pruning.owl.OwlSettings``; unstructured or hybrid patterns) gives each
+    decoder layer its own sparsity (OWL, ``sparsekit.pruning.owl``), ``sparsity`` being the global
+    target: a first, read-only pass over the layers (``owl_pass.owl_scan``, the same one-layer-at-a-time
+    capture, on ``owl.windows`` of the windows) measures each layer's outlier ratio on the dense model,
+    then the layers are pruned as usual, each at its own sparsity. The report's ``allocation`` holds
+    the ratios and targets, and each ``per_layer`` entry its ``target`` and ``sparsity``.
     """
     if isinstance(method, str) and method not in METHODS:
         raise SparsekitError(f"unknown method {method!r}: choose one of {', '.join(METHODS)}")
@@ -123,6 +133,10 @@ def prune_model(
     if stacked is not None:
         require_gated_mlps(layers, skip=skip, fix="drop --cats")
     check_outside_linears(model, stack_name, skip, meth)
+    allot, allocation = None, None
+    if owl is not None:  # the read-only first pass over the dense model
+        allot, allocation = owl_allotment(model, calib, meth, sparsity, pattern, owl, skip, device, batch_size,
+                                          layer_mover, overlap, progress)
 
     acts = None
     t_capture = 0.0
@@ -156,7 +170,10 @@ def prune_model(
                 if meth.needs_stats and linears:
                     stats = collect_stats(layer, linears, acts, meth.needs_hessian, device)
                     phases.mark("stats")
-                rep = prune_linears(linears, stats, meth, sparsity, pattern, warn, blocksize, percdamp)
+                if allot is None:
+                    rep = prune_linears(linears, stats, meth, sparsity, pattern, warn, blocksize, percdamp)
+                else:  # OWL: this layer's target, each linear's rounding carried into the next
+                    rep = prune_allotted(linears, stats, meth, allot, idx, pattern, warn, blocksize, percdamp)
                 phases.mark("prune")
                 if acts is not None and not last and stacked is None:
                     acts.run(layer, write=True)  # the pruned layer's outputs: next layer's inputs
@@ -181,7 +198,10 @@ def prune_model(
                 "phases": phases.seconds,
                 "peak_mem_bytes": _peak_mem(device),
                 "linears": list(rep),
+                "sparsity": weighted_sparsity(rep.values()),
             })
+            if allocation is not None:
+                layer_reports[-1]["target"] = allocation["target"][idx]
             del stats
             report(progress, meth.progress_stage, idx + 1, len(layers))
     linear_reports.update(prune_outside_linears(model, stack_name, skip, meth, sparsity, pattern, warn))
@@ -201,6 +221,8 @@ def prune_model(
     key = stacked.report_key if stacked is not None else meth.report_key
     if key:
         out[key] = method_reports
+    if allocation is not None:
+        out["allocation"] = allocation
     return out
 
 

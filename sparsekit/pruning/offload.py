@@ -15,10 +15,11 @@ class LayerMover:
     current one computes, and copies each pruned layer's tensors back into its original CPU
     tensors in the background; :meth:`finish` waits for those copies. Elsewhere it is a plain
     ``layer.to(device)`` / ``layer.to("cpu")``. As a context manager it finishes on exit.
+    ``write=False`` (a pass that changes no weight, e.g. OWL's outlier scan) copies nothing back on CUDA.
     """
 
-    def __init__(self, layers: nn.ModuleList, device: torch.device, overlap: bool):
-        self.layers, self.device = layers, device
+    def __init__(self, layers: nn.ModuleList, device: torch.device, overlap: bool, write: bool = True):
+        self.layers, self.device, self.write = layers, device, write
         self.overlap = overlap and device.type == "cuda"
         self.pending: dict[int, object] = {}
         self.offloads: list = []
@@ -86,6 +87,8 @@ class LayerMover:
                     t.data = t.data.to("cpu")
                 else:
                     set_module_tensor(mod, "b", key, t.to("cpu"))
+        if not self.write:  # the CPU tensors still hold the same values
+            return
 
         def copy_out():
             self.stream.wait_event(done)
@@ -122,11 +125,12 @@ class DiskLayerMover:
     own buffers that the checkpoint does not hold (computed in ``__init__``) go to the device and back.
     On CUDA (``overlap``) one worker thread reads the next layer onto the device on a side stream
     while the current one computes, and another writes pruned layers out on a second side stream;
-    :meth:`finish` waits for the writes. At most two layers wait to be written.
+    :meth:`finish` waits for the writes. At most two layers wait to be written. ``write=False`` (a
+    pass that changes no weight, e.g. OWL's outlier scan) only drops each layer after use.
     """
 
-    def __init__(self, layers: nn.ModuleList, device: torch.device, overlap: bool, store):
-        self.layers, self.device, self.store = layers, device, store
+    def __init__(self, layers: nn.ModuleList, device: torch.device, overlap: bool, store, write: bool = True):
+        self.layers, self.device, self.store, self.write = layers, device, store, write
         self.overlap = overlap and device.type == "cuda"
         self.pending: dict[int, object] = {}
         self.writes: list = []
@@ -175,6 +179,8 @@ class DiskLayerMover:
         tensors = {n: slots.get(n).data for n in self.store.layer_names[idx] if n in self.store.keys}
         for name in list(tensors) + self.others.pop(idx, []):
             slots.reset(name)
+        if not self.write:
+            return
         if not self.overlap:
             for name, t in tensors.items():
                 self.store.write(name, t)

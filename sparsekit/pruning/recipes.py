@@ -9,6 +9,12 @@ A recipe is a small YAML file::
     skip: [lm_head]
     sparsegpt: {blocksize: 128, damp: 0.01}   # optional
     cats: 0.5               # optional: CATS thresholds (this activation sparsity) on top of a weight method
+    allocation: owl         # optional: layer (default) | global (hybrid tiles) | owl (per-layer sparsity)
+    owl: {lambda: 0.08, m: 5, windows: 16}    # optional, with allocation: owl
+    refine: dsnot           # optional: DSnoT mask refinement after the method
+    dsnot: {cycles: 50}     # optional
+    update: admm            # optional: ADMM weight update on the final mask
+    admm: {iters: 20}       # optional (also for method: admm)
 
 ``description`` is free text (the line ``sparsekit recipes`` shows). Any other key is an error.
 :func:`resolve_settings` returns a validated ``PruneSettings``.
@@ -38,12 +44,24 @@ DEFAULTS: dict[str, Any] = {
     "blocksize": 128,
     "damp": 0.01,
     "cats": None,  # stacked CATS: target activation sparsity calibrated after a weight method, or None
-    "allocation": "layer",  # hybrid tiles: every linear at the target, or "global" (one ranking)
+    "allocation": "layer",  # every linear at the target; "global" (hybrid tiles, one ranking); "owl" (per layer)
+    "owl_lambda": 0.08,  # OWL's paper defaults (lambda, M); the scan reads 16 calibration windows
+    "owl_m": 5.0,
+    "owl_windows": 16,
+    "update": None,  # None: the method's own weights; "admm": ADMM's update on the final mask
+    "admm_iters": 20,
+    "refine": None,  # None, or "dsnot"
+    "dsnot_cycles": 50,
 }
 
-_TOP_KEYS = {"description", "method", "pattern", "sparsity", "calibration", "skip", "sparsegpt", "cats", "allocation"}
+_TOP_KEYS = {"description", "method", "pattern", "sparsity", "calibration", "skip", "sparsegpt", "cats", "allocation",
+             "owl", "update", "admm", "refine", "dsnot"}
 _CALIB_KEYS = {"dataset", "nsamples", "seqlen", "seed"}
 _SPARSEGPT_KEYS = {"blocksize", "damp"}
+# recipe sub-sections whose keys are the settings prefix_key: owl: {lambda: 0.1} -> owl_lambda
+_PREFIXED = {"owl": {"lambda", "m", "windows"}, "admm": {"iters"}, "dsnot": {"cycles"}}
+UPDATES = ("admm",)
+REFINES = ("dsnot",)
 
 
 def _check_keys(where: str, got: dict, allowed: set[str], path) -> None:
@@ -130,7 +148,7 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
         raise SparsekitError(f"recipe {path} must be a YAML mapping (method: ..., pattern: ...)")
     _check_keys("the recipe", data, _TOP_KEYS, path)
     out: dict[str, Any] = {}
-    for key in ("method", "pattern", "sparsity", "skip", "cats", "allocation"):
+    for key in ("method", "pattern", "sparsity", "skip", "cats", "allocation", "update", "refine"):
         if key in data:
             out[key] = data[key]
     if isinstance(out.get("pattern"), int):
@@ -143,14 +161,15 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
             out["skip"] = [skip]
         elif not (isinstance(skip, list) and all(isinstance(s, str) for s in skip)):
             raise SparsekitError(f"recipe {path}: skip must be a list of module-name patterns")
-    for section, keys in (("calibration", _CALIB_KEYS), ("sparsegpt", _SPARSEGPT_KEYS)):
+    sections = [("calibration", _CALIB_KEYS, ""), ("sparsegpt", _SPARSEGPT_KEYS, "")]
+    for section, keys, prefix in sections + [(name, keys, f"{name}_") for name, keys in _PREFIXED.items()]:
         sub = data.get(section)
         if sub is None:
             continue
         if not isinstance(sub, dict):
             raise SparsekitError(f"recipe {path}: {section} must be a mapping of {', '.join(sorted(keys))}")
         _check_keys(section, sub, keys, path)
-        out.update(sub)
+        out.update({prefix + k: v for k, v in sub.items()})
     if not out:
         raise SparsekitError(f"recipe {path} sets nothing (it would run on the defaults): give it some of "
                              f"{', '.join(sorted(_TOP_KEYS - {'description'}))}, or drop --recipe")
@@ -177,7 +196,23 @@ def resolve_settings(recipe: str | Path | None = None, **overrides: Any) -> Prun
 
         if Pattern.parse(str(overrides["pattern"])).is_nm:
             settings["sparsity"] = None  # the recipe's sparsity went with its pattern; N:M fixes its own
-    return validate(settings)
+    s = validate(settings)
+    _check_orphans(s, overrides)
+    return s
+
+
+def _check_orphans(s: PruneSettings, given: dict[str, Any]) -> None:
+    """A knob passed for a step the run does not take is most likely a mistake: one line."""
+    from sparsekit.pruning.methods import METHODS
+
+    admm = s.update == "admm" or hasattr(METHODS[s.method], "with_iters")
+    for keys, used, what in ((("owl_lambda", "owl_m", "owl_windows"), s.allocation == "owl", "--allocation owl"),
+                             (("admm_iters",), admm, "--update admm or --method admm"),
+                             (("dsnot_cycles",), s.refine == "dsnot", "--refine dsnot")):
+        passed = [k for k in keys if given.get(k) is not None]
+        if passed and not used:
+            flags = ", ".join("--" + k.replace("_", "-") for k in passed)
+            raise SparsekitError(f"{flags} go{'es' if len(passed) == 1 else ''} with {what}: add it or drop {flags}")
 
 
 def _integer(key: str, value: Any) -> int:
@@ -258,4 +293,44 @@ def validate(s: dict[str, Any]) -> PruneSettings:
     s["allocation"] = check_allocation(s.get("allocation") or "layer")
     if s["allocation"] == "global" and not pattern.is_hybrid:
         raise SparsekitError(f"--allocation global ranks hybrid tiles across the model: use it with --pattern hybrid[:T], not {pattern}")
+    _check_owl(s, method, pattern)
+    _check_steps(s, method)
     return PruneSettings(**s)
+
+
+def _check_owl(s: dict[str, Any], method, pattern) -> None:
+    """OWL's settings, normalized in place (checked whatever the allocation: a typo is an error)."""
+    from sparsekit.pruning.owl import OwlSettings
+
+    o = OwlSettings(s.get("owl_lambda", DEFAULTS["owl_lambda"]), s.get("owl_m", DEFAULTS["owl_m"]),
+                    s.get("owl_windows", DEFAULTS["owl_windows"])).check()
+    s["owl_lambda"], s["owl_m"], s["owl_windows"] = o.lam, o.m, o.windows
+    if s["allocation"] != "owl":
+        return
+    if not method.changes_weights:
+        raise SparsekitError(f"--allocation owl sets each layer's weight sparsity: use a weight method, not {method.name}")
+    if pattern.is_nm:
+        raise SparsekitError(f"--allocation owl varies the sparsity per layer, which {pattern} fixes: use an unstructured "
+                             "or hybrid pattern")
+
+
+def _check_steps(s: dict[str, Any], method) -> None:
+    """--update / --refine and their iteration counts, normalized in place."""
+    for key, allowed in (("update", UPDATES), ("refine", REFINES)):
+        v = s.get(key)
+        if v is not None:
+            v = str(v).strip().lower()
+            if v in ("none", ""):
+                v = None
+            elif v not in allowed:
+                raise SparsekitError(f"unknown --{key} {s[key]!r}: use {' or '.join(allowed)} (or leave it out)")
+        s[key] = v
+        if key == "update" and v is not None and hasattr(method, "with_iters"):
+            raise SparsekitError(f"--method {method.name} already updates the weights with ADMM: drop --update")
+        if v is not None and not method.changes_weights:
+            raise SparsekitError(f"--{key} {v} works on a weight method's mask, and {method.name} changes no weight")
+    for key, lo in (("admm_iters", 1), ("dsnot_cycles", 0)):
+        v = s.get(key, DEFAULTS[key])
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v or v < lo:
+            raise SparsekitError(f"{key.replace('_', ' ')} must be an integer of at least {lo}, got {v!r}")
+        s[key] = int(v)

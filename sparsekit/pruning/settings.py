@@ -23,7 +23,14 @@ class PruneSettings:
     blocksize: int  # SparseGPT column block size
     damp: float  # SparseGPT dampening, fraction of the mean Hessian diagonal
     cats: float | None = None  # CATS activation sparsity stacked on a weight method (--cats), or None
-    allocation: str = "layer"  # hybrid tiles: per linear ("layer") or one ranking over the model ("global")
+    allocation: str = "layer"  # per linear ("layer"), hybrid tiles ranked over the model ("global"), or per-layer OWL ("owl")
+    owl_lambda: float = 0.08  # OWL: the spread of the per-layer sparsities (target +- lambda)
+    owl_m: float = 5.0  # OWL: outlier threshold, in multiples of the layer's mean Wanda score
+    owl_windows: int | None = 16  # OWL: calibration windows of the outlier scan (None: all)
+    update: str | None = None  # weight update on the method's mask: None (the method's own) or "admm"
+    admm_iters: int = 20  # ADMM iterations (--update admm, --method admm)
+    refine: str | None = None  # mask refinement after the method: None or "dsnot"
+    dsnot_cycles: int = 50  # DSnoT: at most this many prune-and-regrow swaps per row
     recipe: str | None = None  # the recipe file, if one was used
 
     def as_dict(self) -> dict[str, Any]:
@@ -40,7 +47,8 @@ class PruneSettings:
         from sparsekit.pruning.methods import METHODS
 
         names = [name for name, value in given.items() if value is not None]
-        if not names or METHODS[self.method].needs_calibration or self.cats is not None:
+        uses = self.cats is not None or self.allocation == "owl" or self.update is not None or self.refine is not None
+        if not names or METHODS[self.method].needs_calibration or uses:
             return None
         return (f"method {self.method} uses no calibration data: {', '.join(names)} "
                 f"{'is' if len(names) == 1 else 'are'} ignored")

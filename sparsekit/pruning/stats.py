@@ -110,14 +110,20 @@ def _tf32(enabled: bool):
 
 
 def collect_stats(layer: nn.Module, linears: dict[str, nn.Module], acts, hessian: bool,
-                  device: torch.device) -> dict[str, InputStats]:
+                  device: torch.device, write: bool = False) -> dict[str, InputStats]:
     """Run every mini-batch of ``acts`` (a ``capture.Activations``) through ``layer`` (TF32 matmuls
-    allowed) and return each linear's ``InputStats`` (shared by linears fed the same tensor)."""
+    allowed) and return each linear's ``InputStats`` (shared by linears fed the same tensor). With
+    ``write`` the layer's outputs replace its inputs in ``acts`` (a pass that changes no weight)."""
+    from sparsekit.pruning.capture import _first_output
+
     collector = StatsCollector(linears, hessian, device)
     try:
         with _tf32(True):
             for i, ((a, b), args, kwargs) in enumerate(zip(acts.spans, acts.args, acts.kwargs)):
-                layer(acts.hidden[a:b], *args, **kwargs)
+                out = layer(acts.hidden[a:b], *args, **kwargs)
+                if write:
+                    acts.hidden[a:b].copy_(_first_output(out))
+                del out
                 if i == 0:
                     collector.end_batch()
     finally:

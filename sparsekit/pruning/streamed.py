@@ -133,11 +133,12 @@ class StreamedModel:
         """Tensor ``name`` (canonical) from the checkpoint, on ``device`` in the compute dtype."""
         return self.source.read(self.keys[name][0], device, self.dtype)
 
-    def mover(self, layers, device, overlap):
-        """The engine's ``layer_mover``: a ``DiskLayerMover`` over this checkpoint."""
+    def mover(self, layers, device, overlap, write: bool = True):
+        """The engine's ``layer_mover``: a ``DiskLayerMover`` over this checkpoint (``write=False``:
+        a read-only pass, e.g. OWL's outlier scan)."""
         from sparsekit.pruning.offload import DiskLayerMover
 
-        return DiskLayerMover(layers, device, overlap, self)
+        return DiskLayerMover(layers, device, overlap, self, write=write)
 
     # ------------------------------------------------------------------ writing
     @contextlib.contextmanager

@@ -14,14 +14,15 @@ import torch
 from sparsekit.errors import SparsekitError
 from sparsekit.pruning.patterns import n_sparse_tiles, nm_mask, tile_sums
 
-ALLOCATIONS = ("layer", "global")
+ALLOCATIONS = ("layer", "global", "owl")
 
 
 def check_allocation(allocation: str) -> str:
     a = str(allocation).strip().lower()
     if a not in ALLOCATIONS:
-        raise SparsekitError(f"unknown allocation {allocation!r}: use 'layer' (every linear at the target) "
-                             "or 'global' (one ranking of the tiles of the whole model)")
+        raise SparsekitError(f"unknown allocation {allocation!r}: use 'layer' (every linear at the target), "
+                             "'global' (one ranking of the tiles of the whole model) or 'owl' (per-layer sparsity "
+                             "from the layer's outliers)")
     return a
 
 

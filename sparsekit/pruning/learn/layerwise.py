@@ -10,7 +10,8 @@ Unlike the engine, each linear can be told *which mask to reach*:
   inside them is chosen by the method (SparseGPT: during its sweep). None: the method's own one-shot
   choice at the target sparsity (``prune_weight``, as the engine does).
 - ``keep[name]`` (bool [out, in]): the exact mask (a learned one). SparseGPT updates the kept weights
-  for it (its sweep with the mask fixed); other methods zero the rest.
+  for it (its sweep with the mask fixed), a method with ``update == "admm"`` (``methods.steps``) by
+  ADMM; other methods zero the rest.
 
 The model stays on the CPU; one layer at a time visits the device.
 """
@@ -27,6 +28,7 @@ from sparsekit.pruning.capture import capture_inputs, default_batch_size
 from sparsekit.pruning.learn.choices import expand_tiles
 from sparsekit.pruning.linears import layer_entry
 from sparsekit.pruning.methods import Method, prune_weight
+from sparsekit.pruning.methods.admm import admm_prune
 from sparsekit.pruning.methods.sparsegpt import sparsegpt_prune
 from sparsekit.pruning.methods.wanda import wanda_scores
 from sparsekit.pruning.patterns import Pattern, nm_mask
@@ -40,6 +42,9 @@ def _prune_one(w: torch.Tensor, method: Method, pattern, sparsity: float, stats,
     """(new weight, keep-mask) of one [out, in] weight."""
     if keep is not None:
         keep = keep.to(w.device)
+        if getattr(method, "update", None) == "admm":  # --update admm: ADMM on the fixed mask
+            new_w, keep, _ = admm_prune(w, stats.hessian, 0.0, UNSTRUCTURED, keep=keep, iters=method.admm_iters)
+            return new_w, keep
         if method.needs_hessian:
             new_w, keep, _ = sparsegpt_prune(w, stats.hessian, 0.0, UNSTRUCTURED, blocksize=blocksize,
                                              percdamp=percdamp, warn=warn, keep=keep)

@@ -22,6 +22,7 @@ from sparsekit.pruning.learn.loop import calibration_loss, summarize, train
 from sparsekit.pruning.learn.masking import final_masks, masked
 from sparsekit.pruning.learn.scores import model_scores
 from sparsekit.pruning.methods import METHODS, Method
+from sparsekit.pruning.methods.steps import with_steps
 from sparsekit.pruning.patterns import HYBRID_MAX_SPARSITY, nm_mask
 
 _NO_UPDATE = METHODS["magnitude"]  # layerwise with a fixed mask and a method without Hessian: zero the rest
@@ -71,7 +72,7 @@ def initial_logits(scores: dict[str, torch.Tensor], oneshot: dict[str, torch.Ten
 def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity: float, skip, device: torch.device,
                 cfg: LearnConfig, allocation: str = "layer", seed: int = 0, blocksize: int = 128, percdamp: float = 0.01,
                 batch_size: int | None = None, checkpoint_dir: str | Path | None = None, fingerprint: dict | None = None,
-                progress: Progress | None = None, warn: Callable[[str], object] = print) -> dict:
+                progress: Progress | None = None, warn: Callable[[str], object] = print, admm_iters: int | None = None) -> dict:
     """Mask ``model`` in place (on the CPU); returns an engine-like report plus ``learning``.
 
     1. Scores of the dense model (one pass), and for ``global`` the tiles ranked over the model.
@@ -79,7 +80,8 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
     3. Learning, starting exactly at the one-shot result: the frozen weights are the one-shot
        weights where it kept them (SparseGPT's updated ones) and the dense weights where it pruned
        them; the result is those weights under the learned mask. With ``cfg.weight_update``, SparseGPT's
-       sweep recomputes the kept weights from the dense ones for the final mask instead.
+       sweep recomputes the kept weights from the dense ones for the final mask instead; with
+       ``admm_iters`` (``--update admm``) ADMM does (``sparsekit.pruning.methods.admm``), that many iterations.
     """
     t_start = time.perf_counter()
     sparsity = 0.5 if pattern.is_nm else float(sparsity)
@@ -90,7 +92,8 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
         raise SparsekitError(f"no linear layer to prune: the skip patterns {list(skip)} exclude them all")
     for name, mod in linears.items():
         pattern.check_shape(*L.weight_out_in(mod).shape)
-    update = bool(cfg.weight_update)
+    admm = admm_iters is not None
+    update = bool(cfg.weight_update) or admm
     learning_steps = cfg.steps > 0
     model.requires_grad_(False)
     model.eval()
@@ -106,7 +109,7 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
         if allocation == "global":
             pref = {n: -tile_costs(s, pattern.tile, normalize=True) for n, s in scores.items()}
             tiles = {n: t.cpu() for n, t in select_tiles(pref, sparsity, "global")[0].items()}
-    need_dense = learning_steps or (update and not method.needs_hessian)
+    need_dense = learning_steps or (update and (not method.needs_hessian or admm))
     dense = {n: L.weight_out_in(m).detach().clone() for n, m in linears.items()} if need_dense else None
     first = prune_layerwise(model, calib, list(linears), tiles=tiles, **kw)  # the one-shot mask
     learning: dict = {"init": method.name, "allocation": allocation, **cfg.as_dict()}
@@ -139,17 +142,18 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
         model.to("cpu")
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if update and (learning_steps or not method.needs_hessian):  # SparseGPT's sweep, from the dense weights
+    if update and (learning_steps or not method.needs_hessian or admm):  # SparseGPT's sweep or ADMM, from the dense weights
         with torch.no_grad():
             for n, m in linears.items():
                 L.set_weight_out_in(m, dense[n])
         del dense
-        final = prune_layerwise(model, calib, list(linears), keep=keep, stage="final",
-                                **{**kw, "method": METHODS["sparsegpt"]})
+        updater = with_steps(METHODS["sparsegpt"], update="admm", admm_iters=admm_iters) if admm else METHODS["sparsegpt"]
+        final = prune_layerwise(model, calib, list(linears), keep=keep, stage="final", **{**kw, "method": updater})
     elif learning_steps:  # the frozen weights under the learned mask
         final = prune_layerwise(model, calib, list(linears), keep=keep, stage="final", **{**kw, "method": _NO_UPDATE})
     learning.update({
-        "weight_update": bool(update), "temperature_schedule": sch.describe(cfg.steps, cfg.tau, cfg.noise),
+        "weight_update": bool(update), **({"update": "admm", "admm_iters": admm_iters} if admm else {}),
+        "temperature_schedule": sch.describe(cfg.steps, cfg.tau, cfg.noise),
         "loss": summarize(run["history"]), "calibration_loss": {"init": loss_init, "learned_mask": loss_final},
         "mask_changes_from_init": changed, "oneshot_seconds": first["seconds"], "learn_seconds": run["seconds"],
         "update_seconds": final["seconds"] if final is not first else 0.0,

@@ -1,6 +1,6 @@
 """The pruning methods of ``sparsekit prune``: the table ``METHODS`` and ``prune_weight``.
 
-Each method is a ``Method`` (``base.py``) in its own file: magnitude, wanda, sparsegpt prune weights;
+Each method is a ``Method`` (``base.py``) in its own file: magnitude, wanda, sparsegpt, admm prune weights;
 cats changes none (it thresholds the gate activations of gated MLPs). ``METHODS`` maps each name
 to its instance (adding a method: a new file and one line here); ``WEIGHT_METHODS`` names those that
 prune weights. ``prune_weight`` is the math on a single [out, in] weight matrix, on the weight's
@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 
 from sparsekit.errors import SparsekitError
+from sparsekit.pruning.methods.admm import Admm
 from sparsekit.pruning.methods.base import Method, Observes, PruneResult
 from sparsekit.pruning.methods.cats import Cats
 from sparsekit.pruning.methods.magnitude import Magnitude
@@ -20,7 +21,7 @@ from sparsekit.pruning.methods.sparsegpt import SparseGPT
 from sparsekit.pruning.methods.wanda import Wanda
 from sparsekit.pruning.patterns import Pattern, tile_sums
 
-METHODS: dict[str, Method] = {m.name: m for m in (Magnitude(), Wanda(), SparseGPT(), Cats())}
+METHODS: dict[str, Method] = {m.name: m for m in (Magnitude(), Wanda(), SparseGPT(), Admm(), Cats())}
 WEIGHT_METHODS = tuple(name for name, m in METHODS.items() if m.changes_weights)
 
 __all__ = ["METHODS", "WEIGHT_METHODS", "Method", "Observes", "PruneResult", "get_method", "prune_weight"]

@@ -1,0 +1,94 @@
+"""OWL's plumbing for the engine (``prune_model(..., owl=)``): the read-only first pass over the dense
+model that measures each decoder layer's outlier ratio (:func:`owl_scan`), the per-layer targets it
+gives (:func:`owl_allotment`, the math in ``sparsekit.pruning.owl``), and the pruning of a layer's
+linears at those targets with each linear's rounding carried into the next (:func:`prune_allotted`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from sparsekit.errors import SparsekitError
+from sparsekit.hf import modules as L
+from sparsekit.progress import Progress, report
+from sparsekit.pruning.capture import capture_inputs, default_batch_size
+from sparsekit.pruning.linears import prune_linears
+from sparsekit.pruning.methods.wanda import wanda_scores
+from sparsekit.pruning.offload import LayerMover
+from sparsekit.pruning.owl import Allotment, outlier_ratio, owl_sparsities
+from sparsekit.pruning.patterns import HYBRID_MAX_SPARSITY, Pattern
+from sparsekit.pruning.stats import collect_stats
+
+OWL_MAX_SPARSITY = 0.99  # no layer is pruned further under OWL (unstructured)
+
+
+def owl_allotment(model: nn.Module, calib, meth, sparsity: float, pattern, owl, skip: list[str], device: torch.device,
+                  batch_size: int | None, layer_mover: Callable | None, overlap: bool,
+                  progress: Progress | None) -> tuple[Allotment, dict]:
+    """The scan, then ``(Allotment, allocation report)``: ratios, per-layer targets, OWL's settings."""
+    pattern = Pattern.parse(pattern)
+    if not meth.changes_weights or pattern.is_nm:
+        raise SparsekitError(f"OWL varies the sparsity per layer: it needs a weight method and an unstructured or "
+                             f"hybrid pattern, not {meth.name} {pattern}")
+    if calib is None:
+        raise SparsekitError("OWL measures outliers on calibration data: pass calibration windows")
+    t0 = time.perf_counter()
+    ratios, params = owl_scan(model, calib, device, owl, skip, batch_size, layer_mover, overlap, progress)
+    hi = HYBRID_MAX_SPARSITY if pattern.is_hybrid else OWL_MAX_SPARSITY
+    targets = owl_sparsities(ratios, sparsity, owl.lam, params, hi=hi)
+    return Allotment(targets, hi), {"kind": "owl", **owl.as_dict(), "outlier_ratio": ratios, "target": targets,
+                                    "scan_seconds": time.perf_counter() - t0}
+
+
+def prune_allotted(linears: dict, stats: dict, meth, allot: Allotment, idx: int, pattern, warn, blocksize: int,
+                   percdamp: float) -> dict[str, dict]:
+    """``prune_linears`` with each linear at what ``allot`` gives it for layer ``idx``."""
+    rep: dict[str, dict] = {}
+    for name, mod in linears.items():
+        numel = L.weight_out_in(mod).numel()
+        rep.update(prune_linears({name: mod}, stats, meth, allot.take(idx, numel), pattern, warn, blocksize, percdamp))
+        allot.record(rep[name]["sparsity"] * numel)
+    return rep
+
+
+def weighted_sparsity(entries) -> float:
+    entries = list(entries)
+    total = sum(r["shape"][0] * r["shape"][1] for r in entries)
+    return sum(r["sparsity"] * r["shape"][0] * r["shape"][1] for r in entries) / total if total else 0.0
+
+
+@torch.no_grad()
+def owl_scan(model: nn.Module, calib: torch.Tensor, device: torch.device, owl, skip: list[str],
+             batch_size: int | None = None, layer_mover: Callable | None = None, overlap: bool = True,
+             progress: Progress | None = None) -> tuple[list[float], list[int]]:
+    """OWL's first pass: each decoder layer's outlier ratio (percent, ``owl.m``) and its number of
+    prunable weights, on the dense model, one layer at a time on the device and nothing written
+    (the layer mover runs with ``write=False``). Reads the first ``owl.windows`` calibration windows."""
+    stack_name, layers = L.find_decoder_layers(model)
+    ids = calib if owl.windows is None else calib[: owl.windows]
+    acts = capture_inputs(model, ids, device, batch_size or default_batch_size(ids.shape[1]))
+    ratios, params = [], []
+    with (layer_mover or LayerMover)(layers, device, overlap, write=False) as mover:
+        for idx, layer in enumerate(layers):
+            mover.load(idx)
+            mover.prefetch(idx + 1)
+            linears = L.find_linears(layer, prefix=f"{stack_name}.{idx}", skip=skip)
+            last = idx + 1 == len(layers)
+            stats = collect_stats(layer, linears, acts, False, device, write=not last) if linears else {}
+            scores = []
+            for name, mod in linears.items():
+                if name not in stats:
+                    raise SparsekitError(f"{name} received no calibration input: add it to --skip")
+                scores.append(wanda_scores(L.weight_out_in(mod), stats[name].col_sq_sum))
+            if not linears and not last:
+                acts.run(layer, write=True)
+            ratios.append(outlier_ratio(scores, owl.m))
+            params.append(sum(s.numel() for s in scores))
+            del stats, scores
+            mover.offload(idx)
+            report(progress, "outliers", idx + 1, len(layers))
+    del acts
+    return ratios, params
