@@ -11,6 +11,7 @@ from numba.cuda.extending import intrinsic
 
 from ._warp_intrinsics_ptx import _x_copy_lines
 from .compat_numba import cuda_typing
+from ._sp_intrinsics_ptx import _ldmatrix_x4  # one ldmatrix.x4 intrinsic (memory clobber) for both kernels
 
 __all__ = ["ldsm_x4", "make_x_issue"]
 
@@ -19,23 +20,9 @@ types, _ = cuda_typing()
 _i32, _i64 = ir.IntType(32), ir.IntType(64)
 
 
-@intrinsic
-def _ldsm_x4(typingctx, addr):
-    sig = types.UniTuple(types.uint32, 4)(types.uint32)
-
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.LiteralStructType([_i32] * 4), [_i32])
-        asm = ir.InlineAsm(fnty, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
-                           "=r,=r,=r,=r,r", side_effect=True)
-        res = builder.call(asm, args)
-        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
-
-    return sig, codegen
-
-
 @cuda.jit(device=True, inline=True)
 def ldsm_x4(scr, tid, d32, addr):
-    return _ldsm_x4(np.uint32(addr))
+    return _ldmatrix_x4(np.uint32(addr))
 
 
 def make_x_issue(xit: int, qstep: int, dstep: int):
