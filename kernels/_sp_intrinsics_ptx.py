@@ -13,10 +13,10 @@ from llvmlite import ir
 from numba import cuda
 from numba.cuda.extending import intrinsic
 
-from ._intrinsics_ptx import mma
+from ._intrinsics_ptx import _asm_stmt, mma
 from .compat_numba import cuda_typing
 
-__all__ = ["ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
+__all__ = ["cp16", "cp_commit", "lds128w", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
 
 types, cgutils = cuda_typing()
 
@@ -81,6 +81,50 @@ def _sts128(typingctx, addr, w0, w1, w2, w3):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def _cp16(typingctx, addr, arr, i, nbytes):
+    sig = types.void(types.uint32, arr, types.int64, types.uint32)
+
+    def codegen(context, builder, sig, args):
+        aty = sig.args[1]
+        ary = context.make_array(aty)(context, builder, args[1])
+        ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[2]], wraparound=False)
+        fnty = ir.FunctionType(ir.VoidType(), [_i32, ptr.type, _i32])
+        asm = ir.InlineAsm(fnty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                           side_effect=True)
+        builder.call(asm, [args[0], ptr, args[3]])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+cp_commit = _asm_stmt("cp.async.commit_group;")
+
+
+@intrinsic
+def _lds128(typingctx, addr):
+    sig = types.UniTuple(types.uint32, 4)(types.uint32)
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.LiteralStructType([_i32] * 4), [_i32])
+        asm = ir.InlineAsm(fnty, "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
+                           side_effect=True)
+        res = builder.call(asm, args)
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+
+    return sig, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def lds128w(d32, addr):
+    return _lds128(np.uint32(addr))
+
+
+@cuda.jit(device=True, inline=True)
+def cp16(d32, addr, arr, i, nbytes):
+    _cp16(np.uint32(addr), arr, np.int64(i), np.uint32(nbytes))
 
 
 @cuda.jit(device=True, inline=True)

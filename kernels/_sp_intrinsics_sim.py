@@ -13,7 +13,7 @@ import numpy as np
 
 from .compat_numba import sim_syncthreads
 
-__all__ = ["ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
+__all__ = ["cp16", "cp_commit", "lds128w", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
 
 _W = 13   # scratch words per lane of one exchange: a0..a7, b0..b3, metadata
 
@@ -107,3 +107,22 @@ def sts128(d32, addr, w0, w1, w2, w3):
     i = int(addr) >> 2
     for q, w in enumerate((w0, w1, w2, w3)):
         d32[i + q] = np.uint32(int(w) & 0xFFFFFFFF)
+
+
+def cp16(d32, addr, arr, i, nbytes):
+    """16 bytes (words ``i .. i+3`` of ``arr``) to shared byte address ``addr``, or 16 zero bytes when
+    ``nbytes`` is 0 (GPU: ``cp.async.cg`` with a source size, completing at ``cp_wait*``)."""
+    d = int(addr) >> 2
+    for q in range(4):
+        d32[d + q] = np.uint32(int(arr[int(i) + q]) & 0xFFFFFFFF) if int(nbytes) else np.uint32(0)
+
+
+def cp_commit():
+    """Close a group of ``cp16`` copies (the simulator copies at once)."""
+
+
+def lds128w(d32, addr):
+    """Four words from shared byte address ``addr`` (16-byte aligned; GPU: ``ld.shared.v4.u32``)."""
+    i = int(addr) >> 2
+    assert int(addr) % 16 == 0, "16-byte shared loads must be aligned"
+    return tuple(np.uint32(d32[i + q]) for q in range(4))

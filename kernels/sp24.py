@@ -9,9 +9,15 @@ from . import sp24_plan
 from .io import output_for, padded
 
 
-def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, warps: int | None = None,
-                strips: int | None = None) -> torch.Tensor:
-    """``y[N, M] = x[N, K] @ W^T`` (fp16 in and out, fp32 accumulate) for W in the 2:4 mosaic layout."""
+def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, kernel: str = "auto",
+                warps: int | None = None, strips: int | None = None, tokens: int | None = None,
+                splits: int | None = None, stages: int | None = None) -> torch.Tensor:
+    """``y[N, M] = x[N, K] @ W^T`` (fp16 in and out, fp32 accumulate) for W in the 2:4 mosaic layout.
+
+    ``kernel``: ``"auto"`` (``"rows"`` above ``sp24_plan.ROWS_MIN_WEIGHTS`` weights, where it measured
+    faster at every N up to 128 on an H200, else ``"warps"``), ``"rows"`` (``sp24_rows``: one or two tile rows per block, K split across blocks;
+    ``tokens``, ``splits``, ``stages`` and ``strips`` (tile rows per block) force its plan) or ``"warps"`` (``sp24_kernel``: K split over a block's warps;
+    ``warps``, ``strips`` force its plan)."""
     from . import launch
     from .common import SIM
 
@@ -29,6 +35,13 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, war
     gm, gk = layout.grid
     kp = gk * 64
     x = padded(x, kp)
+    if kernel == "auto":
+        kernel = sp24_plan.kernel_for(m, k)
+    if kernel == "rows":
+        _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips)
+        return out
+    if kernel != "warps":
+        raise ValueError(f"unknown 2:4 kernel {kernel!r}: 'rows' or 'warps'")
     from .sp24_kernel import get_kernel
 
     nt, r, nw, rb, chunks, dyn = sp24_plan.plan(m, gk, n, launch.sm_count(x.device), warps, strips)
@@ -37,6 +50,21 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, war
                out.reshape(-1).view(torch.int16))
     launch.launch_tensors(kern, rb * chunks, 32 * nw, tensors, (m, n, gk, kp // 2, chunks), dyn=dyn)
     return out
+
+
+def _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips) -> None:
+    from .sp24_rows import get_kernel
+
+    aslot = sp24_plan.SLOTS[0] if layout.dense.numel() == 0 else sp24_plan.SLOTS[1]
+    nt, st, r, rb, chunks, ks, kper, dyn = sp24_plan.rows_plan(m, gk, n, launch.sm_count(x.device), tokens, splits,
+                                                               stages, strips, aslot)
+    tiles = rb * chunks
+    ws, cnt = launch.workspace(x.device, tiles * ks * nt * 64 * r if ks > 1 else 1, tiles)
+    tensors = (_nonempty(layout.dense), _nonempty(layout.sp), layout.tiles, x.reshape(-1).view(torch.int32),
+               out.reshape(-1).view(torch.int16), ws, cnt)
+    maxreg = 128 if r * nt <= 64 else 168
+    launch.launch_tensors(get_kernel(nt, st, r, aslot, maxreg), rb * chunks * ks, 128, tensors,
+                          (m, n, gk, kp // 2, chunks, ks, kper), dyn=dyn)
 
 
 def _nonempty(t: torch.Tensor) -> torch.Tensor:

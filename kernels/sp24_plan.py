@@ -57,3 +57,76 @@ def plan(m: int, gk: int, n: int, sms: int = 132, warps_: int | None = None, str
     nw = warps(gk, nt, r, warps_)
     rb = -(-(-(-m // 16)) // r)
     return nt, r, nw, rb, -(-n // nt), smem_bytes(nw, nt, r)
+
+
+# ---- sp24_rows (block = R tile rows, X shared by its 4 warps, K split across blocks)
+ROWS_MAX_NT = 64           # tokens per block; more run as further chunks of the same launch
+ROWS_MAX_BLOCKS_PER_SM = 4 # splits stop before the launch passes this many blocks per SM ...
+ROWS_MIN_STEPS = 16        # ... or a split would cover fewer tile columns than this
+ROWS_MIN_WEIGHTS = 2**24   # kernel "auto": sp24_rows above this many weights, sp24_kernel up to it
+
+
+SLOTS = (1152, 2048)       # bytes of one staged strip: 2:4 only (values + metadata), or room for a dense one
+
+
+def stage_bytes(nt: int, r: int = 1, aslot: int = 2048) -> int:
+    """One stage of sp24_rows' ring: the X slice (``nt`` rows of XS bytes), then the 4 warps' ``r`` strips."""
+    return nt * XS + 4 * r * aslot
+
+
+def rows_smem_bytes(nt: int, stages: int, r: int = 1, aslot: int = 2048) -> int:
+    """sp24_rows' dynamic shared bytes: the ring, reused for the block's fp32 tile at the end."""
+    return max(stages * stage_bytes(nt, r, aslot), nt * 64 * r * 4)
+
+
+def kernel_for(m: int, k: int) -> str:
+    """The 2:4 kernel ``sp24_matmul(kernel="auto")`` runs: "rows" above ROWS_MIN_WEIGHTS weights (faster at
+    every N up to 128 on those shapes in the first H200 runs), else "warps"."""
+    return "rows" if m * k > ROWS_MIN_WEIGHTS else "warps"
+
+
+def rows_tokens(n: int) -> int:
+    """Token rows per block: the smallest of 8, 16, 32, 64 that covers ``n`` (64 past that)."""
+    nt = 8
+    while nt < min(n, ROWS_MAX_NT):
+        nt *= 2
+    return nt
+
+
+def rows_splits(blocks: int, gk: int, sms: int = 132) -> tuple[int, int]:
+    """(splits, tile columns per split) for ``blocks`` blocks per split: the largest power of two that
+    keeps the launch within ROWS_MAX_BLOCKS_PER_SM blocks per SM and every split at ROWS_MIN_STEPS
+    columns or more (first GPU sweep, H200, docs/kernels-notes.md "v13-sp rows"); no empty split."""
+    ks = 1
+    while blocks * ks * 2 <= ROWS_MAX_BLOCKS_PER_SM * sms and gk // (ks * 2) >= ROWS_MIN_STEPS:
+        ks *= 2
+    kper = -(-gk // ks)
+    return -(-gk // kper), kper
+
+
+def rows_stages(nt: int, r: int = 1, aslot: int = 2048) -> int:
+    """The deepest ring (at most 4 stages) within SMEM_MAX."""
+    st = 4
+    while st > 2 and rows_smem_bytes(nt, st, r, aslot) > SMEM_MAX:
+        st -= 1
+    return st
+
+
+def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None, splits_: int | None = None,
+              stages_: int | None = None, strips_: int | None = None, aslot: int = 2048):
+    """(nt, stages, tile rows per block, row blocks, token chunks, splits, columns per split, dynamic
+    shared bytes)."""
+    nt = tokens_ or rows_tokens(n)
+    gm = -(-m // 64)
+    r = strips_ or 1          # two tile rows per block lost everywhere in the first sweep: only when asked
+    while rows_smem_bytes(nt, 2, r, aslot) > SMEM_MAX and nt > 8:
+        nt //= 2
+    rb = -(-gm // r)
+    chunks = -(-n // nt)
+    if splits_:
+        kper = -(-gk // max(1, min(splits_, gk)))
+        ks = -(-gk // kper)
+    else:
+        ks, kper = rows_splits(rb * chunks, gk, sms)
+    st = stages_ or rows_stages(nt, r, aslot)
+    return nt, st, r, rb, chunks, ks, kper, rows_smem_bytes(nt, st, r, aslot)

@@ -90,3 +90,33 @@ def test_kernel_catches_a_planted_metadata_bug():
     bad = sp24.Sp24Layout(dense=lay.dense, sp=sp.reshape(-1), tiles=lay.tiles, shape=lay.shape)
     assert _rel_err(lay, w, x) < 1e-3
     assert _rel_err(bad, w, x) > 0.1
+
+
+@pytest.mark.parametrize("m,k,n,kind,tuning", [
+    (64, 128, 1, "2:4", {}),                                    # one tile row, one split, 2 steps
+    (64, 256, 3, "dense", dict(splits=2)),                      # dense tiles; split-K across 2 blocks + fixup
+    (128, 320, 5, "hybrid", dict(splits=3)),                    # mixed mosaic; uneven splits (2, 2, 1 columns)
+    (130, 256, 9, "halves", dict(strips=2, splits=2)),          # 2 tile rows per block, the last block half out
+    (16, 64, 70, "2:4", dict(tokens=64, stages=2)),             # two 64-token chunks, rows past N zero-filled
+])
+def test_rows_kernel_matches_float64(m, k, n, kind, tuning):
+    """sp24_rows (a tile row per block, cp.async ring for X and A, K split across blocks): every case
+    twice, so a split-K arrival counter that is not reset by its last block fails the second call."""
+    g = torch.Generator().manual_seed(m * 5 + n)
+    w = _weight(m, k, kind, g)
+    x = torch.randn(n, k, generator=g).half()
+    lay = sp24.transcode(w)
+    for _ in range(2):
+        assert _rel_err(lay, w, x, kernel="rows", **tuning) < 1e-3
+
+
+def test_rows_kernel_catches_a_planted_metadata_bug():
+    g = torch.Generator().manual_seed(12)
+    w = _weight(64, 128, "2:4", g)
+    x = torch.randn(3, 128, generator=g).half()
+    lay = sp24.transcode(w)
+    sp = lay.sp.clone().reshape(-1, sp24.SP_STRIP_WORDS)
+    sp[:, sp24.SP_VALUE_WORDS:] = swap_halves(sp[:, sp24.SP_VALUE_WORDS:])
+    bad = sp24.Sp24Layout(dense=lay.dense, sp=sp.reshape(-1), tiles=lay.tiles, shape=lay.shape)
+    assert _rel_err(lay, w, x, kernel="rows", splits=2) < 1e-3
+    assert _rel_err(bad, w, x, kernel="rows", splits=2) > 0.1

@@ -35,6 +35,11 @@ CHECK_SHAPES = [(4096, 4096), (22016, 4096), (4096, 11008), (100, 72), (200, 130
 CHECK_NS = [1, 2, 7, 8, 9, 16, 17, 31, 32, 33, 63, 64, 100, 127, 128, 512, 4096]
 BENCH_SHAPES = [(22016, 4096), (4096, 11008), (8192, 28672)]
 BENCH_NS = [1, 16, 32, 64, 128, 512]
+# forced sp24_rows plans: checked for correctness at a few N; --sweep times SWEEP_ROWS
+FORCED_ROWS = [dict(splits=1), dict(splits=3), dict(tokens=8), dict(tokens=64, stages=2), dict(stages=2),
+               dict(strips=2), dict(strips=1), dict(strips=2, splits=3)]
+SWEEP_ROWS = [dict(strips=r, splits=s) for r in (1, 2) for s in (1, 2, 4, 8)] + \
+    [dict(strips=r, tokens=t) for r in (1, 2) for t in (8, 16, 32)] + [dict(stages=s) for s in (2, 3)]
 # NUMBA_ENABLE_CUDASIM=1 (a dry run of the checks on CPU tensors, tiny shapes only: --check-shapes)
 DEV = "cpu" if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else "cuda"
 
@@ -75,7 +80,7 @@ def check_mma_sp() -> int:
     return bad
 
 
-def check(shapes, ns, quick: bool) -> int:
+def check(shapes, ns, quick: bool, kernels=("auto", "rows", "warps")) -> int:
     gen = torch.Generator(device=DEV).manual_seed(0)
     bad = cases = 0
     worst = 0.0
@@ -90,42 +95,47 @@ def check(shapes, ns, quick: bool) -> int:
                 if n > 512 and m * k > 2**24 and name != "2:4":
                     continue
                 x = torch.randn(n, k, device=DEV, generator=gen).half()
-                out = torch.full((n, m), float("nan"), dtype=torch.float16, device=DEV)
-                sp24_matmul(x, lay, out=out)
                 ref = x.double() @ w.double().t()
-                err = rel_err(out, ref)
-                cases += 1
-                worst = max(worst, err) if err == err else worst
-                if not err < 1e-3:
-                    bad += 1
-                    print(f"FAIL {name} {m}x{k} N={n}: rel err {err}")
+                variants = [dict(kernel=kn) for kn in kernels]
+                if "rows" in kernels and n in (1, 17, 64) and m * k <= 2**24:
+                    variants += [dict(kernel="rows", **kw) for kw in FORCED_ROWS]
+                for kw in variants:
+                    out = torch.full((n, m), float("nan"), dtype=torch.float16, device=DEV)
+                    sp24_matmul(x, lay, out=out, **kw)
+                    err = rel_err(out, ref)
+                    cases += 1
+                    worst = max(worst, err) if err == err else worst
+                    if not err < 1e-3:
+                        bad += 1
+                        print(f"FAIL {name} {m}x{k} N={n} {kw}: rel err {err}")
             del w, lay
     if DEV == "cpu":
         print(f"correctness: {cases} cases, {bad} failures, worst rel err {worst:.2e} (simulator: no graph check)")
         return bad
-    # CUDA graph: capture once, replay with new inputs
-    w = mosaic(1000, 333, 0.5, gen)
-    lay = transcode(w)
-    x = torch.randn(9, 333, device=DEV, generator=gen).half()
-    y = sp24_matmul(x, lay)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        y = sp24_matmul(x, lay)
-    for _ in range(3):
-        x.copy_(torch.randn(9, 333, device=DEV, generator=gen).half())
-        y.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        err = rel_err(y, x.double() @ w.double().t())
-        cases += 1
-        if not err < 1e-3:
-            bad += 1
-            print(f"FAIL graph replay: rel err {err}")
+    # CUDA graph: capture once, replay with new inputs (split-K counters must reset between replays)
+    for kn, (m, k) in [(kn, mk) for kn in kernels for mk in ((1000, 333), (4096, 4096))]:
+        w = mosaic(m, k, 0.5, gen)
+        lay = transcode(w)
+        x = torch.randn(9, k, device=DEV, generator=gen).half()
+        y = sp24_matmul(x, lay, kernel=kn)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = sp24_matmul(x, lay, kernel=kn)
+        for _ in range(3):
+            x.copy_(torch.randn(9, k, device=DEV, generator=gen).half())
+            y.fill_(float("nan"))
+            g.replay()
+            torch.cuda.synchronize()
+            err = rel_err(y, x.double() @ w.double().t())
+            cases += 1
+            if not err < 1e-3:
+                bad += 1
+                print(f"FAIL graph replay {kn} {m}x{k}: rel err {err}")
     print(f"correctness: {cases} cases, {bad} failures, worst rel err {worst:.2e} ({time.time() - t0:.0f} s)")
     return bad
 
 
-def bench(shapes, ns, hybrids) -> None:
+def bench(shapes, ns, hybrids, kernels=("auto", "rows", "warps"), sweep: bool = False) -> None:
     gen = torch.Generator(device=DEV).manual_seed(1)
     try:
         from torch.sparse import to_sparse_semi_structured
@@ -133,8 +143,9 @@ def bench(shapes, ns, hybrids) -> None:
         to_sparse_semi_structured = None
         print(f"cuSPARSELt column: n/a ({e})")
     hcols = "".join(f" | hybrid {h:.0%} us | x" for h in hybrids)
-    print(f"\n| M x K | N | cuBLAS us | cuSPARSELt us | x | sp24 2:4 us | x{hcols} |")
-    print("|---|---|---|---|---|---|---" + "|---|---" * len(hybrids) + "|")
+    kcols = "".join(f" | {kn} 2:4 us | x" for kn in kernels)
+    print(f"\n| M x K | N | cuBLAS us | cuSPARSELt us | x{kcols}{hcols} |")
+    print("|---|---|---|---|---" + "|---|---" * (len(kernels) + len(hybrids)) + "|")
     for m, k in shapes:
         copies = copies_for(m * k * 2)
         dense = [mosaic(m, k, 1.0, gen) for _ in range(copies)]
@@ -159,12 +170,25 @@ def bench(shapes, ns, hybrids) -> None:
                     t_semi, _ = time_calls([lambda w=w: F.linear(x, w) for w in semi])
                 except Exception as e:  # noqa: BLE001 - reported in the table
                     print(f"cuSPARSELt {m}x{k} N={n}: n/a ({type(e).__name__}: {str(e)[:120]})")
-            t_sp, _ = time_calls([lambda lay=lay: sp24_matmul(x, lay) for lay in lays])
-            row = f"| {m}x{k} | {n} | {t_cublas:.1f} | {t_semi:.1f} | {t_cublas / t_semi:.2f} | {t_sp:.1f} | {t_cublas / t_sp:.2f}"
+            row = f"| {m}x{k} | {n} | {t_cublas:.1f} | {t_semi:.1f} | {t_cublas / t_semi:.2f}"
+            for kn in kernels:
+                t_sp, _ = time_calls([lambda lay=lay: sp24_matmul(x, lay, kernel=kn) for lay in lays])
+                row += f" | {t_sp:.1f} | {t_cublas / t_sp:.2f}"
             for lays_h in hyb:
-                t_h, _ = time_calls([lambda lay=lay: sp24_matmul(x, lay) for lay in lays_h])
+                t_h, _ = time_calls([lambda lay=lay: sp24_matmul(x, lay, kernel=kernels[0]) for lay in lays_h])
                 row += f" | {t_h:.1f} | {t_cublas / t_h:.2f}"
             print(row + " |", flush=True)
+            if sweep:
+                times = {}
+                for kw in SWEEP_ROWS:
+                    try:
+                        times[str(kw)] = time_calls([lambda lay=lay: sp24_matmul(x, lay, kernel="rows", **kw)
+                                                     for lay in lays])[0]
+                    except Exception as e:  # noqa: BLE001 - a forced plan may not fit: say so, go on
+                        print(f"    {kw}: {type(e).__name__}: {str(e)[:80]}")
+                best = sorted(times.items(), key=lambda kv: kv[1])[:4]
+                print("    sweep (rows, 2:4), best: " + ", ".join(f"{kw} {t:.1f} us (x{t_cublas / t:.2f})"
+                                                           for kw, t in best), flush=True)
         del dense, lays, semi, hyb
         torch.cuda.empty_cache()
 
@@ -179,16 +203,20 @@ def main() -> int:
     ap.add_argument("--check-ns", default=None, help="correctness token counts")
     ap.add_argument("--check-shapes", default=None, help="correctness shapes MxK")
     ap.add_argument("--hybrid", default="0.35", help="hybrid sparsities to time (share of 2:4 tiles = s / 0.5)")
+    ap.add_argument("--kernels", default="auto,rows,warps", help="2:4 kernels to check and time: auto, rows, warps")
+    ap.add_argument("--sweep", action="store_true", help="also time forced sp24_rows plans (splits, tokens, stages)")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'CUDA simulator'}, torch {torch.__version__}")
     if not args.bench_only:
         bad = check_mma_sp()
-        bad += check(shapes_arg(args.check_shapes) or CHECK_SHAPES, ints_arg(args.check_ns) or CHECK_NS, args.quick)
+        bad += check(shapes_arg(args.check_shapes) or CHECK_SHAPES, ints_arg(args.check_ns) or CHECK_NS, args.quick,
+                     tuple(args.kernels.split(",")))
         if bad:
             print(f"{bad} failures: no timing")
             return 1
     if not args.check_only:
-        bench(shapes_arg(args.shapes) or BENCH_SHAPES, ints_arg(args.ns) or BENCH_NS, floats_arg(args.hybrid) or [])
+        bench(shapes_arg(args.shapes) or BENCH_SHAPES, ints_arg(args.ns) or BENCH_NS, floats_arg(args.hybrid) or [],
+              tuple(args.kernels.split(",")), args.sweep)
     return 0
 
 

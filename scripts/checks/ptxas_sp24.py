@@ -30,16 +30,21 @@ except ImportError:
 
 from numba import cuda, types  # noqa: E402
 
-from sparsekit.kernels.sp24_kernel import get_kernel  # noqa: E402
+from sparsekit.kernels import sp24_kernel, sp24_rows  # noqa: E402
 
 VARIANTS = [(8, 4), (8, 2), (8, 1), (16, 2), (16, 1), (32, 1), (64, 1)]   # (tokens per block, strip rows per block)
+ROWS_VARIANTS = [(8, 4), (16, 4), (32, 3), (64, 2)]             # sp24_rows: (tokens per block, stages)
 
 
-def ptx_of(nt: int, r: int, maxreg: int) -> str:
-    kern = get_kernel(nt, r, maxreg)
+def ptx_of(nt: int, r: int, maxreg: int, kernel: str = "warps") -> str:
     arr32 = types.Array(types.int32, 1, "C")
     arr16 = types.Array(types.int16, 1, "C")
-    sig = (arr32, arr32, arr32, arr32, arr16) + (types.int64,) * 5
+    if kernel == "rows":
+        kern = sp24_rows.get_kernel(nt, r, maxreg)
+        sig = (arr32, arr32, arr32, arr32, arr16, types.Array(types.float32, 1, "C"), arr32) + (types.int64,) * 7
+    else:
+        kern = sp24_kernel.get_kernel(nt, r, maxreg)
+        sig = (arr32, arr32, arr32, arr32, arr16) + (types.int64,) * 5
     ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
     return ptx
 
@@ -76,7 +81,7 @@ def main_loop(sass: str) -> tuple[int, int]:
         m = re.search(r"BRA\s+(?:\S+,\s*)?`\((\.L_x_\d+)\)", ins)
         if m and labels.get(m.group(1), i) < i:
             span = insts[labels[m.group(1)]:i + 1]
-            key = (sum("LDG.E.128" in s for s in span), len(span), sum("HMMA" in s for s in span))
+            key = (sum("LDG.E.128" in s or "LDGSTS" in s for s in span), len(span), sum("HMMA" in s for s in span))
             best = max(best, key)
     return best[1], best[2]
 
@@ -90,14 +95,16 @@ def main() -> int:
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm"))
     ap.add_argument("--maxreg", type=int, default=128)
     ap.add_argument("--keep", help="directory to keep the .ptx / .cubin / .sass files in")
+    ap.add_argument("--kernel", choices=("warps", "rows"), default="warps",
+                    help="sp24_kernel (warps split K; R = strip rows) or sp24_rows (R = stages)")
     args = ap.parse_args()
     out = Path(args.keep or tempfile.mkdtemp())
     out.mkdir(parents=True, exist_ok=True)
     print("| NT | R | registers | spill stores/loads | local bytes | PTX mma.sp | PTX mma.sync | SASS HMMA.SP | SASS HMMA | SASS total | step loop (SASS, HMMA) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for nt, r in VARIANTS:
-        ptx = ptx_of(nt, r, args.maxreg)
-        p = out / f"sp24_n{nt}_r{r}.ptx"
+    for nt, r in (ROWS_VARIANTS if args.kernel == "rows" else VARIANTS):
+        ptx = ptx_of(nt, r, args.maxreg, args.kernel)
+        p = out / f"sp24_{args.kernel}_n{nt}_r{r}.ptx"
         p.write_text(ptx)
         cubin = p.with_suffix(".cubin")
         info = assemble(p, cubin, args.maxreg)

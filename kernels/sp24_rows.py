@@ -1,0 +1,242 @@
+"""The tile-row kernel for 2:4 and hybrid weights (layout: ``sparsekit.packed.sp24``), issue 22's
+second design: the block shares the X slice, warps own rows, and K splits across blocks.
+
+``sp24_kernel`` (the first design) splits K over the warps of a block, so each warp copies its own X
+slice for one strip: at N tokens a 1 KB strip costs N x 128 bytes of X, which overtakes the weight
+from N = 16 on. Here:
+
+- **Block** = 4 warps x ``R`` tile rows (64R outputs; warp ``w`` takes strip ``w`` of each: ``R`` strips
+  per warp share every B fragment), one chunk of ``NT`` tokens (8, 16, 32 or 64) and one range of
+  ``kper`` tile columns (split ``ks`` of ``KS``). Grid order: row block, token chunk, split (the
+  splits of one output tile are neighbours).
+- **Step** (one tile column, shared by the 4 warps: one tile, one kind): a ``STAGES``-deep ring of
+  16-byte ``cp.async`` copies, one commit group per step: the X slice ``[NT, 64]`` (copied by all 128
+  threads; rows past N are written as zeros by the copies themselves) and each warp's strips (2:4: 1152
+  bytes with its metadata, dense: 2048; a strip's slot is ``ASLOT`` bytes: 1152 when the weight has no
+  dense tile), so ``STAGES - 1`` steps of weights are in flight per warp.
+  The A registers then come from shared memory in fragment order (16-byte loads, conflict-free). One
+  block barrier per step. Blocks start their range at ``rb mod steps`` (different row blocks do not
+  ask L2 for the same X slice at once).
+- **Multiply**: per 32 columns and 8 tokens one ``ldmatrix.x4`` and one ``mma.sp`` (2:4 tile) or two
+  ``mma.sync`` (dense tile), as ``sp24_kernel``.
+- **End**: the 4 warps' fp32 tile ``[NT, 64]`` goes through shared memory; with one split it is written
+  as fp16; with several, each block writes its fp32 partial to the workspace and the last block of the
+  output tile to arrive (an atomic counter, reset by that block) sums them and writes fp16.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, f2h, shfl_idx
+from ._sp_intrinsics import cp16, cp_commit, ldmatrix_x4, lds128w, mma_k32
+from ._warp_intrinsics import byte_addr, lds32b
+from .block import dynamic_smem, thread_ids
+from .sp24_plan import SLOTS, XS, stage_bytes
+from .sp24_plan import rows_smem_bytes as smem_bytes  # noqa: F401 - the kernel's shared layout
+from sparsekit.packed.sp24 import DENSE_STRIP_WORDS, DENSE_TILE_WORDS, SP_STRIP_WORDS, SP_TILE_WORDS, SP_VALUE_WORDS
+
+THREADS = 128
+_KERNELS: dict = {}
+
+
+def compiled_kernels() -> dict:
+    """The kernels built so far, by their ``get_kernel`` key (for resource reports)."""
+    return dict(_KERNELS)
+
+
+def get_kernel(nt: int, stages: int, r: int = 1, aslot: int = 2048, maxreg: int = 128):
+    """Kernel for chunks of ``nt`` tokens (8, 16, 32, 64), a ring of ``stages`` (2-4), ``r`` (1, 2) tile
+    rows per block and ``aslot`` (1152: all tiles 2:4, or 2048) bytes per staged strip."""
+    key = (nt, stages, r, aslot, maxreg)
+    if key not in _KERNELS:
+        _KERNELS[key] = _build(nt, stages, r, aslot, maxreg)
+    return _KERNELS[key]
+
+
+def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
+    assert NT in (8, 16, 32, 64) and 2 <= STAGES <= 4 and R in (1, 2) and ASLOT in SLOTS
+    NB = NT // 8
+    NACC = 4 * NB
+    XCH = NT * 8                          # 16-byte chunks of one X slice
+    XIT = (XCH + THREADS - 1) // THREADS
+    SLOT = NT * XS                        # the X slice at the start of each stage
+    STAGE = stage_bytes(NT, R, ASLOT)
+    ROWS = 64 * R
+    TILE = NT * ROWS
+    RACC = R * NACC                       # fp32 accumulators per thread
+    RA = R * 16                           # A registers per thread
+    wait = (cp_wait0, cp_wait1, cp_wait2)[STAGES - 2]   # all but the newest STAGES - 2 groups landed
+    u32 = np.uint32
+
+    @cuda.jit(device=True, inline="always")
+    def x_issue(d32, x, stage, gk, tid, n0, N, ldx):
+        """The copies of tile column ``gk``'s X slice (rows n0 .. n0+NT-1; zeros past N) to ``stage``."""
+        for c in range(XIT):
+            ch = tid + THREADS * c
+            if ch < XCH:
+                row = ch >> 3
+                part = ch & 7
+                ok = n0 + row < N
+                src = (n0 + row) * ldx + gk * 32 + part * 4 if ok else 0
+                cp16(d32, stage + u32(row * XS + part * 16), x, src, 16 if ok else 0)
+
+    @cuda.jit(device=True, inline="always")
+    def a_issue(d32, dense, sp, tiles, t0, gk, s, lane, dst):
+        """The copies of strip ``s`` of tile ``t0 + gk`` to ``dst``: as stored (fragment order)."""
+        tref = tiles[t0 + gk]
+        slot = tref >> 1
+        if (tref & 1) == 1:
+            base = slot * SP_TILE_WORDS + s * SP_STRIP_WORDS
+            cp16(d32, dst + u32(lane * 16), sp, base + lane * 4, 16)
+            cp16(d32, dst + u32(512 + lane * 16), sp, base + 128 + lane * 4, 16)
+            if lane < 8:
+                cp16(d32, dst + u32(1024 + lane * 16), sp, base + SP_VALUE_WORDS + lane * 4, 16)
+        else:
+            base = slot * DENSE_TILE_WORDS + s * DENSE_STRIP_WORDS
+            for q in range(4):
+                cp16(d32, dst + u32(q * 512 + lane * 16), dense, base + q * 128 + lane * 4, 16)
+
+    @cuda.jit(device=True, inline="always")
+    def load4(d32, a, k, src):
+        w0, w1, w2, w3 = lds128w(d32, src)
+        a[k] = w0
+        a[k + 1] = w1
+        a[k + 2] = w2
+        a[k + 3] = w3
+
+    @cuda.jit(device=True, inline="always")
+    def a_load(d32, a, k0, sp_tile, src, lane):
+        """A registers from a staged strip: a 2:4 strip's 32-column chunk c to registers k0 + 8c .. +3 (and
+        the metadata word, returned), a dense strip's 16-column chunk q to k0 + 4q .. +3."""
+        if sp_tile:
+            load4(d32, a, k0, src + u32(lane * 16))
+            load4(d32, a, k0 + 8, src + u32(512 + lane * 16))
+            return lds32b(d32, src + u32(1024 + lane * 4))
+        for q in range(4):
+            load4(d32, a, k0 + 4 * q, src + u32(q * 512 + lane * 16))
+        return u32(0)
+
+    @cuda.jit(device=True, inline="always")
+    def step_col(i, rot, nst, k0):
+        """The tile column of step ``i`` of a range of ``nst`` columns from ``k0``, rotated by ``rot``."""
+        jj = i + rot
+        return k0 + (jj - nst if jj >= nst else jj)
+
+    @cuda.jit(**({} if SIM else {"max_registers": MAXREG}))
+    def kernel(dense, sp, tiles, x, y, ws, cnt, M, N, GK, ldx, nch, KS, kper):
+        d64, d32, df = dynamic_smem()
+        scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
+        flag = cuda.shared.array(1, np.int32)
+        tid, warp, lane, g, t, _ = thread_ids()
+        per_rb = nch * KS
+        rb = cuda.blockIdx.x // per_rb
+        rem = cuda.blockIdx.x - rb * per_rb
+        chunk = rem // KS
+        ks = rem - chunk * KS
+        n0 = chunk * NT
+        k0 = ks * kper
+        nst = min(GK, k0 + kper) - k0
+        rot = rb % nst
+        nr = min(R, (M + 63) // 64 - rb * R)   # tile rows of this block inside the weight (block-uniform)
+        ring = byte_addr(d64, 0)
+        xlm = ring + u32((lane & 7) * XS + (lane >> 3) * 16)   # ldmatrix row address: row l%8 of matrix l//8
+        aoff = u32(SLOT + warp * R * ASLOT)                     # this warp's strips in a stage
+
+        acc = cuda.local.array(RACC, np.float32)
+        for e in range(RACC):
+            acc[e] = np.float32(0.0)
+        a = cuda.local.array(RA, np.uint32)
+        sps = cuda.local.array(R, np.bool_)
+        m0s = cuda.local.array(R, np.uint32)
+        m1s = cuda.local.array(R, np.uint32)
+
+        for j in range(STAGES - 1):
+            if j < nst:
+                gk = step_col(j, rot, nst, k0)
+                x_issue(d32, x, ring + u32(j * STAGE), gk, tid, n0, N, ldx)
+                for r in range(R):
+                    if r < nr:
+                        a_issue(d32, dense, sp, tiles, (rb * R + r) * GK, gk, warp, lane,
+                                ring + u32(j * STAGE) + aoff + u32(r * ASLOT))
+            cp_commit()
+
+        i = 0
+        while i < nst:
+            wait()                          # this thread's copies of step i have landed ...
+            cuda.syncthreads()              # ... and everyone's; nobody reads step i-1's stage any more
+            j = i + STAGES - 1
+            if j < nst:
+                gk = step_col(j, rot, nst, k0)
+                st = ring + u32((j % STAGES) * STAGE)
+                x_issue(d32, x, st, gk, tid, n0, N, ldx)
+                for r in range(R):
+                    if r < nr:
+                        a_issue(d32, dense, sp, tiles, (rb * R + r) * GK, gk, warp, lane, st + aoff + u32(r * ASLOT))
+            cp_commit()
+            sb = ring + u32((i % STAGES) * STAGE)
+            gk = step_col(i, rot, nst, k0)
+            for r in range(R):
+                if r < nr:
+                    sps[r] = (tiles[(rb * R + r) * GK + gk] & 1) == 1
+                    m0s[r] = a_load(d32, a, 16 * r, sps[r], sb + aoff + u32(r * ASLOT), lane)
+                    m1s[r] = shfl_idx(scr, tid, m0s[r], lane ^ 2)   # chunk 1's metadata to lanes t = 0, 1
+            xb = xlm + u32((i % STAGES) * STAGE)
+            for c in range(2):
+                for jb in range(NB):
+                    b0, b1, b2, b3 = ldmatrix_x4(scr, tid, d32, xb + u32(jb * 8 * XS + c * 64))
+                    for r in range(R):
+                        if r < nr:
+                            q = r * NACC + 4 * jb
+                            k = 16 * r + 8 * c
+                            d0, d1, d2, d3 = mma_k32(scr, tid, sps[r], a[k], a[k + 1], a[k + 2], a[k + 3],
+                                                     a[k + 4], a[k + 5], a[k + 6], a[k + 7], b0, b1, b2, b3,
+                                                     acc[q], acc[q + 1], acc[q + 2], acc[q + 3],
+                                                     m0s[r] if c == 0 else m1s[r])
+                            acc[q] = d0
+                            acc[q + 1] = d1
+                            acc[q + 2] = d2
+                            acc[q + 3] = d3
+            i += 1
+
+        # ---- the block's fp32 tile [NT, 64R] in shared memory (the ring is free once every copy landed)
+        cp_wait0()
+        cuda.syncthreads()
+        for r in range(R):
+            for jb in range(NB):
+                for oi in range(4):
+                    n = 8 * jb + 2 * t + (oi & 1)
+                    df[n * ROWS + r * 64 + warp * 16 + g + 8 * (oi >> 1)] = acc[r * NACC + 4 * jb + oi]
+        cuda.syncthreads()
+        m0 = rb * ROWS
+        if KS == 1:
+            for e in range(tid, TILE, THREADS):
+                n = e // ROWS
+                m = m0 + e - n * ROWS
+                if n0 + n < N and m < M:
+                    y[(n0 + n) * M + m] = np.int16(f2h(df[e]))
+            return
+        tile = rb * nch + chunk
+        wb = (tile * KS + ks) * TILE
+        for e in range(tid, TILE, THREADS):
+            ws[wb + e] = df[e]
+        cuda.threadfence()
+        cuda.syncthreads()
+        if tid == 0:
+            old = cuda.atomic.add(cnt, tile, 1)
+            flag[0] = 1 if old == KS - 1 else 0
+        cuda.syncthreads()
+        if flag[0] == 1:                    # the last split of this output tile: sum the partials
+            cuda.threadfence()
+            for e in range(tid, TILE, THREADS):
+                n = e // ROWS
+                m = m0 + e - n * ROWS
+                if n0 + n < N and m < M:
+                    tot = np.float32(0.0)
+                    for q in range(KS):
+                        tot += ws[(tile * KS + q) * TILE + e]
+                    y[(n0 + n) * M + m] = np.int16(f2h(tot))
+            if tid == 0:
+                cnt[tile] = 0
+
+    return kernel

@@ -1,0 +1,36 @@
+"""Launch planning of sp24_rows (pure functions, no GPU): the split rule measured on an H200, the
+shared-memory budget, and the kernel the ``auto`` choice takes."""
+from __future__ import annotations
+
+import pytest
+
+from sparsekit.kernels import sp24_plan
+from sparsekit.kernels.sp24_plan import SLOTS
+from sparsekit.kernels.sp24_rows import smem_bytes
+
+
+@pytest.mark.parametrize("m,k,n,splits", [
+    (4096, 4096, 1, 4), (22016, 4096, 1, 1), (4096, 11008, 1, 8), (8192, 28672, 1, 4), (8192, 28672, 128, 2),
+])
+def test_splits_follow_the_measured_best(m, k, n, splits):
+    """docs/kernels-notes.md "v13-sp rows": the fastest forced split counts on these shapes."""
+    nt, st, r, rb, chunks, ks, kper, dyn = sp24_plan.rows_plan(m, -(-k // 64), n, sms=132)
+    assert ks == splits
+    assert (ks - 1) * kper < -(-k // 64) <= ks * kper          # no empty split
+    assert rb * chunks * ks <= sp24_plan.ROWS_MAX_BLOCKS_PER_SM * 132 or ks == 1
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 33, 64, 65, 128, 4096])
+@pytest.mark.parametrize("aslot", SLOTS)
+@pytest.mark.parametrize("strips", [1, 2])
+def test_every_plan_fits_shared_memory_and_covers_n(n, aslot, strips):
+    nt, st, r, rb, chunks, ks, kper, dyn = sp24_plan.rows_plan(4096, 64, n, strips_=strips, aslot=aslot)
+    assert nt in (8, 16, 32, 64) and 2 <= st <= 4 and r == strips
+    assert dyn == smem_bytes(nt, st, r, aslot) <= sp24_plan.SMEM_MAX
+    assert (chunks - 1) * nt < n <= chunks * nt
+
+
+def test_auto_takes_rows_only_above_the_threshold():
+    assert sp24_plan.kernel_for(4096, 4096) == "warps"          # 4096x4096: sp24_kernel measured faster
+    for m, k in ((22016, 4096), (4096, 11008), (8192, 28672)):
+        assert sp24_plan.kernel_for(m, k) == "rows"
