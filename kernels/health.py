@@ -68,6 +68,14 @@ def self_test() -> None:
 @functools.lru_cache(maxsize=None)
 def kernel_status() -> KernelStatus:
     """Whether the kernels can run on this machine, and if not, why and what to do (cached)."""
+    pre = prerequisites()
+    return tested(pre.numba_cuda) if pre.ok else pre
+
+
+def prerequisites() -> KernelStatus:
+    """Everything :func:`kernel_status` checks before the self-test: a failed status saying why, or
+    ``ok`` with the numba-cuda version when only the self-test is left (``sparsekit.runtime.selftest_cache``
+    takes that result from disk when this GPU and software passed it before)."""
     if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1":
         return KernelStatus(False, "kernels: Numba's CUDA simulator is on (NUMBA_ENABLE_CUDASIM=1): tests only")
     try:
@@ -95,10 +103,27 @@ def kernel_status() -> KernelStatus:
     try:
         if not cuda.is_available():
             return KernelStatus(False, "kernels: numba-cuda sees no usable GPU (driver?)", install_hint(), version)
+    except Exception as e:
+        return _failed(e, version)
+    return KernelStatus(True, "kernels: prerequisites ok, self-test to run", None, version)
+
+
+def tested(version: str | None) -> KernelStatus:
+    """The status after running :func:`self_test` (``version``: numba-cuda's, from :func:`prerequisites`)."""
+    try:
         self_test()
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return KernelStatus(False, f"kernels: a test kernel failed to compile or run ({type(e).__name__}: {first[:200]}): "
-                                   f"{install_hint()}", install_hint(), version)
-    name = torch.cuda.get_device_name()
-    return KernelStatus(True, f"kernels: ok (numba-cuda {version}, {name})", None, version)
+        return _failed(e, version)
+    return passed(version)
+
+
+def passed(version: str | None, note: str = "") -> KernelStatus:
+    import torch
+
+    return KernelStatus(True, f"kernels: ok (numba-cuda {version}, {torch.cuda.get_device_name()}{note})", None, version)
+
+
+def _failed(e: Exception, version: str | None) -> KernelStatus:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return KernelStatus(False, f"kernels: a test kernel failed to compile or run ({type(e).__name__}: {first[:200]}): "
+                               f"{install_hint()}", install_hint(), version)

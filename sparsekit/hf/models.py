@@ -313,11 +313,21 @@ def open_tokenizer(location: str | os.PathLike):
     """The tokenizer of a resolved location (see ``resolve_model``). For a local directory, a bad
     config.json and missing tokenizer files are reported as what they are, before transformers
     guesses (it would suggest installing sentencepiece, or blame the tokenizer for the config)."""
-    from transformers import AutoTokenizer
+    check_tokenizer_dir(location)
+    return build_tokenizer(location)
 
+
+def check_tokenizer_dir(location: str | os.PathLike) -> None:
+    """:func:`open_tokenizer`'s checks of a local directory before it builds the tokenizer (quick)."""
     if Path(location).is_dir():
         read_config(location)
         check_tokenizer_files(location)
+
+
+def build_tokenizer(location: str | os.PathLike):
+    """The tokenizer of a location :func:`check_tokenizer_dir` passed (the slow part of :func:`open_tokenizer`)."""
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(location)
     except Exception as e:

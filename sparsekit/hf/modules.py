@@ -8,6 +8,7 @@ and ``transformer.h`` (GPT-2) alike.
 from __future__ import annotations
 
 import fnmatch
+import sys
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -15,10 +16,26 @@ from torch import nn
 
 from sparsekit.errors import SparsekitError
 
-try:  # GPT-2 style models store linear weights transposed, as [in, out]
-    from transformers.pytorch_utils import Conv1D
-except Exception:  # pragma: no cover - transformers always has it, but keep the module importable
-    Conv1D = ()
+_CONV1D_MODULE = "transformers.pytorch_utils"
+
+
+def __getattr__(name: str):
+    """``Conv1D``: transformers' GPT-2 style linear (weights stored [in, out]), imported on first use so
+    that importing this module does not import transformers (seconds); ``()`` if it cannot be imported."""
+    if name == "Conv1D":
+        try:
+            from transformers.pytorch_utils import Conv1D
+        except Exception:  # pragma: no cover - transformers always has it, but keep the module usable
+            return ()
+        return Conv1D
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is a transformers ``Conv1D``: never when transformers' module defining it is not
+    imported (then no model holds one), so this imports nothing."""
+    conv1d = getattr(sys.modules.get(_CONV1D_MODULE), "Conv1D", None)
+    return conv1d is not None and isinstance(module, conv1d)
 
 
 GATED_MLP_PARTS = ("gate_proj", "up_proj", "down_proj", "act_fn")
@@ -38,7 +55,7 @@ def set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def is_linear(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or (bool(Conv1D) and isinstance(module, Conv1D))
+    return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
 def find_decoder_layers(model: nn.Module, is_layer: Optional[Callable[[nn.Module], bool]] = None) -> tuple[str, nn.ModuleList]:
@@ -86,12 +103,12 @@ def find_linears(module: nn.Module, prefix: str = "", skip: Iterable[str] = ()) 
 def weight_out_in(module: nn.Module) -> torch.Tensor:
     """The weight as ``[out_features, in_features]`` (a view; Conv1D stores ``[in, out]``)."""
     w = module.weight.data
-    return w.t() if (bool(Conv1D) and isinstance(module, Conv1D)) else w
+    return w.t() if is_conv1d(module) else w
 
 
 def set_weight_out_in(module: nn.Module, weight: torch.Tensor) -> None:
     """Write an ``[out, in]`` weight back into the module, in the module's own layout and dtype."""
-    if bool(Conv1D) and isinstance(module, Conv1D):
+    if is_conv1d(module):
         weight = weight.t()
     module.weight.data.copy_(weight.to(module.weight.dtype))
 

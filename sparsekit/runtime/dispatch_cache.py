@@ -23,7 +23,8 @@ from sparsekit.hf.models import cache_root
 VERSION = 1
 
 
-def _kernels_hash() -> str:
+def kernels_hash() -> str:
+    """A short hash of the bundled kernels' sources (a changed kernel never reuses a cached result)."""
     from sparsekit import kernels
 
     h = hashlib.sha256()
@@ -41,7 +42,7 @@ def cache_file(device: torch.device) -> Path:
 
     props = torch.cuda.get_device_properties(device)
     ident = json.dumps([VERSION, props.name, props.multi_processor_count, torch.__version__, numba.__version__,
-                        __version__, _kernels_hash()])
+                        __version__, kernels_hash()])
     return cache_root() / "dispatch" / f"{hashlib.sha256(ident.encode()).hexdigest()[:20]}.json"
 
 
@@ -51,13 +52,21 @@ def entry_key(shape, sparsity: float, bias: bool, counts) -> str:
 
 def read(path: Path) -> dict:
     """The cached entries of ``path`` (empty when it is missing, damaged or of another layout)."""
+    return load(path)[0]
+
+
+def load(path: Path) -> tuple[dict, str | None]:
+    """``(entries, problem)``: the cached entries of ``path``, and why the file could not be used when it
+    exists but is damaged or of another layout (``entries`` is then empty); a missing file is no problem."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
+    except (FileNotFoundError, NotADirectoryError):  # no file there (yet)
+        return {}, None
+    except (OSError, ValueError) as e:
+        return {}, f"{type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}"
     if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries"), dict):
-        return {}
-    return data["entries"]
+        return {}, "not a cache file of this sparsekit"
+    return data["entries"], None
 
 
 def write(path: Path, entries: dict) -> str | None:

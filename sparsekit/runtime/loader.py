@@ -16,6 +16,7 @@ then runs on the sparse kernels (see ``sparsekit.runtime.sparse_linear`` for whi
 from __future__ import annotations
 
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -108,8 +109,20 @@ def load(id_or_path=None, device="cpu", dtype=None, *, prefer: str | None = None
     dev = models.resolve_device(device)
     torch_dtype = models.resolve_dtype(dtype, dev)
     location = models.resolve_model(id_or_path)
-    tokenizer = models.open_tokenizer(location)
-    return open_model(location, dev, torch_dtype, prefer=prefer), tokenizer
+    models.check_tokenizer_dir(location)  # a bad config.json or no tokenizer files: said first, as before
+    with ThreadPoolExecutor(1, thread_name_prefix="sparsekit-tokenizer") as pool:
+        tokenizer = pool.submit(models.build_tokenizer, location)   # read while the model loads
+        model = open_model(location, dev, torch_dtype, prefer=prefer)
+        return model, _tokenizer_result(tokenizer, location)
+
+
+def _tokenizer_result(future, location):
+    """The tokenizer built in the background; if that failed, built again here (an import that raced the
+    model's in the other thread fails only there), so an error raised is the one a plain load raises."""
+    try:
+        return future.result()
+    except Exception:  # noqa: BLE001 - retried in this thread: its error, if any, is the user's
+        return models.build_tokenizer(location)
 
 
 def open_model(location, device: torch.device, dtype: torch.dtype, *, prefer: str | None = None) -> nn.Module:

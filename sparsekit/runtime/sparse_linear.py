@@ -82,12 +82,13 @@ _KERNEL: Callable | None | bool = None  # None: not looked up yet; False: unavai
 def kernel() -> Callable | None:
     """``sparsekit.kernels.tcabme_matmul`` if the kernels pass their load-time check
     (``sparsekit.kernels.health.kernel_status``: a GPU, numba-cuda, one small product compiled, run and
-    checked), else None, with one notice saying why and what to install. The loader calls this when it
-    puts sparse layers on a GPU, so a kernel that cannot compile is found then, never mid-forward."""
+    checked; the pass remembered on disk by ``runtime.selftest_cache``), else None, with one notice saying
+    why and what to install. The loader calls this when it puts sparse layers on a GPU, so a kernel that
+    cannot compile is found then, never mid-forward."""
     global _KERNEL
     if _KERNEL is None:
         try:
-            from sparsekit.kernels.health import kernel_status
+            from sparsekit.runtime.selftest_cache import kernel_status
 
             status = kernel_status()
             if status.ok:
@@ -97,6 +98,8 @@ def kernel() -> Callable | None:
             else:
                 _KERNEL = False
                 notice_once(f"sparse GPU kernels unavailable ({status.line}): sparse layers run the reference path")
+        except SparsekitError:  # a damaged self-test cache under SPARSEKIT_STRICT=1
+            raise
         except Exception as e:  # kernels not importable: keep running, say so once
             notice_once(f"sparse GPU kernels unavailable ({type(e).__name__}: {e}): sparse layers run the reference path")
             _KERNEL = False
