@@ -85,11 +85,16 @@ def test_kernel_catches_a_planted_metadata_bug():
     w = _weight(64, 64, "2:4", g)
     x = torch.randn(2, 64, generator=g).half()
     lay = sp24.transcode(w)
-    sp = lay.sp.clone().reshape(-1, sp24.SP_STRIP_WORDS)
-    sp[:, sp24.SP_VALUE_WORDS:] = swap_halves(sp[:, sp24.SP_VALUE_WORDS:])
-    bad = sp24.Sp24Layout(dense=lay.dense, sp=sp.reshape(-1), tiles=lay.tiles, shape=lay.shape)
+    bad = _swapped_metadata(lay)
     assert _rel_err(lay, w, x) < 1e-3
     assert _rel_err(bad, w, x) > 0.1
+
+
+def _swapped_metadata(lay):
+    """The layout with each metadata word's row halves swapped (a planted layout bug)."""
+    sp = lay.sp.clone().reshape(-1, sp24.SP_STRIP_WORDS)
+    sp[:, sp24.SP_VALUE_WORDS:] = swap_halves(sp[:, sp24.SP_VALUE_WORDS:])
+    return sp24.Sp24Layout(dense=lay.dense, sp=sp.reshape(-1), tiles=lay.tiles, shape=lay.shape)
 
 
 @pytest.mark.parametrize("m,k,n,kind,tuning", [
@@ -115,8 +120,6 @@ def test_rows_kernel_catches_a_planted_metadata_bug():
     w = _weight(64, 128, "2:4", g)
     x = torch.randn(3, 128, generator=g).half()
     lay = sp24.transcode(w)
-    sp = lay.sp.clone().reshape(-1, sp24.SP_STRIP_WORDS)
-    sp[:, sp24.SP_VALUE_WORDS:] = swap_halves(sp[:, sp24.SP_VALUE_WORDS:])
-    bad = sp24.Sp24Layout(dense=lay.dense, sp=sp.reshape(-1), tiles=lay.tiles, shape=lay.shape)
+    bad = _swapped_metadata(lay)
     assert _rel_err(lay, w, x, kernel="rows", splits=2) < 1e-3
     assert _rel_err(bad, w, x, kernel="rows", splits=2) > 0.1
