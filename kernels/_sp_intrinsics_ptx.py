@@ -16,7 +16,7 @@ from numba.cuda.extending import intrinsic
 from ._intrinsics_ptx import _asm_stmt, mma
 from .compat_numba import cuda_typing
 
-__all__ = ["cp16", "cp_commit", "lds128w", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
+__all__ = ["cp16", "cp_commit", "cp_wait3", "cp_wait4", "cp_wait5", "cp_wait6", "lds128w", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
 
 types, cgutils = cuda_typing()
 
@@ -101,6 +101,10 @@ def _cp16(typingctx, addr, arr, i, nbytes):
 
 
 cp_commit = _asm_stmt("cp.async.commit_group;")
+cp_wait3 = _asm_stmt("cp.async.wait_group 3;")
+cp_wait4 = _asm_stmt("cp.async.wait_group 4;")
+cp_wait5 = _asm_stmt("cp.async.wait_group 5;")
+cp_wait6 = _asm_stmt("cp.async.wait_group 6;")
 
 
 @intrinsic

@@ -13,7 +13,7 @@ import numpy as np
 
 from .compat_numba import sim_syncthreads
 
-__all__ = ["cp16", "cp_commit", "lds128w", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
+__all__ = ["cp16", "cp_commit", "cp_wait3", "cp_wait4", "cp_wait5", "cp_wait6", "lds128w", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
 
 _W = 13   # scratch words per lane of one exchange: a0..a7, b0..b3, metadata
 
@@ -119,6 +119,13 @@ def cp16(d32, addr, arr, i, nbytes):
 
 def cp_commit():
     """Close a group of ``cp16`` copies (the simulator copies at once)."""
+
+
+def cp_wait3():
+    """Wait until at most 3 copy groups are pending (the simulator has none)."""
+
+
+cp_wait4 = cp_wait5 = cp_wait6 = cp_wait3
 
 
 def lds128w(d32, addr):

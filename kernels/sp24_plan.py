@@ -104,9 +104,12 @@ def rows_splits(blocks: int, gk: int, sms: int = 132) -> tuple[int, int]:
     return -(-gk // kper), kper
 
 
+ROWS_MAX_STAGES = 4        # the kernel takes up to 8
+
+
 def rows_stages(nt: int, r: int = 1, aslot: int = 2048) -> int:
-    """The deepest ring (at most 4 stages) within SMEM_MAX."""
-    st = 4
+    """The deepest ring (at most ROWS_MAX_STAGES) within SMEM_MAX."""
+    st = ROWS_MAX_STAGES
     while st > 2 and rows_smem_bytes(nt, st, r, aslot) > SMEM_MAX:
         st -= 1
     return st
@@ -129,4 +132,8 @@ def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = Non
     else:
         ks, kper = rows_splits(rb * chunks, gk, sms)
     st = stages_ or rows_stages(nt, r, aslot)
-    return nt, st, r, rb, chunks, ks, kper, rows_smem_bytes(nt, st, r, aslot)
+    dyn = rows_smem_bytes(nt, st, r, aslot)
+    if dyn > 48 * 1024 - 1024:
+        raise ValueError(f"this sp24_rows plan (tokens {nt}, stages {st}, strips {r}) needs {dyn} bytes of shared "
+                         "memory, more than a block may take without opting in (47 KB): fewer stages or tokens")
+    return nt, st, r, rb, chunks, ks, kper, dyn

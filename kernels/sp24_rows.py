@@ -29,7 +29,7 @@ import numpy as np
 from numba import cuda
 
 from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, f2h, shfl_idx
-from ._sp_intrinsics import cp16, cp_commit, ldmatrix_x4, lds128w, mma_k32
+from ._sp_intrinsics import cp16, cp_commit, cp_wait3, cp_wait4, cp_wait5, cp_wait6, ldmatrix_x4, lds128w, mma_k32
 from ._warp_intrinsics import byte_addr, lds32b
 from .block import dynamic_smem, thread_ids
 from .sp24_plan import SLOTS, XS, stage_bytes
@@ -46,7 +46,7 @@ def compiled_kernels() -> dict:
 
 
 def get_kernel(nt: int, stages: int, r: int = 1, aslot: int = 2048, maxreg: int = 128):
-    """Kernel for chunks of ``nt`` tokens (8, 16, 32, 64), a ring of ``stages`` (2-4), ``r`` (1, 2) tile
+    """Kernel for chunks of ``nt`` tokens (8, 16, 32, 64), a ring of ``stages`` (2-8), ``r`` (1, 2) tile
     rows per block and ``aslot`` (1152: all tiles 2:4, or 2048) bytes per staged strip."""
     key = (nt, stages, r, aslot, maxreg)
     if key not in _KERNELS:
@@ -55,7 +55,7 @@ def get_kernel(nt: int, stages: int, r: int = 1, aslot: int = 2048, maxreg: int 
 
 
 def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
-    assert NT in (8, 16, 32, 64) and 2 <= STAGES <= 4 and R in (1, 2) and ASLOT in SLOTS
+    assert NT in (8, 16, 32, 64) and 2 <= STAGES <= 8 and R in (1, 2) and ASLOT in SLOTS
     NB = NT // 8
     NACC = 4 * NB
     XCH = NT * 8                          # 16-byte chunks of one X slice
@@ -66,7 +66,8 @@ def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
     TILE = NT * ROWS
     RACC = R * NACC                       # fp32 accumulators per thread
     RA = R * 16                           # A registers per thread
-    wait = (cp_wait0, cp_wait1, cp_wait2)[STAGES - 2]   # all but the newest STAGES - 2 groups landed
+    # all but the newest STAGES - 2 copy groups have landed
+    wait = (cp_wait0, cp_wait1, cp_wait2, cp_wait3, cp_wait4, cp_wait5, cp_wait6)[STAGES - 2]
     u32 = np.uint32
 
     @cuda.jit(device=True, inline="always")

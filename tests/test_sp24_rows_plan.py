@@ -34,3 +34,9 @@ def test_auto_takes_rows_only_above_the_threshold():
     assert sp24_plan.kernel_for(4096, 4096) == "warps"          # 4096x4096: sp24_kernel measured faster
     for m, k in ((22016, 4096), (4096, 11008), (8192, 28672)):
         assert sp24_plan.kernel_for(m, k) == "rows"
+
+
+def test_a_forced_plan_too_big_for_shared_memory_is_one_clear_error():
+    with pytest.raises(ValueError, match="shared memory"):
+        sp24_plan.rows_plan(4096, 64, 8, stages_=8, aslot=SLOTS[1])
+    assert sp24_plan.rows_plan(4096, 64, 8, stages_=8, aslot=SLOTS[0])[1] == 8   # 2:4 only: 46 KB fits

@@ -39,7 +39,7 @@ BENCH_NS = [1, 16, 32, 64, 128, 512]
 FORCED_ROWS = [dict(splits=1), dict(splits=3), dict(tokens=8), dict(tokens=64, stages=2), dict(stages=2),
                dict(strips=2), dict(strips=1), dict(strips=2, splits=3)]
 SWEEP_ROWS = [dict(strips=r, splits=s) for r in (1, 2) for s in (1, 2, 4, 8)] + \
-    [dict(strips=r, tokens=t) for r in (1, 2) for t in (8, 16, 32)] + [dict(stages=s) for s in (2, 3)]
+    [dict(strips=r, tokens=t) for r in (1, 2) for t in (8, 16, 32)] + [dict(stages=s) for s in (2, 3, 4, 5, 6, 8)]
 # NUMBA_ENABLE_CUDASIM=1 (a dry run of the checks on CPU tensors, tiny shapes only: --check-shapes)
 DEV = "cpu" if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else "cuda"
 
