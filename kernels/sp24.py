@@ -14,8 +14,8 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
                 splits: int | None = None, stages: int | None = None) -> torch.Tensor:
     """``y[N, M] = x[N, K] @ W^T`` (fp16 in and out, fp32 accumulate) for W in the 2:4 mosaic layout.
 
-    ``kernel``: ``"auto"`` (``"rows"`` above ``sp24_plan.ROWS_MIN_WEIGHTS`` weights, where it measured
-    faster at every N up to 128 on an H200, else ``"warps"``), ``"rows"`` (``sp24_rows``: one or two tile rows per block, K split across blocks;
+    ``kernel``: ``"auto"`` (``sp24_plan.kernel_for``: the one that measured faster for this shape and
+    token count), ``"rows"`` (``sp24_rows``: one or two tile rows per block, K split across blocks;
     ``tokens``, ``splits``, ``stages`` and ``strips`` (tile rows per block) force its plan) or ``"warps"`` (``sp24_kernel``: K split over a block's warps;
     ``warps``, ``strips`` force its plan)."""
     from . import launch
@@ -36,7 +36,7 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
     kp = gk * 64
     x = padded(x, kp)
     if kernel == "auto":
-        kernel = sp24_plan.kernel_for(m, k)
+        kernel = sp24_plan.kernel_for(m, k, n)
     if kernel == "rows":
         _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips)
         return out

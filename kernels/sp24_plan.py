@@ -63,7 +63,9 @@ def plan(m: int, gk: int, n: int, sms: int = 132, warps_: int | None = None, str
 ROWS_MAX_NT = 64           # tokens per block; more run as further chunks of the same launch
 ROWS_MAX_BLOCKS_PER_SM = 4 # splits stop before the launch passes this many blocks per SM ...
 ROWS_MIN_STEPS = 16        # ... or a split would cover fewer tile columns than this
-ROWS_MIN_WEIGHTS = 2**24   # kernel "auto": sp24_rows above this many weights, sp24_kernel up to it
+ROWS_MIN_WEIGHTS = 2**24   # kernel "auto" (kernel_for): sp24_rows above this many weights and from
+ROWS_MIN_M = 8192          # this many output rows on, or from ROWS_MIN_N tokens on; else sp24_kernel
+ROWS_MIN_N = 128
 
 
 SLOTS = (1152, 2048)       # bytes of one staged strip: 2:4 only (values + metadata), or room for a dense one
@@ -79,10 +81,15 @@ def rows_smem_bytes(nt: int, stages: int, r: int = 1, aslot: int = 2048) -> int:
     return max(stages * stage_bytes(nt, r, aslot), nt * 64 * r * 4)
 
 
-def kernel_for(m: int, k: int) -> str:
-    """The 2:4 kernel ``sp24_matmul(kernel="auto")`` runs: "rows" above ROWS_MIN_WEIGHTS weights (faster at
-    every N up to 128 on those shapes in the first H200 runs), else "warps"."""
-    return "rows" if m * k > ROWS_MIN_WEIGHTS else "warps"
+def kernel_for(m: int, k: int, n: int = 1) -> str:
+    """The 2:4 kernel ``sp24_matmul(kernel="auto")`` runs for ``[n, k] @ [m, k]^T``: "rows" (sp24_rows) from
+    ROWS_MIN_M output rows on (when the weight has more than ROWS_MIN_WEIGHTS weights) and at ROWS_MIN_N
+    tokens or more, else "warps" (sp24_kernel). From the first GPU runs (docs/kernels-notes.md "v13
+    outcome"): rows won at every N on 22016x4096 and 8192x28672 on an H100 and an H200; warps won on
+    4096x4096 up to 64 tokens and on 4096x11008 from 8 to 64 tokens on the H100; rows won both at 128."""
+    if n >= ROWS_MIN_N:
+        return "rows"
+    return "rows" if m * k > ROWS_MIN_WEIGHTS and m >= ROWS_MIN_M else "warps"
 
 
 def rows_tokens(n: int) -> int:

@@ -30,10 +30,14 @@ def test_every_plan_fits_shared_memory_and_covers_n(n, aslot, strips):
     assert (chunks - 1) * nt < n <= chunks * nt
 
 
-def test_auto_takes_rows_only_above_the_threshold():
-    assert sp24_plan.kernel_for(4096, 4096) == "warps"          # 4096x4096: sp24_kernel measured faster
-    for m, k in ((22016, 4096), (4096, 11008), (8192, 28672)):
-        assert sp24_plan.kernel_for(m, k) == "rows"
+@pytest.mark.parametrize("m,k,n,kernel", [
+    (4096, 4096, 1, "warps"), (4096, 4096, 64, "warps"), (4096, 4096, 128, "rows"),
+    (4096, 11008, 8, "warps"), (4096, 11008, 128, "rows"),
+    (22016, 4096, 1, "rows"), (8192, 28672, 1, "rows"), (8192, 28672, 64, "rows"),
+    (8192, 576, 1, "warps"),                          # tall but small: sp24_kernel
+])
+def test_auto_takes_the_kernel_that_measured_faster(m, k, n, kernel):
+    assert sp24_plan.kernel_for(m, k, n) == kernel
 
 
 def test_a_forced_plan_too_big_for_shared_memory_is_one_clear_error():
