@@ -10,8 +10,7 @@
 - ``ldg128`` / ``sts128``: 16-byte global loads (``ld.global.nc.v4.u32``) and shared stores;
 - ``cp16`` / ``cp_commit``: one 16-byte ``cp.async.cg`` global-to-shared copy (a source size of 0
   writes zeros) and the end of a copy group (waited for with ``cp_wait*``: 0-2 in ``_intrinsics``,
-  ``cp_wait3`` .. ``cp_wait6`` here, for rings of up to 8 stages); ``lds128w``: a 16-byte shared load as
-  four words.
+  ``cp_wait3`` .. ``cp_wait6`` here, for rings of up to 8 stages).
 
 GPU: ``_sp_intrinsics_ptx``; simulator: ``_sp_intrinsics_sim`` (same names and signatures).
 """

@@ -16,7 +16,7 @@ from numba.cuda.extending import intrinsic
 from ._intrinsics_ptx import _asm_stmt, mma
 from .compat_numba import cuda_typing
 
-__all__ = ["cp16", "cp_commit", "cp_wait3", "cp_wait4", "cp_wait5", "cp_wait6", "lds128w", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
+__all__ = ["cp16", "cp_commit", "cp_wait3", "cp_wait4", "cp_wait5", "cp_wait6", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
 
 types, cgutils = cuda_typing()
 
@@ -105,25 +105,6 @@ cp_wait3 = _asm_stmt("cp.async.wait_group 3;")
 cp_wait4 = _asm_stmt("cp.async.wait_group 4;")
 cp_wait5 = _asm_stmt("cp.async.wait_group 5;")
 cp_wait6 = _asm_stmt("cp.async.wait_group 6;")
-
-
-@intrinsic
-def _lds128(typingctx, addr):
-    sig = types.UniTuple(types.uint32, 4)(types.uint32)
-
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.LiteralStructType([_i32] * 4), [_i32])
-        asm = ir.InlineAsm(fnty, "ld.shared.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
-                           side_effect=True)
-        res = builder.call(asm, args)
-        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
-
-    return sig, codegen
-
-
-@cuda.jit(device=True, inline=True)
-def lds128w(d32, addr):
-    return _lds128(np.uint32(addr))
 
 
 @cuda.jit(device=True, inline=True)

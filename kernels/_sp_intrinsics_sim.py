@@ -13,7 +13,7 @@ import numpy as np
 
 from .compat_numba import sim_syncthreads
 
-__all__ = ["cp16", "cp_commit", "cp_wait3", "cp_wait4", "cp_wait5", "cp_wait6", "lds128w", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
+__all__ = ["cp16", "cp_commit", "cp_wait3", "cp_wait4", "cp_wait5", "cp_wait6", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
 
 _W = 13   # scratch words per lane of one exchange: a0..a7, b0..b3, metadata
 
@@ -127,9 +127,3 @@ def cp_wait3():
 
 cp_wait4 = cp_wait5 = cp_wait6 = cp_wait3
 
-
-def lds128w(d32, addr):
-    """Four words from shared byte address ``addr`` (16-byte aligned; GPU: ``ld.shared.v4.u32``)."""
-    i = int(addr) >> 2
-    assert int(addr) % 16 == 0, "16-byte shared loads must be aligned"
-    return tuple(np.uint32(d32[i + q]) for q in range(4))

@@ -29,8 +29,8 @@ import numpy as np
 from numba import cuda
 
 from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, f2h, shfl_idx
-from ._sp_intrinsics import cp16, cp_commit, cp_wait3, cp_wait4, cp_wait5, cp_wait6, ldmatrix_x4, lds128w, mma_k32
-from ._warp_intrinsics import byte_addr, lds32b
+from ._sp_intrinsics import cp16, cp_commit, cp_wait3, cp_wait4, cp_wait5, cp_wait6, ldmatrix_x4, mma_k32
+from ._warp_intrinsics import byte_addr, lds128b, lds32b
 from .block import dynamic_smem, thread_ids
 from .sp24_plan import SLOTS, XS, stage_bytes
 from .sp24_plan import rows_smem_bytes as smem_bytes  # noqa: F401 - the kernel's shared layout
@@ -69,6 +69,8 @@ def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
     # all but the newest STAGES - 2 copy groups have landed
     wait = (cp_wait0, cp_wait1, cp_wait2, cp_wait3, cp_wait4, cp_wait5, cp_wait6)[STAGES - 2]
     u32 = np.uint32
+    LO = np.uint64(0xFFFFFFFF)
+    HI = np.uint64(32)
 
     @cuda.jit(device=True, inline="always")
     def x_issue(d32, x, stage, gk, tid, n0, N, ldx):
@@ -99,23 +101,24 @@ def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
                 cp16(d32, dst + u32(q * 512 + lane * 16), dense, base + q * 128 + lane * 4, 16)
 
     @cuda.jit(device=True, inline="always")
-    def load4(d32, a, k, src):
-        w0, w1, w2, w3 = lds128w(d32, src)
-        a[k] = w0
-        a[k + 1] = w1
-        a[k + 2] = w2
-        a[k + 3] = w3
+    def load4(d64, a, k, src):
+        """``a[k .. k+3]`` = the four words at shared byte address ``src`` (one 16-byte load)."""
+        e0, e1 = lds128b(d64, src)
+        a[k] = u32(e0 & LO)
+        a[k + 1] = u32(e0 >> HI)
+        a[k + 2] = u32(e1 & LO)
+        a[k + 3] = u32(e1 >> HI)
 
     @cuda.jit(device=True, inline="always")
-    def a_load(d32, a, k0, sp_tile, src, lane):
+    def a_load(d64, d32, a, k0, sp_tile, src, lane):
         """A registers from a staged strip: a 2:4 strip's 32-column chunk c to registers k0 + 8c .. +3 (and
         the metadata word, returned), a dense strip's 16-column chunk q to k0 + 4q .. +3."""
         if sp_tile:
-            load4(d32, a, k0, src + u32(lane * 16))
-            load4(d32, a, k0 + 8, src + u32(512 + lane * 16))
+            load4(d64, a, k0, src + u32(lane * 16))
+            load4(d64, a, k0 + 8, src + u32(512 + lane * 16))
             return lds32b(d32, src + u32(1024 + lane * 4))
         for q in range(4):
-            load4(d32, a, k0 + 4 * q, src + u32(q * 512 + lane * 16))
+            load4(d64, a, k0 + 4 * q, src + u32(q * 512 + lane * 16))
         return u32(0)
 
     @cuda.jit(device=True, inline="always")
@@ -180,7 +183,7 @@ def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
             for r in range(R):
                 if r < nr:
                     sps[r] = (tiles[(rb * R + r) * GK + gk] & 1) == 1
-                    m0s[r] = a_load(d32, a, 16 * r, sps[r], sb + aoff + u32(r * ASLOT), lane)
+                    m0s[r] = a_load(d64, d32, a, 16 * r, sps[r], sb + aoff + u32(r * ASLOT), lane)
                     m1s[r] = shfl_idx(scr, tid, m0s[r], lane ^ 2)   # chunk 1's metadata to lanes t = 0, 1
             xb = xlm + u32((i % STAGES) * STAGE)
             for c in range(2):

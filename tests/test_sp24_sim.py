@@ -79,15 +79,19 @@ def test_kernel_matches_float64(m, k, n, kind, tuning):
     assert _rel_err(lay, w, x, **tuning) < 1e-3       # fp16 output rounding is ~2e-4
 
 
-def test_kernel_catches_a_planted_metadata_bug():
-    """The same layout with each metadata word's row halves swapped must fail the check above."""
-    g = torch.Generator().manual_seed(11)
-    w = _weight(64, 64, "2:4", g)
-    x = torch.randn(2, 64, generator=g).half()
+@pytest.mark.parametrize("seed,k,n,tuning", [
+    (11, 64, 2, {}),                                   # sp24_kernel (auto at this size)
+    (12, 128, 3, dict(kernel="rows", splits=2)),       # sp24_rows, split-K across 2 blocks
+])
+def test_kernels_catch_a_planted_metadata_bug(seed, k, n, tuning):
+    """The same layout with each metadata word's row halves swapped must fail the checks above."""
+    g = torch.Generator().manual_seed(seed)
+    w = _weight(64, k, "2:4", g)
+    x = torch.randn(n, k, generator=g).half()
     lay = sp24.transcode(w)
     bad = _swapped_metadata(lay)
-    assert _rel_err(lay, w, x) < 1e-3
-    assert _rel_err(bad, w, x) > 0.1
+    assert _rel_err(lay, w, x, **tuning) < 1e-3
+    assert _rel_err(bad, w, x, **tuning) > 0.1
 
 
 def _swapped_metadata(lay):
@@ -114,12 +118,3 @@ def test_rows_kernel_matches_float64(m, k, n, kind, tuning):
     for _ in range(2):
         assert _rel_err(lay, w, x, kernel="rows", **tuning) < 1e-3
 
-
-def test_rows_kernel_catches_a_planted_metadata_bug():
-    g = torch.Generator().manual_seed(12)
-    w = _weight(64, 128, "2:4", g)
-    x = torch.randn(3, 128, generator=g).half()
-    lay = sp24.transcode(w)
-    bad = _swapped_metadata(lay)
-    assert _rel_err(lay, w, x, kernel="rows", splits=2) < 1e-3
-    assert _rel_err(bad, w, x, kernel="rows", splits=2) > 0.1

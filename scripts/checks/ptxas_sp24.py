@@ -40,7 +40,7 @@ def ptx_of(nt: int, r: int, maxreg: int, kernel: str = "warps") -> str:
     arr32 = types.Array(types.int32, 1, "C")
     arr16 = types.Array(types.int16, 1, "C")
     if kernel == "rows":
-        kern = sp24_rows.get_kernel(nt, r, maxreg)
+        kern = sp24_rows.get_kernel(nt, r, maxreg=maxreg)
         sig = (arr32, arr32, arr32, arr32, arr16, types.Array(types.float32, 1, "C"), arr32) + (types.int64,) * 7
     else:
         kern = sp24_kernel.get_kernel(nt, r, maxreg)
