@@ -37,11 +37,12 @@ import torch
 from scripts.common import SHAPES
 
 
-def build_model(shape: str, dtype=torch.float16, seed: int = 0):
-    """A LlamaForCausalLM of the given shape with random weights, on the CPU (see module doc)."""
+def build_model(shape: str, dtype=torch.float16, seed: int = 0, layers: int | None = None):
+    """A LlamaForCausalLM of the given shape with random weights, on the CPU (see module doc); ``layers``
+    keeps only the first decoder layers (every layer of a shape does the same work)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**SHAPES[shape])
+    config = LlamaConfig(**dict(SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})))
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model = model.to(dtype).to_empty(device="cpu")
@@ -61,7 +62,7 @@ def build_model(shape: str, dtype=torch.float16, seed: int = 0):
 
 
 def run_one(shape: str, method: str, pattern: str, nsamples: int, seqlen: int, device: str, batch_size=None,
-            overlap: bool = True) -> dict:
+            overlap: bool = True, layers: int | None = None) -> dict:
     from sparsekit.pruning.engine import prune_model
     from sparsekit.pruning.methods import get_method
     from sparsekit.pruning.methods.steps import with_steps
@@ -75,7 +76,7 @@ def run_one(shape: str, method: str, pattern: str, nsamples: int, seqlen: int, d
     owl = OwlSettings() if "owl" in extras else None
 
     t0 = time.perf_counter()
-    model = build_model(shape)
+    model = build_model(shape, layers=layers)
     t_build = time.perf_counter() - t0
     vocab = model.config.vocab_size
     calib = (torch.randint(0, vocab, (nsamples, seqlen), generator=torch.Generator().manual_seed(0))
@@ -101,6 +102,7 @@ def run_one(shape: str, method: str, pattern: str, nsamples: int, seqlen: int, d
     sp = [v["sparsity"] for v in rep["layers"].values()]
     out = {
         "shape": shape, "method": spec, "pattern": pattern, "nsamples": nsamples, "seqlen": seqlen,
+        "layers": model.config.num_hidden_layers,
         "overlap": overlap,
         "build_s": round(t_build, 2),
         "total_s": round(rep["seconds"], 2),
@@ -127,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--nsamples", type=int, default=128)
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--batch-size", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep only the first N decoder layers of each shape (time ratios between methods hold per layer)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-overlap", action="store_true", help="move layers synchronously (no background copies)")
     ap.add_argument("--warmup", action="store_true", help="run the first (shape, method) once untimed first")
@@ -157,11 +161,12 @@ def main(argv=None) -> int:
     print(json.dumps(info), flush=True)
     results = []
     if args.warmup:
-        run_one(args.shape[0], args.methods[0], args.pattern, 8, min(args.seqlen, 512), args.device, args.batch_size)
+        run_one(args.shape[0], args.methods[0], args.pattern, 8, min(args.seqlen, 512), args.device, args.batch_size,
+                layers=args.layers)
     for shape in args.shape:
         for method in args.methods:
             r = run_one(shape, method, args.pattern, args.nsamples, args.seqlen, args.device, args.batch_size,
-                        overlap=not args.no_overlap)
+                        overlap=not args.no_overlap, layers=args.layers)
             print(json.dumps(r), flush=True)
             results.append(r)
     if args.ratios:
