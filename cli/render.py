@@ -98,7 +98,8 @@ def _rate(x) -> str:
 
 def speed_table(report: dict[str, Any]):
     """The report as a rich Table that fits 80 columns: tokens/s packed, dense and their ratio for
-    decode and prefill, and peak memory; ``--json`` has the rest (ms per token, per-shape timings)."""
+    decode and prefill, and peak memory; the caption says how the ratios were measured; ``--json``
+    has the rest (ms per token, each paired round's ratio, per-shape timings)."""
     from rich import box
     from rich.table import Table
 
@@ -116,6 +117,12 @@ def speed_table(report: dict[str, Any]):
                   _fmt(p.get("peak_mem_gib"), ".2f"), _fmt(d.get("peak_mem_gib"), ".2f"))
     w = report.get("weights_gib") or {}
     plan = report.get("dispatch") or {}
+    lines = []
+    if report.get("measurement") == "interleaved":
+        lines.append(f"x: packed/dense, median of {report.get('prefill_rounds')} prefill and {report.get('repeats')} "
+                     "decode rounds, interleaved")
+    elif report.get("measurement") == "sequential":
+        lines.append("x: packed/dense, each alone, one model after the other (see the warning)")
     if w:
         copies = plan.get("dense_copy_bytes", 0) / 2**30
         caption = (f"weights: packed {w.get('packed', 0):.3f} GiB"
@@ -128,7 +135,9 @@ def speed_table(report: dict[str, Any]):
         if report.get("cats_mlps"):
             caption += (f"; CATS: {report.get('cats_kernel_mlps', 0)} of {report['cats_mlps']} thresholded MLPs on the "
                         "CATS kernel (dense: no thresholds)")
-        t.caption = caption
+        lines.append(caption)
+    if lines:
+        t.caption = "\n".join(lines)
     return t
 
 

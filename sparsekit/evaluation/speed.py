@@ -1,18 +1,62 @@
 """``sparsekit eval --speed``: prefill and decode throughput, packed model vs its dense twin.
 
-For each batch size the packed model and its dense counterpart (the very same weights decoded
-into ``nn.Linear``, so cuBLAS runs them) are timed in the same process on the same GPU:
+For each batch size the packed model and its dense twin (the very same weights decoded into
+``nn.Linear``, so cuBLAS runs them) are timed in the same process on the same GPU:
 
-* prefill: one forward over ``batch x prompt_len`` tokens into a static cache, the fastest of
-  rounds of at least 15 runs that agree (see ``_prefill_ms``), timed with CUDA events -> prefill tokens/s;
+* prefill: one eager forward over ``batch x prompt_len`` tokens into a static cache, timed with CUDA
+  events -> prefill tokens/s (from the fastest run);
 * decode: ``new_tokens`` greedy steps, each one replay of a CUDA graph of the decode step
   (``sparsekit.runtime.decoder``; eager with ``cuda_graphs=False``; each decoder layer compiled with
-  ``torch.compile`` unless ``compile=False``), median over ``repeats`` ->
-  ms per token (one step) and decode tokens/s (= batch / step time);
-* peak GPU memory (``torch.cuda.max_memory_allocated``) over that batch size's run.
+  ``torch.compile`` unless ``compile=False``), median over ``repeats`` loops -> ms per token (one
+  step) and decode tokens/s (= batch / step time);
+* peak GPU memory (``torch.cuda.max_memory_allocated``) of each model at that batch size, the other
+  model's bytes taken out.
 
-The packed model is measured first; then it is densified in place and measured again, so the two
-never sit on the GPU together. Random prompt tokens (fixed seed); EOS is ignored.
+Paired, interleaved (the default; ``speed_runs.measure_pair``). Both models stay on the GPU at once:
+the dense twin (``speed_twin.dense_twin``) shares every tensor of the packed model outside its
+``SparseLinear`` layers, and those become ``nn.Linear`` on their dispatch dense copy, or decoded where
+there is none. Per batch size: each model's decoder is built, prefilled and its decode step captured
+(compiling at the first two batch sizes), and a few untimed steps replayed; then ``repeats`` decode
+rounds and ``PREFILL_ROUNDS`` prefill rounds alternate dense, packed, dense, packed, ... A prefill round
+is the fastest of ``PREFILL_RUNS`` runs. The ratio reported is the **median of the per-round paired
+ratios** (packed tokens/s over dense, i.e. dense time over packed time, in the same round), so a slow
+phase of the host (for seconds after a ``torch.compile``; a prefill of the demo is ~17 ms of launching a
+few hundred kernels, bound by the host) hits both sides of a pair alike instead of one model's whole
+phase. Decode is paired the same way because that costs nothing: the same timed loops as before, only
+ordered alternately. Prefill is timed last in each batch size, furthest from its compile. The rows
+keep each model's absolute figures (fastest prefill, median decode step) and, under ``paired``, every
+round's ratio and milliseconds.
+
+Sequential (the fallback). Where the dense twin and both models' KV caches and activations would not
+fit in the free GPU memory (``speed_twin.pairing_obstacle``: an estimate from the parameter bytes and
+the config), or the twin cannot be made, the packed model is measured first at every batch size, then
+densified in place and measured again (``speed_runs.measure_model``; its prefill in rounds of
+``PREFILL_REPEATS`` runs until the fastest runs of two rounds agree), and one line in ``notes`` says so
+and why. A batch size whose two decoders run out of memory together is measured one model after the
+other, with a note too.
+
+Time budget, from the last measurement of the demo (SmolLM2-135M; H200, 2026-11-26, before pairing:
+31.8 s inside ``measure_speed`` = load 3.4, dispatch 0.3 (cached), packed 18.1, dense 10.0; the packed
+phase pays the process's first ``torch.compile``; an H100 run two days earlier, with one round of 15
+prefill runs instead of rounds until two agree, spent 10.0 + 5.7 s in those two phases):
+
+* load and dispatch plan: 3.7 s, unchanged.
+* dense twin: one ``copy.deepcopy`` that shares the tensors and decodes only the ``SparseLinear`` layers
+  without a dense copy: a fraction of a second, like the in-place ``densify`` it replaces.
+* compiles: two per model, as before: batch 1 (specialised) and then one graph with a dynamic batch
+  dimension for every batch size from 2 up (torch's automatic dynamic shapes; a CPU test pins this), so
+  nothing recompiles per batch size after the second. A CUDA-graph capture per batch size and model
+  costs a few steps.
+* decode: 3 timed loops of 64 steps and 8 untimed steps per model and batch size, ~0.35 s at 1.3-1.9 ms
+  a step: ~3 s in all (before: a whole 64-step warm-up loop as well, ~3.6 s).
+* prefill: 7 rounds x 3 runs x 2 models = 42 runs per batch size, ~0.7 s at 17 ms: ~3 s in all. Before:
+  rounds of 15 runs until two agreed within 2%, at most 8, per model and batch size, 0.5-2 s each; the
+  ~12 s that the rounds added say that most ran to 8, ~16 s in all.
+* ``gc.collect()`` once before the batch sizes instead of once per model and batch size (0.1-0.2 s each).
+
+So about 13-14 s less: ~18 s inside ``measure_speed``, and ~28 s wall for ``sparsekit eval --speed`` on
+the demo if imports and load stay at ~10 s. The report's ``phases_s`` splits the time into load,
+dispatch, twin, capture (decoders built, first prefill, compiles, graph capture), decode and prefill.
 
 A model with CATS thresholds (``sparsekit prune --method cats``, or ``--cats`` stacked on a weight
 method) counts as sparse even without a packed linear: its gated MLPs go onto the CATS kernels
@@ -23,7 +67,6 @@ original MLPs back, without thresholds (``runtime.cats.remove_thresholds``).
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -32,101 +75,21 @@ import torch
 from torch import nn
 
 from sparsekit.errors import SparsekitError, strict_mode
-from sparsekit.runtime.timing import model_bytes, time_ms
+from sparsekit.evaluation.speed_runs import GIB, PREFILL_ROUNDS, PREFILL_RUNS, measure_model, measure_pair
+from sparsekit.evaluation.speed_twin import dense_twin, pairing_obstacle
 from sparsekit.hf.models import resolve_device
+from sparsekit.hf.modules import set_submodule
 from sparsekit.packed.shards import is_packed_dir
 from sparsekit.progress import Progress, report
-from sparsekit.runtime.decoder import GreedyDecoder
-from sparsekit.hf.modules import set_submodule
 from sparsekit.runtime.cats import cats_activations, remove_thresholds
+from sparsekit.runtime.dispatch import plan_dispatch
 from sparsekit.runtime.fusion import fuse_projections, prepare_for_decode
 from sparsekit.runtime.loader import load_packed, open_model
-from sparsekit.runtime.dispatch import plan_dispatch
 from sparsekit.runtime.sparse_linear import SparseLinear
 from sparsekit.runtime.swap import densify, sparsify
+from sparsekit.runtime.timing import model_bytes
 
 BATCH_SIZES = (1, 8, 16, 32)
-PREFILL_REPEATS = 15
-GIB = 2**30
-
-
-def measure_model(model: nn.Module, batch_size: int, *, prompt_len: int = 128, new_tokens: int = 64,
-                  repeats: int = 3, cuda_graphs: bool = True, compile: bool = True,
-                  seed: int = 0) -> dict[str, Any]:
-    """Prefill/decode speed and peak memory of one model at one batch size (on its CUDA device).
-
-    With ``compile`` the model's packed sizes should be equalized first (``fusion.prepare_for_decode``)."""
-    device = next(model.parameters()).device
-    vocab = int(getattr(model.config.get_text_config(), "vocab_size", 1000))
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (batch_size, prompt_len), generator=gen).to(device)
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    dec = None
-    try:
-        dec = GreedyDecoder(model, batch_size, prompt_len + new_tokens + 1, use_graph=cuda_graphs,
-                            compile=compile)
-        prefill_ms, prefill_median = _prefill_ms(dec, ids, max(repeats, PREFILL_REPEATS))
-
-        def decode_loop():
-            for _ in range(new_tokens):
-                dec.step()
-
-        step_ms = []
-        for r in range(repeats + 1):
-            dec.prefill(ids)
-            if cuda_graphs and dec.graph is None:
-                dec.capture()
-            ms = time_ms(decode_loop)
-            if r > 0:  # the first loop is a warm-up
-                step_ms.append(ms / new_tokens)
-        step_ms = statistics.median(step_ms)
-        peak = torch.cuda.max_memory_allocated(device)
-        extra = {"notes": dec.notes} if dec.notes else {}
-        return {**extra,
-                "compiled": dec.compile,
-            "prefill_ms": prefill_ms,
-            "prefill_ms_median": prefill_median,
-            "prefill_tok_s": batch_size * prompt_len / (prefill_ms / 1e3),
-            "ms_per_token": step_ms,
-            "decode_tok_s": batch_size / (step_ms / 1e3),
-            "peak_mem_gib": peak / GIB,
-        }
-    except torch.cuda.OutOfMemoryError:
-        return {"error": "out of GPU memory"}
-    finally:
-        del dec
-        torch.cuda.empty_cache()
-
-
-def _prefill_ms(dec: GreedyDecoder, ids: torch.Tensor, repeats: int, *, agree: float = 0.02,
-                max_rounds: int = 8) -> tuple[float, float]:
-    """``(fastest, median)`` milliseconds of one eager prefill, after two warm-ups (kernels compile, the
-    cache and the allocator's blocks are made), with Python's garbage collector held off.
-
-    A small model's prefill is bound by the host launching a few hundred kernels (~17 ms for the demo
-    at any batch on an H100), and for seconds after a ``torch.compile`` the host is slower still: on
-    2026-11-25 the median of 15 runs, and even their fastest, came out 20-80% high for whichever model
-    was measured right after a compile. So runs come in rounds of ``repeats``, until the fastest runs
-    of two consecutive rounds agree within ``agree`` (at most ``max_rounds`` rounds); the report's
-    ``prefill_ms`` is the fastest run, ``prefill_ms_median`` the last round's median."""
-    dec.prefill(ids)
-    dec.prefill(ids)
-    best, last = float("inf"), None
-    gc.collect()
-    gc.disable()
-    try:
-        for _ in range(max_rounds):
-            times = [time_ms(lambda: dec.prefill(ids)) for _ in range(repeats)]
-            fastest = min(times)
-            settled = last is not None and abs(fastest - last) <= agree * min(fastest, last)
-            best, last = min(best, fastest), fastest
-            if settled:
-                break
-    finally:
-        gc.enable()
-    return best, statistics.median(times)
 
 
 def dense_layers_note(dispatch: dict, n_sparse: int) -> str:
@@ -137,7 +100,7 @@ def dense_layers_note(dispatch: dict, n_sparse: int) -> str:
             f"than cuBLAS at every token count for {', '.join(shapes)}")
 
 
-def _open(model_dir, device, dtype, notes: list[str]) -> nn.Module:
+def open_measured(model_dir, device, dtype, notes: list[str]) -> nn.Module:
     """The model of ``model_dir`` through the one loader; an unpacked one is encoded in memory."""
     path = Path(model_dir)
     if is_packed_dir(path):
@@ -175,8 +138,8 @@ def restore_dense_mlps(model: nn.Module, originals: dict[str, nn.Module]) -> int
 def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_len: int = 128,
                   new_tokens: int = 64, repeats: int = 3, cuda_graphs: bool = True,
                   dtype: torch.dtype = torch.float16, fuse_norms: bool = True, compile: bool = True,
-                  fuse_proj: bool = True, prefer: str = "speed",
-                  progress: Progress | None = None) -> dict[str, Any]:
+                  fuse_proj: bool = True, prefer: str = "speed", prefill_rounds: int = PREFILL_ROUNDS,
+                  prefill_runs: int = PREFILL_RUNS, progress: Progress | None = None) -> dict[str, Any]:
     """Speed report of a packed model and its dense counterpart (see the module docstring).
 
     ``fuse_norms`` swaps the HF RMSNorm modules for ``fusion.FusedRMSNorm`` (same rounding,
@@ -187,8 +150,13 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     ``fuse_proj`` merges q/k/v and gate/up into one matmul each (``fusion.fuse_projections``),
     in both models too. ``prefer`` (``"speed"`` or ``"memory"``) goes to
     ``runtime.dispatch.plan_dispatch``, which times each group of sparse layers against cuBLAS at
-    load and runs each in its faster form (the report's ``dispatch``). ``progress("measuring speed", 0, total)`` comes first, then one call per
-    step done, named after it ("loaded", "packed batch 8", ...).
+    load and runs each in its faster form (the report's ``dispatch``). ``prefill_rounds`` and
+    ``prefill_runs`` shape the interleaved prefill timing (:func:`measure_pair`). The report's
+    ``measurement`` is ``"interleaved"`` or ``"sequential"`` (with a line in ``notes`` saying why); each
+    row has per model what :func:`measure_model` reports, ``ratio`` (packed over dense tokens/s: the
+    median of the paired rounds' ratios when interleaved) and, when interleaved, ``paired`` (each
+    round's ratio and figures). ``progress("measuring speed", 0, total)`` comes first, then one call
+    per step done, named after it ("loaded", "packed and dense, batch 8"; sequential: "packed batch 8").
     """
     if not torch.cuda.is_available():
         raise SparsekitError("speed measurement needs a CUDA GPU and none is available: run `sparsekit eval --speed` on a GPU machine")
@@ -198,8 +166,9 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     batch_sizes = tuple(int(b) for b in batch_sizes)
     if not batch_sizes or min(batch_sizes) < 1:
         raise SparsekitError(f"batch sizes must be positive integers, got {batch_sizes}")
-    if prompt_len < 1 or new_tokens < 2 or repeats < 1:
-        raise SparsekitError("prompt_len >= 1, new_tokens >= 2 and repeats >= 1 are needed")
+    if prompt_len < 1 or new_tokens < 2 or repeats < 1 or prefill_rounds < 1 or prefill_runs < 1:
+        raise SparsekitError("prompt_len >= 1, new_tokens >= 2, repeats >= 1, prefill_rounds >= 1 and "
+                             "prefill_runs >= 1 are needed")
     notes: list[str] = []
     done, total = 0, 2 * len(batch_sizes) + 1
 
@@ -210,7 +179,7 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
 
     report(progress, "measuring speed", 0, total)
     t0 = time.perf_counter()
-    model = _open(model_dir, dev, dtype, notes)
+    model = open_measured(model_dir, dev, dtype, notes)
     cats_mlps = {name: model.get_submodule(name) for name in cats_activations(model)}
     n_cats_kernels = enable_cats(model, notes) if cats_mlps else 0
     if cats_mlps and n_cats_kernels < len(cats_mlps):
@@ -234,7 +203,13 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     tick("loaded")
     kw = dict(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, compile=compile)
 
+    def merge_notes(extra: list[str]) -> None:
+        for note in extra:
+            if note not in notes:
+                notes.append(note)
+
     def run_all(label: str) -> dict[int, dict]:
+        """One model at every batch size (the sequential measurement)."""
         nonlocal cuda_graphs
         out = {}
         for b in batch_sizes:
@@ -246,37 +221,99 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
                 notes.append(f"CUDA graphs failed, measured eagerly instead (slower): {e}")
                 cuda_graphs = False
                 out[b] = measure_model(model, b, cuda_graphs=False, **kw)
-            for note in out[b].pop("notes", []):
-                if note not in notes:
-                    notes.append(note)
+            merge_notes(out[b].pop("notes", []))
             tick(f"{label} batch {b}")
+        return out
+
+    def run_paired(twin: nn.Module) -> dict[int, dict]:
+        """Both models at every batch size, interleaved (measure_pair)."""
+        nonlocal cuda_graphs
+        resident = {"packed": model_bytes(model), "dense": model_bytes(twin)}
+        pkw = dict(kw, prefill_rounds=prefill_rounds, prefill_runs=prefill_runs, resident=resident)
+        out = {}
+        for b in batch_sizes:
+            try:
+                try:
+                    out[b] = measure_pair(model, twin, b, cuda_graphs=cuda_graphs, **pkw)
+                except SparsekitError as e:
+                    if not cuda_graphs or strict_mode():
+                        raise
+                    notes.append(f"CUDA graphs failed, measured eagerly instead (slower): {e}")
+                    cuda_graphs = False
+                    out[b] = measure_pair(model, twin, b, cuda_graphs=False, **pkw)
+            except torch.cuda.OutOfMemoryError:
+                notes.append(f"batch {b}: the two models' decoders did not fit on the GPU together, so packed and "
+                             "dense were measured one after the other at this batch size")
+                torch.cuda.empty_cache()
+                out[b] = {}
+                for which, m in (("packed", model), ("dense", twin)):
+                    others = torch.cuda.memory_allocated(dev) - resident[which]
+                    out[b][which] = measure_model(m, b, cuda_graphs=cuda_graphs, exclude_bytes=others, **kw)
+                    merge_notes(out[b][which].pop("notes", []))
+            for key, spent in out[b].pop("seconds", {}).items():
+                phases[f"{key}_s"] = phases.get(f"{key}_s", 0.0) + spent
+            merge_notes(out[b].pop("notes", []))
+            tick(f"packed and dense, batch {b}")
         return out
 
     packed_bytes = model_bytes(model)
     t1 = time.perf_counter()
-    packed = run_all("packed")
-    phases["packed_s"] = time.perf_counter() - t1
-    if cats_mlps:  # the dense twin: the original MLPs, no thresholds
-        restore_dense_mlps(model, cats_mlps)
-    densify(model)
-    if cats_mlps and n_cats_kernels and fuse_proj:
-        fuse_projections(model)  # the restored MLPs' gate/up, as prepare_for_decode fused the others'
-    torch.cuda.empty_cache()
-    dense_bytes = model_bytes(model)
+    why = pairing_obstacle(model, cats_mlps, batch_sizes=batch_sizes, prompt_len=prompt_len, new_tokens=new_tokens,
+                           device=dev, cats_kernels=n_cats_kernels, fuse_proj=fuse_proj)
+    twin = None
+    if why is None:
+        try:
+            twin = dense_twin(model, cats_mlps, cats_kernels=n_cats_kernels, fuse_proj=fuse_proj)
+        except torch.cuda.OutOfMemoryError:
+            why = "the dense twin did not fit on the GPU beside the packed model"
+        except Exception as e:  # noqa: BLE001 - said in notes (raised when strict)
+            why = f"the dense twin could not be made beside the packed model ({type(e).__name__}: {str(e)[:200]})"
+            if strict_mode():
+                raise SparsekitError(f"{why} (SPARSEKIT_STRICT is set: no sequential fallback)") from e
+        torch.cuda.empty_cache()
+    phases["twin_s"] = time.perf_counter() - t1
     t1 = time.perf_counter()
-    dense = run_all("dense")
-    phases["dense_s"] = time.perf_counter() - t1
+    if twin is not None:
+        measurement = "interleaved"
+        total = len(batch_sizes) + 1  # one step per batch size: both models
+        gc.collect()  # once; during the timed rounds the collector is held off
+        dense_bytes = model_bytes(twin)
+        pairs = run_paired(twin)
+        del twin
+        phases["measure_s"] = time.perf_counter() - t1
+        packed = {b: r["packed"] for b, r in pairs.items()}
+        dense = {b: r["dense"] for b, r in pairs.items()}
+    else:
+        measurement = "sequential"
+        notes.append(f"packed and dense measured one after the other, not interleaved: {why} "
+                     "(the prefill ratios are noisier this way)")
+        pairs = {}
+        packed = run_all("packed")
+        phases["packed_s"] = time.perf_counter() - t1
+        if cats_mlps:  # the dense twin: the original MLPs, no thresholds
+            restore_dense_mlps(model, cats_mlps)
+        densify(model)
+        if cats_mlps and n_cats_kernels and fuse_proj:
+            fuse_projections(model)  # the restored MLPs' gate/up, as prepare_for_decode fused the others'
+        torch.cuda.empty_cache()
+        dense_bytes = model_bytes(model)
+        t1 = time.perf_counter()
+        dense = run_all("dense")
+        phases["dense_s"] = time.perf_counter() - t1
     del model
     torch.cuda.empty_cache()
 
     rows = []
     for b in batch_sizes:
         p, d = packed[b], dense[b]
-        ratio = {}
-        for key in ("prefill_tok_s", "decode_tok_s"):
-            if key in p and key in d and d[key] > 0:
-                ratio[key] = p[key] / d[key]
-        rows.append({"batch_size": b, "packed": p, "dense": d, "ratio": ratio})
+        pair = pairs.get(b, {})
+        row = {"batch_size": b, "packed": p, "dense": d, "interleaved": "ratio" in pair}
+        if "ratio" in pair:
+            row["ratio"], row["paired"] = pair["ratio"], pair["paired"]
+        else:
+            row["ratio"] = {key: p[key] / d[key] for key in ("prefill_tok_s", "decode_tok_s")
+                            if key in p and key in d and d[key] > 0}
+        rows.append(row)
     import transformers
 
     return {
@@ -286,6 +323,9 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "repeats": repeats,
+        "measurement": measurement,  # "interleaved" (paired rounds) or "sequential" (notes say why)
+        "prefill_rounds": prefill_rounds if measurement == "interleaved" else None,
+        "prefill_runs": prefill_runs if measurement == "interleaved" else None,
         "cuda_graphs": cuda_graphs,
         "fused_norms": fuse_norms,
         "fused_projections": fuse_proj,
