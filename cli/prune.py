@@ -31,7 +31,7 @@ HELP = (
     "on the final mask with ADMM (--admm-iters); --method admm chooses the mask during ADMM itself.\n\n"
     "Example: sparsekit prune smollm2-135m --method wanda --sparsity 0.5 -o out/wanda50\n\n"
     "Example: sparsekit prune smollm2-135m --method wanda --sparsity 0.7 --allocation owl --update admm\n\n"
-    "Example: sparsekit prune smollm2-135m --method sparsegpt --pattern hybrid --sparsity 0.35 --learn-mask --steps 300"
+    "Example: sparsekit prune smollm2-135m --method sparsegpt --pattern hybrid --sparsity 0.35 --learn-mask"
 )
 
 
@@ -78,8 +78,8 @@ def prune_cmd(
     refine: Optional[str] = typer.Option(None, "--refine", help="dsnot: refine the method's mask by swapping pruned and kept weights of a row (N:M group, 2:4 tile) where that lowers the layer's reconstruction error"),
     dsnot_cycles: Optional[int] = typer.Option(None, "--dsnot-cycles", help="--refine dsnot: at most this many swaps per row (default: 50)"),
     learn_mask: bool = typer.Option(False, "--learn-mask", help="Learn the hybrid / 2:4 mask on the calibration text, weights frozen (see sparsekit.pruning.learn)."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="--learn-mask: optimizer steps (default: 300)"),
-    lr: Optional[float] = typer.Option(None, "--lr", help="--learn-mask: Adam learning rate on the mask logits (default: 0.1)"),
+    steps: Optional[int] = typer.Option(None, "--steps", help="--learn-mask: optimizer steps (default: 150)"),
+    lr: Optional[float] = typer.Option(None, "--lr", help="--learn-mask: Adam learning rate on the mask logits (default: 0.05)"),
     learn_batch: Optional[int] = typer.Option(None, "--learn-batch", help="--learn-mask: calibration windows per step (default: 8)"),
     holdout: Optional[float] = typer.Option(None, "--holdout", help="--learn-mask: fraction of the calibration windows held out to keep the best mask (default: 0.125; 0: keep the last)"),
     distill: bool = typer.Option(False, "--distill", help="--learn-mask: minimize the KL divergence from the dense model's next-token distribution instead of the LM loss"),
