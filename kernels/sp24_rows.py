@@ -29,7 +29,7 @@ import numpy as np
 from numba import cuda
 
 from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, f2h, shfl_idx
-from ._sp_intrinsics import cp16, cp_commit, cp_wait3, cp_wait4, cp_wait5, cp_wait6, ldmatrix_x4, mma_k32
+from ._sp_intrinsics import cp16, cp_commit, cp_wait3, cp_wait4, cp_wait5, cp_wait6, ldmatrix_x4, mma_k32, mma_sp
 from ._warp_intrinsics import byte_addr, lds128b, lds32b
 from .block import dynamic_smem, thread_ids
 from .sp24_plan import SLOTS, XS, stage_bytes
@@ -58,6 +58,7 @@ def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
     assert NT in (8, 16, 32, 64) and 2 <= STAGES <= 8 and R in (1, 2) and ASLOT in SLOTS
     NB = NT // 8
     NACC = 4 * NB
+    NBW = 4 * NB                          # B registers of one 32-column half of a step
     XCH = NT * 8                          # 16-byte chunks of one X slice
     XIT = (XCH + THREADS - 1) // THREADS
     SLOT = NT * XS                        # the X slice at the start of each stage
@@ -66,6 +67,7 @@ def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
     TILE = NT * ROWS
     RACC = R * NACC                       # fp32 accumulators per thread
     RA = R * 16                           # A registers per thread
+    SPONLY = ASLOT == SLOTS[0]            # every tile 2:4 (the layout has no dense tile): no kind branch
     # all but the newest STAGES - 2 copy groups have landed
     wait = (cp_wait0, cp_wait1, cp_wait2, cp_wait3, cp_wait4, cp_wait5, cp_wait6)[STAGES - 2]
     u32 = np.uint32
@@ -89,7 +91,7 @@ def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
         """The copies of strip ``s`` of tile ``t0 + gk`` to ``dst``: as stored (fragment order)."""
         tref = tiles[t0 + gk]
         slot = tref >> 1
-        if (tref & 1) == 1:
+        if SPONLY or (tref & 1) == 1:
             base = slot * SP_TILE_WORDS + s * SP_STRIP_WORDS
             cp16(d32, dst + u32(lane * 16), sp, base + lane * 4, 16)
             cp16(d32, dst + u32(512 + lane * 16), sp, base + 128 + lane * 4, 16)
@@ -154,6 +156,7 @@ def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
         sps = cuda.local.array(R, np.bool_)
         m0s = cuda.local.array(R, np.uint32)
         m1s = cuda.local.array(R, np.uint32)
+        bs = cuda.local.array(NBW, np.uint32)      # the B fragments of one 32-column half of a step
 
         for j in range(STAGES - 1):
             if j < nst:
@@ -181,26 +184,46 @@ def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
             sb = ring + u32((i % STAGES) * STAGE)
             gk = step_col(i, rot, nst, k0)
             for r in range(R):
-                if r < nr:
-                    sps[r] = (tiles[(rb * R + r) * GK + gk] & 1) == 1
+                if R == 1 or r < nr:
+                    sps[r] = SPONLY or (tiles[(rb * R + r) * GK + gk] & 1) == 1
                     m0s[r] = a_load(d64, d32, a, 16 * r, sps[r], sb + aoff + u32(r * ASLOT), lane)
                     m1s[r] = shfl_idx(scr, tid, m0s[r], lane ^ 2)   # chunk 1's metadata to lanes t = 0, 1
             xb = xlm + u32((i % STAGES) * STAGE)
             for c in range(2):
+                # every B fragment of these 32 columns first (straight-line ldmatrix into distinct
+                # registers, so they overlap), then the mma of each strip: no branch between an ldmatrix
+                # and its mma (one per tile kind and strip, block-uniform).
                 for jb in range(NB):
                     b0, b1, b2, b3 = ldmatrix_x4(scr, tid, d32, xb + u32(jb * 8 * XS + c * 64))
-                    for r in range(R):
-                        if r < nr:
-                            q = r * NACC + 4 * jb
-                            k = 16 * r + 8 * c
-                            d0, d1, d2, d3 = mma_k32(scr, tid, sps[r], a[k], a[k + 1], a[k + 2], a[k + 3],
-                                                     a[k + 4], a[k + 5], a[k + 6], a[k + 7], b0, b1, b2, b3,
-                                                     acc[q], acc[q + 1], acc[q + 2], acc[q + 3],
-                                                     m0s[r] if c == 0 else m1s[r])
-                            acc[q] = d0
-                            acc[q + 1] = d1
-                            acc[q + 2] = d2
-                            acc[q + 3] = d3
+                    bs[4 * jb] = b0
+                    bs[4 * jb + 1] = b1
+                    bs[4 * jb + 2] = b2
+                    bs[4 * jb + 3] = b3
+                for r in range(R):
+                    if R == 1 or r < nr:
+                        k = 16 * r + 8 * c
+                        if SPONLY or sps[r]:
+                            meta = m0s[r] if c == 0 else m1s[r]
+                            for jb in range(NB):
+                                q = r * NACC + 4 * jb
+                                d0, d1, d2, d3 = mma_sp(scr, tid, a[k], a[k + 1], a[k + 2], a[k + 3],
+                                                        bs[4 * jb], bs[4 * jb + 1], bs[4 * jb + 2], bs[4 * jb + 3],
+                                                        acc[q], acc[q + 1], acc[q + 2], acc[q + 3], meta)
+                                acc[q] = d0
+                                acc[q + 1] = d1
+                                acc[q + 2] = d2
+                                acc[q + 3] = d3
+                        else:
+                            for jb in range(NB):
+                                q = r * NACC + 4 * jb
+                                d0, d1, d2, d3 = mma_k32(scr, tid, False, a[k], a[k + 1], a[k + 2], a[k + 3],
+                                                         a[k + 4], a[k + 5], a[k + 6], a[k + 7],
+                                                         bs[4 * jb], bs[4 * jb + 1], bs[4 * jb + 2], bs[4 * jb + 3],
+                                                         acc[q], acc[q + 1], acc[q + 2], acc[q + 3], u32(0))
+                                acc[q] = d0
+                                acc[q + 1] = d1
+                                acc[q + 2] = d2
+                                acc[q + 3] = d3
             i += 1
 
         # ---- the block's fp32 tile [NT, 64R] in shared memory (the ring is free once every copy landed)
