@@ -225,3 +225,16 @@ def save_results(out_dir: str, name: str, rows: list, **meta) -> dict:
     with open(os.path.join(out_dir, name), "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
     return meta
+
+
+def save_stub_tokenizer(path, vocab_size: int) -> None:
+    """A word-level tokenizer of ``vocab_size`` tokens ("t0" ..) saved into the checkpoint ``path``:
+    encode and load_packed refuse a directory without tokenizer files, and a random-weight model
+    for a kernel check has none."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1", eos_token="t2").save_pretrained(path)

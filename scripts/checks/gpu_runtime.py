@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from scripts.common import save_stub_tokenizer
 from sparsekit.runtime.timing import time_ms as cuda_time_ms
 from sparsekit.packed.tcabme import decode, encode
 from sparsekit.runtime.sparse_linear import SparseLinear, decode_dense, kernel as sparse_kernel
@@ -83,6 +84,7 @@ def packed_copy(model, tmp: Path):
         sparsify(m)
         return m, "in-memory sparsify"
     model.save_pretrained(tmp / "pruned")
+    save_stub_tokenizer(tmp / "pruned", model.config.vocab_size)
     pack_dir(tmp / "pruned", tmp / "packed")
     return load_packed(tmp / "packed", device="cuda", dtype=torch.float16), "packing.encode + load_packed"
 
@@ -157,7 +159,9 @@ def check_measure_speed(results: dict, out_dir: Path | None) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        tiny_llama(hidden=512, inter=1408, layers=4).save_pretrained(tmp / "pruned")
+        tiny = tiny_llama(hidden=512, inter=1408, layers=4)
+        tiny.save_pretrained(tmp / "pruned")
+        save_stub_tokenizer(tmp / "pruned", tiny.config.vocab_size)
         pack_dir(tmp / "pruned", tmp / "packed")
         rep = measure_speed(tmp / "packed", batch_sizes=(1, 4), prompt_len=32, new_tokens=16, repeats=2)
         Console(width=220).print(speed_table(rep))
