@@ -61,11 +61,13 @@ def plan(m: int, gk: int, n: int, sms: int = 132, warps_: int | None = None, str
 
 # ---- sp24_rows (block = R tile rows, X shared by its 4 warps, K split across blocks)
 ROWS_MAX_NT = 64           # tokens per block; more run as further chunks of the same launch
-ROWS_MAX_BLOCKS_PER_SM = 4 # splits stop before the launch passes this many blocks per SM ...
+ROWS_MAX_BLOCKS_PER_SM = 4 # splits stop before the launch passes this many blocks per SM (2 from
+ROWS_FEW_BLOCKS_N = 16     # this many tokens on) ...
 ROWS_MIN_STEPS = 16        # ... or a split would cover fewer tile columns than this
-ROWS_MIN_WEIGHTS = 2**24   # kernel "auto" (kernel_for): sp24_rows above this many weights and from
-ROWS_MIN_M = 8192          # this many output rows on, or from ROWS_MIN_N tokens on; else sp24_kernel
-ROWS_MIN_N = 128
+ROWS_MIN_WEIGHTS = 2**24   # kernel "auto" (kernel_for): sp24_rows above this many weights, or from
+ROWS_AUTO_N = 64           # this many tokens on; else sp24_kernel
+ROWS_MIN_M = 8192          # rows_plan: two tile rows per block from ROWS_MIN_N tokens on, on this many
+ROWS_MIN_N = 128           # output rows or more (all-2:4 weights)
 
 
 SLOTS = (1152, 2048)       # bytes of one staged strip: 2:4 only (values + metadata), or room for a dense one
@@ -82,14 +84,14 @@ def rows_smem_bytes(nt: int, stages: int, r: int = 1, aslot: int = 2048) -> int:
 
 
 def kernel_for(m: int, k: int, n: int = 1) -> str:
-    """The 2:4 kernel ``sp24_matmul(kernel="auto")`` runs for ``[n, k] @ [m, k]^T``: "rows" (sp24_rows) from
-    ROWS_MIN_M output rows on (when the weight has more than ROWS_MIN_WEIGHTS weights) and at ROWS_MIN_N
-    tokens or more, else "warps" (sp24_kernel). From the first GPU runs (docs/kernels-notes.md "v13
-    outcome"): rows won at every N on 22016x4096 and 8192x28672 on an H100 and an H200; warps won on
-    4096x4096 up to 64 tokens and on 4096x11008 from 8 to 64 tokens on the H100; rows won both at 128."""
-    if n >= ROWS_MIN_N:
+    """The 2:4 kernel ``sp24_matmul(kernel="auto")`` runs for ``[n, k] @ [m, k]^T``: "rows" (sp24_rows) for
+    weights of more than ROWS_MIN_WEIGHTS and from ROWS_AUTO_N tokens on, else "warps" (sp24_kernel).
+    From the H200 sweep after v14's B-fragment batching (docs/kernels-notes.md "v14"): rows won at every
+    N on 22016x4096, 8192x28672 and 4096x11008 (with the split rule above); on 4096x4096 warps won by
+    5-10% at 8-32 tokens, rows from 64 on."""
+    if n >= ROWS_AUTO_N:
         return "rows"
-    return "rows" if m * k > ROWS_MIN_WEIGHTS and m >= ROWS_MIN_M else "warps"
+    return "rows" if m * k > ROWS_MIN_WEIGHTS else "warps"
 
 
 def rows_tokens(n: int) -> int:
@@ -100,12 +102,14 @@ def rows_tokens(n: int) -> int:
     return nt
 
 
-def rows_splits(blocks: int, gk: int, sms: int = 132) -> tuple[int, int]:
+def rows_splits(blocks: int, gk: int, sms: int = 132, n: int = 1) -> tuple[int, int]:
     """(splits, tile columns per split) for ``blocks`` blocks per split: the largest power of two that
-    keeps the launch within ROWS_MAX_BLOCKS_PER_SM blocks per SM and every split at ROWS_MIN_STEPS
-    columns or more (first GPU sweep, H200, docs/kernels-notes.md "v13-sp rows"); no empty split."""
+    keeps the launch within ROWS_MAX_BLOCKS_PER_SM blocks per SM (half that from ROWS_FEW_BLOCKS_N
+    tokens on) and every split at ROWS_MIN_STEPS columns or more (GPU sweeps on an H200,
+    docs/kernels-notes.md "v13-sp rows" and "v14"); no empty split."""
+    cap = ROWS_MAX_BLOCKS_PER_SM // (2 if n >= ROWS_FEW_BLOCKS_N else 1)
     ks = 1
-    while blocks * ks * 2 <= ROWS_MAX_BLOCKS_PER_SM * sms and gk // (ks * 2) >= ROWS_MIN_STEPS:
+    while blocks * ks * 2 <= cap * sms and gk // (ks * 2) >= ROWS_MIN_STEPS:
         ks *= 2
     kper = -(-gk // ks)
     return -(-gk // kper), kper
@@ -128,7 +132,10 @@ def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = Non
     shared bytes)."""
     nt = tokens_ or rows_tokens(n)
     gm = -(-m // 64)
-    r = strips_ or 1          # two tile rows per block lost everywhere in the first sweep: only when asked
+    # two tile rows per block (every B fragment serves two strips): only where the second sweep found
+    # it faster, ROWS_MIN_N tokens or more on ROWS_MIN_M rows or more of an all-2:4 weight (22016x4096
+    # N = 128: 106 us against 168; mixed mosaics were not timed with it)
+    r = strips_ or (2 if n >= ROWS_MIN_N and m >= ROWS_MIN_M and aslot == SLOTS[0] else 1)
     while rows_smem_bytes(nt, 2, r, aslot) > SMEM_MAX and nt > 8:
         nt //= 2
     rb = -(-gm // r)
@@ -137,7 +144,7 @@ def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = Non
         kper = -(-gk // max(1, min(splits_, gk)))
         ks = -(-gk // kper)
     else:
-        ks, kper = rows_splits(rb * chunks, gk, sms)
+        ks, kper = rows_splits(rb * chunks, gk, sms, n)
     st = stages_ or rows_stages(nt, r, aslot)
     dyn = rows_smem_bytes(nt, st, r, aslot)
     if dyn > 48 * 1024 - 1024:

@@ -9,13 +9,15 @@ from sparsekit.kernels.sp24_plan import SLOTS
 from sparsekit.kernels.sp24_rows import smem_bytes
 
 
-@pytest.mark.parametrize("m,k,n,splits", [
-    (4096, 4096, 1, 4), (22016, 4096, 1, 1), (4096, 11008, 1, 8), (8192, 28672, 1, 4), (8192, 28672, 128, 2),
+@pytest.mark.parametrize("m,k,n,splits,strips", [
+    (4096, 4096, 1, 4, 1), (22016, 4096, 1, 1, 1), (4096, 11008, 1, 8, 1), (8192, 28672, 1, 4, 1),
+    (4096, 11008, 16, 4, 1), (4096, 11008, 64, 4, 1), (4096, 4096, 16, 4, 1), (22016, 4096, 64, 1, 1),
+    (22016, 4096, 128, 1, 2), (8192, 28672, 128, 2, 2),
 ])
-def test_splits_follow_the_measured_best(m, k, n, splits):
-    """docs/kernels-notes.md "v13-sp rows": the fastest forced split counts on these shapes."""
-    nt, st, r, rb, chunks, ks, kper, dyn = sp24_plan.rows_plan(m, -(-k // 64), n, sms=132)
-    assert ks == splits
+def test_splits_follow_the_measured_best(m, k, n, splits, strips):
+    """docs/kernels-notes.md "v14": the fastest forced plans of the H200 sweep on these shapes (all-2:4)."""
+    nt, st, r, rb, chunks, ks, kper, dyn = sp24_plan.rows_plan(m, -(-k // 64), n, sms=132, aslot=SLOTS[0])
+    assert (ks, r) == (splits, strips)
     assert (ks - 1) * kper < -(-k // 64) <= ks * kper          # no empty split
     assert rb * chunks * ks <= sp24_plan.ROWS_MAX_BLOCKS_PER_SM * 132 or ks == 1
 
@@ -31,8 +33,8 @@ def test_every_plan_fits_shared_memory_and_covers_n(n, aslot, strips):
 
 
 @pytest.mark.parametrize("m,k,n,kernel", [
-    (4096, 4096, 1, "warps"), (4096, 4096, 64, "warps"), (4096, 4096, 128, "rows"),
-    (4096, 11008, 8, "warps"), (4096, 11008, 128, "rows"),
+    (4096, 4096, 1, "warps"), (4096, 4096, 16, "warps"), (4096, 4096, 64, "rows"), (4096, 4096, 128, "rows"),
+    (4096, 11008, 8, "rows"), (4096, 11008, 128, "rows"),
     (22016, 4096, 1, "rows"), (8192, 28672, 1, "rows"), (8192, 28672, 64, "rows"),
     (8192, 576, 1, "warps"),                          # tall but small: sp24_kernel
 ])
