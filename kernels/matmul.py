@@ -7,7 +7,7 @@ import torch
 
 _available: bool | None = None
 _choice: str | None = None
-KERNELS = ("default", "v3")
+KERNELS = ("default", "v3", "rows")
 
 
 def reset_kernel_choice() -> None:
@@ -18,8 +18,8 @@ def reset_kernel_choice() -> None:
 
 def kernel_choice() -> str:
     """The TCA-BME kernel ``tcabme_matmul`` runs: ``SPARSEKIT_KERNEL`` (read here only, once per
-    process): unset or ``default`` is spmm_warp / spmm.py's launch plan; ``v3`` is the opt-in
-    spmm_v3 (issue 21, not yet GPU-verified), said once on stderr when it is on."""
+    process): unset or ``default`` is spmm_warp / spmm.py's launch plan; ``v3`` and ``rows`` are the opt-in
+    spmm_v3 and spmm_rows (issue 21; rows not yet GPU-verified), said once on stderr when it is on."""
     global _choice
     if _choice is None:
         raw = os.environ.get("SPARSEKIT_KERNEL", "default") or "default"
@@ -27,11 +27,11 @@ def kernel_choice() -> str:
             from sparsekit.errors import SparsekitError
 
             raise SparsekitError(f"SPARSEKIT_KERNEL={raw!r}: expected one of {', '.join(KERNELS)}")
-        if raw == "v3":
+        if raw != "default":
             import sys
 
-            print("note: SPARSEKIT_KERNEL=v3: TCA-BME products run the spmm_v3 kernel (opt-in, not yet "
-                  "GPU-verified)", file=sys.stderr)
+            print(f"note: SPARSEKIT_KERNEL={raw}: TCA-BME products run the spmm_{raw} kernel (opt-in)",
+                  file=sys.stderr)
         _choice = raw
     return _choice
 
@@ -60,7 +60,10 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
     contiguous fp16 ``[N, M]`` tensor. Under ``NUMBA_ENABLE_CUDASIM=1`` it runs CPU tensors through
     the simulator (slow; tests only). ``tuning`` (``splits``, ``cuda_core_max_n``) is for benchmarks;
     ``kernel="v3"`` (or ``SPARSEKIT_KERNEL=v3``) runs spmm_v3, whose knobs are ``nt``, ``wr``,
-    ``ks``, ``stages``, ``regs``.
+    ``ks``, ``stages``, ``regs``; ``kernel="rows"`` (or ``SPARSEKIT_KERNEL=rows``) runs spmm_rows (a
+    GroupTile row per block, the X slice shared by its 4 warps, K split across blocks), whose knobs are
+    ``tokens`` (8/16/32/64 per block), ``splits``, ``stages``, ``regs``; ``kernel="default"`` the default
+    plan whatever ``SPARSEKIT_KERNEL`` says.
     """
     from . import launch
     from .common import SIM
@@ -84,10 +87,18 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
     if kp == 0 or w.values.numel() == 0:   # nothing stored: the product is zero
         return out.zero_()
     kernel = tuning.pop("kernel", None)
-    if kernel == "v3" or (kernel is None and not tuning and kernel_choice() == "v3"):
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"unknown TCA-BME kernel {kernel!r}: one of {', '.join(KERNELS)}")
+    if kernel is None and not tuning:
+        kernel = kernel_choice()
+    if kernel == "v3":
         from .launch_v3 import launch_v3
 
         launch_v3(x, w, out, **tuning)
+    elif kernel == "rows":
+        from .launch_rows import launch_rows
+
+        launch_rows(x, w, out, **tuning)
     else:
         launch.launch(x, w, out, **tuning)
     return out

@@ -261,3 +261,86 @@ def v3_plan(m: int, gk: int, n: int, vch: int, sms: int = 132, smem_limit: int =
 def v3_blocks(m: int, wr: int) -> int:
     """spmm_v3's grid along M: one block per ``wr`` strip rows."""
     return -(-(-(-m // 64) * 4) // wr)
+
+
+# ---- spmm_rows (issue 21, runtime v3; opt-in: tcabme_matmul(kernel="rows") or SPARSEKIT_KERNEL=rows)
+# Block = 4 warps = one GroupTile row (warp w decodes strip w), one chunk of NT tokens, one range of
+# GroupTile columns (split ks of KS). First guesses, not timed on a GPU yet (docs/kernels-notes.md v14).
+ROWS_MAX_NT = 64               # tokens per block; more run as further chunks of the same launch
+ROWS_MAX_BLOCKS_PER_SM = 4     # splits stop before the launch passes this many blocks per SM ...
+ROWS_MIN_STEPS = 16            # ... or a split would cover fewer GroupTile columns than this
+ROWS_MAX_STAGES = 4            # the planned ring depth (forced: 2-8)
+ROWS_SMEM_MAX = 45 * 1024      # planned dynamic shared memory (4 stages at 16 tokens: 45376 B)
+ROWS_SMEM_FORCED = 47 * 1024   # a forced plan may take up to this (48 KB without opt-in, less static)
+ROWS_VALUE_BYTES = DENSE_CHUNKS * 16        # a strip's staged values (a dense one, from the 16-byte floor of its start)
+ROWS_STRIP_BYTES = ROWS_VALUE_BYTES + BMW * 8   # + its 16 bitmaps
+ROWS_TABLE_BYTES = WBW * 8     # one warp's decode table
+ROWS_HEADER_BYTES = 16         # per stage: each warp's strip start mod 8 (where its values begin in the slot)
+
+
+def rows_stage_bytes(nt: int) -> int:
+    """One stage of spmm_rows' ring: the X slice (``nt`` rows of XROW_BYTES), then the 4 warps' strips."""
+    return nt * XROW_BYTES + 4 * ROWS_STRIP_BYTES
+
+
+def rows_smem_bytes(nt: int, stages: int) -> int:
+    """spmm_rows' dynamic shared bytes: the ring, the 4 tables and the stage headers; at least the
+    block's fp32 output tile [nt, 64] (written over the ring at the end)."""
+    return max(stages * (rows_stage_bytes(nt) + ROWS_HEADER_BYTES) + 4 * ROWS_TABLE_BYTES, nt * 64 * 4)
+
+
+def rows_tokens(n: int) -> int:
+    """Token rows per block: the smallest of 8, 16, 32, 64 that covers ``n`` (64 past that)."""
+    nt = 8
+    while nt < min(n, ROWS_MAX_NT):
+        nt *= 2
+    return nt
+
+
+def rows_splits(blocks: int, gk: int, sms: int = 132) -> tuple[int, int]:
+    """(splits, GroupTile columns per split) for ``blocks`` blocks per split: the largest power of two that
+    keeps the launch within ROWS_MAX_BLOCKS_PER_SM blocks per SM and every split at ROWS_MIN_STEPS
+    columns or more (sp24_rows' rule, measured there on an H200); no empty split."""
+    ks = 1
+    while blocks * ks * 2 <= ROWS_MAX_BLOCKS_PER_SM * sms and gk // (ks * 2) >= ROWS_MIN_STEPS:
+        ks *= 2
+    kper = -(-gk // ks)
+    return -(-gk // kper), kper
+
+
+def rows_stages(nt: int) -> int:
+    """The deepest ring (at most ROWS_MAX_STAGES, at least 2) within ROWS_SMEM_MAX."""
+    st = ROWS_MAX_STAGES
+    while st > 2 and rows_smem_bytes(nt, st) > ROWS_SMEM_MAX:
+        st -= 1
+    return st
+
+
+def rows_max_registers(nt: int) -> int:
+    """spmm_rows' register cap: 128 (4 blocks of 4 warps per SM)."""
+    return 128
+
+
+def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None, splits: int | None = None,
+              stages: int | None = None) -> tuple[int, int, int, int, int, int, int]:
+    """(tokens per block, stages, row blocks, token chunks, splits, columns per split, dynamic shared
+    bytes) of one spmm_rows launch for ``[n, 64 gk] @ [m, 64 gk]^T``; ``tokens``, ``splits``, ``stages``
+    force the plan (ValueError, one line, for one that cannot run)."""
+    if tokens is not None and tokens not in (8, 16, 32, 64):
+        raise ValueError(f"spmm_rows tokens={tokens}: 8, 16, 32 or 64")
+    if stages is not None and not 2 <= stages <= 8:
+        raise ValueError(f"spmm_rows stages={stages}: 2 to 8")
+    nt = tokens or rows_tokens(n)
+    rb = -(-m // 64)
+    chunks = -(-n // nt)
+    if splits:
+        kper = -(-gk // max(1, min(splits, gk)))
+        ks = -(-gk // kper)
+    else:
+        ks, kper = rows_splits(rb * chunks, gk, sms)
+    st = stages or rows_stages(nt)
+    dyn = rows_smem_bytes(nt, st)
+    if dyn > ROWS_SMEM_FORCED:
+        raise ValueError(f"this spmm_rows plan (tokens {nt}, stages {st}) needs {dyn} bytes of shared memory, "
+                         "more than a block may take without opting in (47 KB): fewer stages or tokens")
+    return nt, st, rb, chunks, ks, kper, dyn

@@ -12,6 +12,8 @@ PTX) and nvdisasm count, per kernel variant: registers, spill bytes, stack frame
 instructions of the main loop's one step (a 16x64 strip per warp): HMMA, LDSM, POPC, LDS, PRMT,
 SHFL, and all of them. Every count is per kernel, and the kernels' main loops are not unrolled,
 so per-step counts are these (the prologue and epilogue hold none of the HMMA/LDSM/POPC).
+Kernels: spmm_rows (``rows``, 8-64 tokens per block), spmm_v3, spmm_warp; ``--only rows`` picks by label
+prefix, ``--keep DIR`` keeps each variant's .ptx, .cubin and .sass (to read the step loop).
 """
 from __future__ import annotations
 
@@ -80,6 +82,8 @@ def main() -> None:
     ap.add_argument("--numba-cuda", default=os.environ.get("NUMBA_CUDA_TARGET_DIR", "/tmp/nc"),
                     help="directory numba-cuda was pip-installed into with --target")
     ap.add_argument("--nvdisasm", default=None)
+    ap.add_argument("--only", default=None, help="kernels whose label starts with this (e.g. rows)")
+    ap.add_argument("--keep", default=None, help="directory to keep each kernel's .ptx, .cubin and .sass in")
     args = ap.parse_args()
     site.addsitedir(args.numba_cuda)  # runs numba-cuda's import redirector (.pth); PYTHONPATH puts it first
     nvdisasm = args.nvdisasm or str(Path(args.numba_cuda) / "nvidia" / "cu13" / "bin" / "nvdisasm")
@@ -87,13 +91,21 @@ def main() -> None:
     from numba import cuda
     from numba.cuda import types
 
-    from sparsekit.kernels import plan, spmm_v3, spmm_warp
+    from sparsekit.kernels import plan, spmm_rows, spmm_v3, spmm_warp
 
     arr = lambda dt: types.Array(dt, 1, "C")  # noqa: E731
     arrays = (arr(types.int64), arr(types.int64), arr(types.int32), arr(types.int32), arr(types.int64),
               arr(types.int16))
+    # spmm_rows: bitmaps, values, offsets, x, y, the split-K workspace and counters
+    rows_arrays = (arr(types.int64), arr(types.int64), arr(types.int32), arr(types.int32), arr(types.int64),
+                   arr(types.int16), arr(types.float32), arr(types.int32))
     rows = []
-    # (label, kernel, scalar count, register cap)
+    # (label, kernel, scalar count, register cap[, signature])
+    for nt in (8, 16, 32, 64):
+        regs = plan.rows_max_registers(nt)
+        st = plan.rows_stages(nt)
+        rows.append((f"rows NT={nt:3d} stages={st}", spmm_rows.get_kernel(nt, st, 3, regs), 7, regs, rows_arrays))
+    rows.append(("rows NT= 64 stages=2 regs=168", spmm_rows.get_kernel(64, 2, 3, 168), 7, 168, rows_arrays))
     for nb in (1, 2, 4, 8, 16):
         for wr, ks in ((2, 8), (8, 2)):
             regs = plan.v3_max_registers(nb)
@@ -104,11 +116,19 @@ def main() -> None:
         rows.append((f"spmm_warp N={n:3d} R=1", spmm_warp.get_kernel(n, 2, 3, 1, regs), 5, regs))
     print("main loop (one step: a 16x64 strip per warp); 'other' = every loop instruction but HMMA and LDSM")
     print(f"{'kernel':28s} regs spill stack " + " ".join(f"{o:>5s}" for o in OPS) + " other   all  kernel")
+    if args.only:
+        rows = [r for r in rows if r[0].startswith(args.only)]
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (label, kern, nscal, regs) in enumerate(rows):
-            ptx, _ = cuda.compile_ptx(kern.py_func, arrays + (types.int64,) * nscal, cc=(9, 0))
-            res, cub = _ptxas(ptx, regs, Path(tmp), f"k{i}")
+        work = Path(args.keep or tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        for label, kern, nscal, regs, *sig in rows:
+            ptx, _ = cuda.compile_ptx(kern.py_func, (sig[0] if sig else arrays) + (types.int64,) * nscal, cc=(9, 0))
+            name = re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_")
+            res, cub = _ptxas(ptx, regs, work, name)
             whole, c = _sass_counts(cub, nvdisasm)
+            if args.keep:
+                sass = subprocess.run([nvdisasm, "-c", cub], capture_output=True, text=True, check=True).stdout
+                Path(cub).with_suffix(".sass").write_text(sass)
             print(f"{label:28s} {res['regs']:4d} {res['spill']:5d} {res['stack']:5d} "
                   + " ".join(f"{c[o]:5d}" for o in OPS) + f" {c['other']:5d} {c['all']:5d} {whole['all']:7d}")
 
