@@ -45,7 +45,7 @@ def work(tmp_path_factory):
 
 
 def _prune(work, out, **kw):
-    return prune(str(work / "tiny"), calib=str(work / "calib.txt"), output=work / out, **COMMON, **kw)
+    return prune(str(work / "tiny"), calib=str(work / "calib.txt"), output=work / out, **{**COMMON, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -204,8 +204,12 @@ def test_global_allocation_meets_global_target(work):
 
 
 def test_learned_2of4_with_sparsegpt_update(work):
-    rep = _prune(work, "l24", method="sparsegpt", pattern="2:4", learn=dict(steps=3, batch_size=2, weight_update=True))
+    said = []
+    rep = _prune(work, "l24", method="sparsegpt", pattern="2:4", learn=dict(steps=3, batch_size=2, weight_update=True),
+                 warn=said.append)
     assert rep["learning"]["weight_update"] is True
+    assert sum("weight update after --learn-mask" in m for m in said) == 1   # said once, in one line
+    assert all("\n" not in m for m in said)
     _, layers = _linears(work / "l24")
     dense = load_file(str(work / "tiny" / "model.safetensors"))
     changed = 0
