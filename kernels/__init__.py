@@ -14,8 +14,8 @@ Modules: ``plan`` (pure launch planning: grids, warps, stages, shared memory, tu
 cuda-core internals, with the versions checked), ``common`` (``SIM``: simulator or GPU), ``spmm`` /
 ``spmm_warp`` / ``decode`` (the kernels), ``_intrinsics*`` / ``_warp_intrinsics*`` (their device
 primitives: ``_ptx`` on a GPU, ``_sim`` under the simulator), ``health`` (can the kernels run here).
-Opt-in TCA-BME kernels (``tcabme_matmul(kernel=...)`` or ``SPARSEKIT_KERNEL``): ``spmm_v3`` / ``launch_v3``
-and ``spmm_rows`` / ``launch_rows`` (a GroupTile row per block, the X slice shared by its 4 warps).
+Opt-in TCA-BME kernel (``tcabme_matmul(kernel="rows")`` or ``SPARSEKIT_KERNEL=rows``): ``spmm_rows`` /
+``launch_rows`` (a GroupTile row per block, the X slice shared by its 4 warps).
 2:4 and hybrid weights: ``sp24`` (``sp24_matmul``, host side), ``sp24_plan``, ``sp24_kernel`` (mma.sp for
 2:4 tiles, mma.sync for dense ones), ``_sp_intrinsics*``, ``sp24_probe`` (one mma.sp, for checks).
 

@@ -80,7 +80,7 @@ def lds128b(d64, addr):
     return _lds128b(np.uint32(addr))
 
 
-def _x_copy_lines(xit: int, dst: str, rem: str, stride: str, qstep: int, dstep: int) -> list:  # also _v3_intrinsics_ptx
+def _x_copy_lines(xit: int, dst: str, rem: str, stride: str, qstep: int, dstep: int) -> list:  # also _rows_intrinsics_ptx
     """PTX lines of ``xit`` predicated 16-byte copies of X rows: copy ``c`` goes from the u64
     register ``xs`` (advanced by ``stride`` after each) to ``dst + c*dstep``, when ``rem > c*qstep``
     (registers ``p`` and ``xs`` declared, ``xs`` set, by the caller)."""

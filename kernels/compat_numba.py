@@ -143,14 +143,6 @@ def fast_entry(kern, args):
     return ck._codelibrary.get_cufunc().kernel
 
 
-def v3_smem_error(nbytes: int):
-    """spmm_v3 has no smaller plan to fall back to: the error when this numba cannot opt it in."""
-    from sparsekit.errors import SparsekitError
-
-    return SparsekitError(f"spmm_v3 needs {nbytes} bytes of shared memory per block and this numba "
-                          "could not opt the kernel in past 48 KB; unset SPARSEKIT_KERNEL")
-
-
 FAST_LAUNCH = "the direct kernel launch (numba's own launch costs ~0.3 ms more per eager call)"
 
 

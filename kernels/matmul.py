@@ -7,7 +7,7 @@ import torch
 
 _available: bool | None = None
 _choice: str | None = None
-KERNELS = ("default", "v3", "rows")
+KERNELS = ("default", "rows")
 
 
 def reset_kernel_choice() -> None:
@@ -18,8 +18,8 @@ def reset_kernel_choice() -> None:
 
 def kernel_choice() -> str:
     """The TCA-BME kernel ``tcabme_matmul`` runs: ``SPARSEKIT_KERNEL`` (read here only, once per
-    process): unset or ``default`` is spmm_warp / spmm.py's launch plan; ``v3`` and ``rows`` are the opt-in
-    spmm_v3 and spmm_rows (issue 21; rows not yet GPU-verified), said once on stderr when it is on."""
+    process): unset or ``default`` is spmm_warp / spmm.py's launch plan; ``rows`` is the opt-in spmm_rows
+    (issue 21), said once on stderr when it is on."""
     global _choice
     if _choice is None:
         raw = os.environ.get("SPARSEKIT_KERNEL", "default") or "default"
@@ -59,8 +59,7 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
     warm-up call per token count, which compiles the kernel). ``out``, if given, must be a
     contiguous fp16 ``[N, M]`` tensor. Under ``NUMBA_ENABLE_CUDASIM=1`` it runs CPU tensors through
     the simulator (slow; tests only). ``tuning`` (``splits``, ``cuda_core_max_n``) is for benchmarks;
-    ``kernel="v3"`` (or ``SPARSEKIT_KERNEL=v3``) runs spmm_v3, whose knobs are ``nt``, ``wr``,
-    ``ks``, ``stages``, ``regs``; ``kernel="rows"`` (or ``SPARSEKIT_KERNEL=rows``) runs spmm_rows (a
+    ``kernel="rows"`` (or ``SPARSEKIT_KERNEL=rows``) runs spmm_rows (a
     GroupTile row per block, the X slice shared by its 4 warps, K split across blocks), whose knobs are
     ``tokens`` (8/16/32/64 per block), ``splits``, ``stages``, ``regs``; ``kernel="default"`` the default
     plan whatever ``SPARSEKIT_KERNEL`` says.
@@ -91,11 +90,7 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
         raise ValueError(f"unknown TCA-BME kernel {kernel!r}: one of {', '.join(KERNELS)}")
     if kernel is None and not tuning:
         kernel = kernel_choice()
-    if kernel == "v3":
-        from .launch_v3 import launch_v3
-
-        launch_v3(x, w, out, **tuning)
-    elif kernel == "rows":
+    if kernel == "rows":
         from .launch_rows import launch_rows
 
         launch_rows(x, w, out, **tuning)

@@ -33,7 +33,7 @@ from numba import cuda
 
 from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, f2h, mma, ptr_of, syncwarp
 from ._sp_intrinsics import cp_wait3, cp_wait4, cp_wait5, cp_wait6, ldmatrix_x4
-from ._v3_intrinsics import make_x_issue
+from ._rows_intrinsics import make_x_issue
 from ._warp_intrinsics import byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_counts, sts64b
 from .block import dynamic_smem, thread_ids
 from .plan import ROWS_HEADER_BYTES, ROWS_STRIP_BYTES, ROWS_TABLE_BYTES, ROWS_VALUE_BYTES, XROW_BYTES

@@ -105,7 +105,7 @@ def _swapped_metadata(lay):
     (64, 128, 1, "2:4", {}),                                    # one tile row, one split, 2 steps
     (64, 256, 3, "dense", dict(splits=2)),                      # dense tiles; split-K across 2 blocks + fixup
     (128, 320, 5, "hybrid", dict(splits=3)),                    # mixed mosaic; uneven splits (2, 2, 1 columns)
-    (130, 256, 9, "halves", dict(strips=2, splits=2)),          # 2 tile rows per block, the last block half out
+    (130, 128, 9, "halves", dict(strips=2, splits=2)),          # 2 tile rows per block, the last block half out
     (16, 64, 70, "2:4", dict(tokens=64, stages=2)),             # two 64-token chunks, rows past N zero-filled
 ])
 def test_rows_kernel_matches_float64(m, k, n, kind, tuning):

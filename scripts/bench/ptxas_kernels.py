@@ -12,7 +12,7 @@ PTX) and nvdisasm count, per kernel variant: registers, spill bytes, stack frame
 instructions of the main loop's one step (a 16x64 strip per warp): HMMA, LDSM, POPC, LDS, PRMT,
 SHFL, and all of them. Every count is per kernel, and the kernels' main loops are not unrolled,
 so per-step counts are these (the prologue and epilogue hold none of the HMMA/LDSM/POPC).
-Kernels: spmm_rows (``rows``, 8-64 tokens per block), spmm_v3, spmm_warp; ``--only rows`` picks by label
+Kernels: spmm_rows (``rows``, 8-64 tokens per block), spmm_warp; ``--only rows`` picks by label
 prefix, ``--keep DIR`` keeps each variant's .ptx, .cubin and .sass (to read the step loop).
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main() -> None:
     from numba import cuda
     from numba.cuda import types
 
-    from sparsekit.kernels import plan, spmm_rows, spmm_v3, spmm_warp
+    from sparsekit.kernels import plan, spmm_rows, spmm_warp
 
     arr = lambda dt: types.Array(dt, 1, "C")  # noqa: E731
     arrays = (arr(types.int64), arr(types.int64), arr(types.int32), arr(types.int32), arr(types.int64),
@@ -106,11 +106,6 @@ def main() -> None:
         st = plan.rows_stages(nt)
         rows.append((f"rows NT={nt:3d} stages={st}", spmm_rows.get_kernel(nt, st, 3, regs), 7, regs, rows_arrays))
     rows.append(("rows NT= 64 stages=2 regs=168", spmm_rows.get_kernel(64, 2, 3, 168), 7, 168, rows_arrays))
-    for nb in (1, 2, 4, 8, 16):
-        for wr, ks in ((2, 8), (8, 2)):
-            regs = plan.v3_max_registers(nb)
-            rows.append((f"v3 NT={8 * nb:3d} wr={wr} ks={ks}", spmm_v3.get_kernel(nb, 2, 3, wr, ks, regs), 7, regs))
-    rows.append(("v3 NT=128 wr=2 ks=6 regs=168", spmm_v3.get_kernel(16, 2, 3, 2, 6, 168), 7, 168))
     for n in (1, 8, 16, 32, 64):
         regs = spmm_warp.max_registers(n, 1)
         rows.append((f"spmm_warp N={n:3d} R=1", spmm_warp.get_kernel(n, 2, 3, 1, regs), 5, regs))

@@ -1,6 +1,6 @@
-"""The inline-PTX pieces of spmm_v3 (``_v3_intrinsics``) for the GPU.
+"""The inline-PTX piece of spmm_rows (``_rows_intrinsics``) for the GPU.
 
-Same public names and signatures as ``_v3_intrinsics_sim`` (checked by tests/test_kernels_layout.py).
+Same public names and signatures as ``_rows_intrinsics_sim`` (checked by tests/test_kernels_layout.py).
 """
 from __future__ import annotations
 
@@ -11,18 +11,12 @@ from numba.cuda.extending import intrinsic
 
 from ._warp_intrinsics_ptx import _x_copy_lines
 from .compat_numba import cuda_typing
-from ._sp_intrinsics_ptx import _ldmatrix_x4  # one ldmatrix.x4 intrinsic (memory clobber) for both kernels
 
-__all__ = ["ldsm_x4", "make_x_issue"]
+__all__ = ["make_x_issue"]
 
 types, _ = cuda_typing()
 
 _i32, _i64 = ir.IntType(32), ir.IntType(64)
-
-
-@cuda.jit(device=True, inline=True)
-def ldsm_x4(scr, tid, d32, addr):
-    return _ldmatrix_x4(np.uint32(addr))
 
 
 def make_x_issue(xit: int, qstep: int, dstep: int):
