@@ -1,5 +1,7 @@
-"""Block-level pieces the warp kernels (spmm_warp, sp24_kernel) share: thread ids, the dynamic
-shared-memory views, and the end of a block whose warps split K (their fp32 sums meet in shared memory, fp16 out).
+"""Block-level pieces the kernels share: thread ids, the dynamic shared-memory views, the end of a block
+whose warps split K (their fp32 sums meet in shared memory, fp16 out: spmm_warp, sp24_kernel), and the
+end of a stream-K segment (a whole output tile out as fp16, or a partial one summed by the last of its
+blocks to arrive: sp24_rows, spmm_rows).
 
 Under the simulator these are plain Python on the running kernel's context (``compat_numba.sim_kernel``):
 a device function of another module than the kernel cannot use ``cuda.*`` there (the simulator's
@@ -18,6 +20,12 @@ if SIM:
     def _device(fn):
         return fn
 
+    def _threadfence():
+        sim_kernel().threadfence()
+
+    def _atomic_add(arr, i, v):
+        return sim_kernel().atomic.add(arr, i, v)
+
     def thread_ids():
         """(thread, warp, lane, lane // 4, lane % 4, warps in the block)."""
         ctx = sim_kernel()
@@ -35,6 +43,14 @@ else:  # pragma: no cover - GPU only
     @cuda.jit(device=True, inline="always")
     def _syncthreads():
         cuda.syncthreads()
+
+    @cuda.jit(device=True, inline="always")
+    def _threadfence():
+        cuda.threadfence()
+
+    @cuda.jit(device=True, inline="always")
+    def _atomic_add(arr, i, v):
+        return cuda.atomic.add(arr, i, v)
 
     @cuda.jit(device=True, inline="always")
     def thread_ids():
@@ -80,3 +96,52 @@ def make_warp_sums(R: int, NB: int, NT: int):
                 y[(n0 + n) * M + m] = np.int16(f2h(tot))
 
     return warp_sums
+
+
+def make_tile_end(TILE: int, ROWS: int, THREADS: int, SK: bool):
+    """``tile_end(df, y, ws, cnt, flag, tid, M, N, m0, n0, tt, GK, PER, b, first, nst, q0, q1)``: the end of
+    one segment of a block, after the block's fp32 output tile ``tt`` (``TILE`` = tokens x ``ROWS`` values,
+    token-major, from row ``m0`` and token ``n0``) is in ``df`` and every thread has passed a barrier.
+
+    The segment covered ``nst`` of the tile's ``GK`` columns. A whole tile (``nst == GK``) is written as
+    fp16. Otherwise the partial goes to slot ``2b`` (``first``: block ``b``'s range starts in this tile) or
+    ``2b + 1`` (it ends in it) of the fp32 workspace ``ws``, and the last of the tile's blocks ``q0 .. q1``
+    to arrive, counted in ``cnt[tt]``, sums their slots, writes fp16 and resets the counter (so a
+    CUDA-graph replay needs nothing else). Which slot block ``q`` used: with ``SK`` (stream-K, ranges of
+    ``PER`` units = (tile, column) pairs) 0 if its range starts in tile ``tt``, else 1; without (one
+    segment per block, a K split) always 0. ``flag`` is a 1-word shared array. Ends with a barrier."""
+
+    @_device
+    def tile_end(df, y, ws, cnt, flag, tid, M, N, m0, n0, tt, GK, PER, b, first, nst, q0, q1):
+        if nst == GK:
+            for e in range(tid, TILE, THREADS):
+                n = e // ROWS
+                m = m0 + e - n * ROWS
+                if n0 + n < N and m < M:
+                    y[(n0 + n) * M + m] = np.int16(f2h(df[e]))
+        else:
+            wb = (2 * b + (0 if first else 1)) * TILE
+            for e in range(tid, TILE, THREADS):
+                ws[wb + e] = df[e]
+            _threadfence()
+            _syncthreads()
+            if tid == 0:
+                old = _atomic_add(cnt, tt, 1)
+                flag[0] = 1 if old == q1 - q0 else 0
+            _syncthreads()
+            if flag[0] == 1:
+                _threadfence()
+                for e in range(tid, TILE, THREADS):
+                    n = e // ROWS
+                    m = m0 + e - n * ROWS
+                    if n0 + n < N and m < M:
+                        tot = np.float32(0.0)
+                        for q in range(q0, q1 + 1):
+                            side = (0 if (q * PER) // GK == tt else 1) if SK else 0
+                            tot += ws[(2 * q + side) * TILE + e]
+                        y[(n0 + n) * M + m] = np.int16(f2h(tot))
+                if tid == 0:
+                    cnt[tt] = 0
+        _syncthreads()
+
+    return tile_end

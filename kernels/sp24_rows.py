@@ -6,9 +6,13 @@ slice for one strip: at N tokens a 1 KB strip costs N x 128 bytes of X, which ov
 from N = 16 on. Here:
 
 - **Block** = 4 warps x ``R`` tile rows (64R outputs; warp ``w`` takes strip ``w`` of each: ``R`` strips
-  per warp share every B fragment), one chunk of ``NT`` tokens (8, 16, 32 or 64) and one range of
-  ``kper`` tile columns (split ``ks`` of ``KS``). Grid order: row block, token chunk, split (the
-  splits of one output tile are neighbours).
+  per warp share every B fragment) and ``NT`` tokens (8, 16, 32 or 64) per output tile, and a
+  **stream-K** share of the work: the units (output tile, tile column), output tiles in order (row
+  block, then token chunk) and the columns of each in order, are cut into contiguous ranges of ``PER``
+  units, one per block. A block runs its range as segments, one per output tile it touches (at most
+  the first and the last of them partial). ``PER`` = the tile columns gives one whole tile per block;
+  ``PER`` = the columns over ``KS`` gives the old K split (the splits of one tile are neighbours); a
+  ``PER`` from the number of resident blocks spreads any shape evenly over the SMs.
 - **Step** (one tile column, shared by the 4 warps: one tile, one kind): a ``STAGES``-deep ring of
   16-byte ``cp.async`` copies, one commit group per step: the X slice ``[NT, 64]`` (copied by all 128
   threads; rows past N are written as zeros by the copies themselves) and each warp's strips (2:4: 1152
@@ -19,19 +23,20 @@ from N = 16 on. Here:
   ask L2 for the same X slice at once).
 - **Multiply**: per 32 columns and 8 tokens one ``ldmatrix.x4`` and one ``mma.sp`` (2:4 tile) or two
   ``mma.sync`` (dense tile), as ``sp24_kernel``.
-- **End**: the 4 warps' fp32 tile ``[NT, 64]`` goes through shared memory; with one split it is written
-  as fp16; with several, each block writes its fp32 partial to the workspace and the last block of the
-  output tile to arrive (an atomic counter, reset by that block) sums them and writes fp16.
+- **End of a segment**: the 4 warps' fp32 tile ``[NT, 64R]`` goes through shared memory; a whole tile
+  is written as fp16. A partial one goes to the block's workspace slot (two per block: its first
+  segment, and its last), and the last of the tile's blocks to arrive (an atomic counter per tile, reset
+  by that block) sums the slots of all of them, which it knows from ``PER``, and writes fp16.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import cuda
 
-from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, f2h, shfl_idx
+from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, shfl_idx
 from ._sp_intrinsics import cp16, cp_commit, cp_wait3, cp_wait4, cp_wait5, cp_wait6, ldmatrix_x4, mma_k32, mma_sp
 from ._warp_intrinsics import byte_addr, lds128b, lds32b
-from .block import dynamic_smem, thread_ids
+from .block import dynamic_smem, make_tile_end, thread_ids
 from .sp24_plan import SLOTS, XS, stage_bytes
 from .sp24_plan import rows_smem_bytes as smem_bytes  # noqa: F401 - the kernel's shared layout
 from sparsekit.packed.sp24 import DENSE_STRIP_WORDS, DENSE_TILE_WORDS, SP_STRIP_WORDS, SP_TILE_WORDS, SP_VALUE_WORDS
@@ -45,16 +50,19 @@ def compiled_kernels() -> dict:
     return dict(_KERNELS)
 
 
-def get_kernel(nt: int, stages: int, r: int = 1, aslot: int = 2048, maxreg: int = 128):
+def get_kernel(nt: int, stages: int, r: int = 1, aslot: int = 2048, maxreg: int = 128, sk: bool = False):
     """Kernel for chunks of ``nt`` tokens (8, 16, 32, 64), a ring of ``stages`` (2-8), ``r`` (1, 2) tile
-    rows per block and ``aslot`` (1152: all tiles 2:4, or 2048) bytes per staged strip."""
-    key = (nt, stages, r, aslot, maxreg)
+    rows per block and ``aslot`` (1152: all tiles 2:4, or 2048) bytes per staged strip. ``sk``: stream-K
+    (a block runs its range of units as one or more segments); else every block is one segment, a tile
+    column range of ``per`` (dividing into the tile's columns: a K split) -- the loop-free kernel, whose
+    step loop ptxas compiles tighter (docs/kernels-notes.md "v15")."""
+    key = (nt, stages, r, aslot, maxreg, sk)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(nt, stages, r, aslot, maxreg)
+        _KERNELS[key] = _build(nt, stages, r, aslot, maxreg, sk)
     return _KERNELS[key]
 
 
-def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
+def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int, SK: bool):
     assert NT in (8, 16, 32, 64) and 2 <= STAGES <= 8 and R in (1, 2) and ASLOT in SLOTS
     NB = NT // 8
     NACC = 4 * NB
@@ -70,6 +78,7 @@ def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
     SPONLY = ASLOT == SLOTS[0]            # every tile 2:4 (the layout has no dense tile): no kind branch
     # all but the newest STAGES - 2 copy groups have landed
     wait = (cp_wait0, cp_wait1, cp_wait2, cp_wait3, cp_wait4, cp_wait5, cp_wait6)[STAGES - 2]
+    tile_end = make_tile_end(TILE, ROWS, THREADS, SK)
     u32 = np.uint32
     LO = np.uint64(0xFFFFFFFF)
     HI = np.uint64(32)
@@ -129,35 +138,21 @@ def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
         jj = i + rot
         return k0 + (jj - nst if jj >= nst else jj)
 
-    @cuda.jit(**({} if SIM else {"max_registers": MAXREG}))
-    def kernel(dense, sp, tiles, x, y, ws, cnt, M, N, GK, ldx, nch, KS, kper):
-        d64, d32, df = dynamic_smem()
-        scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
-        flag = cuda.shared.array(1, np.int32)
-        tid, warp, lane, g, t, _ = thread_ids()
-        per_rb = nch * KS
-        rb = cuda.blockIdx.x // per_rb
-        rem = cuda.blockIdx.x - rb * per_rb
-        chunk = rem // KS
-        ks = rem - chunk * KS
-        n0 = chunk * NT
-        k0 = ks * kper
-        nst = min(GK, k0 + kper) - k0
+    @cuda.jit(device=True, inline="always")
+    def segment(dense, sp, tiles, x, df, d64, d32, scr, tid, warp, lane, g, t, ring, xlm, aoff, M, N, GK, ldx,
+                rb, n0, k0, nst):
+        """Tile columns ``k0 .. k0+nst-1`` of output tile (row block ``rb``, tokens from ``n0``): the ring,
+        the steps, and the block's fp32 tile [NT, 64R] in ``df`` (all threads past a barrier)."""
         rot = rb % nst
         nr = min(R, (M + 63) // 64 - rb * R)   # tile rows of this block inside the weight (block-uniform)
-        ring = byte_addr(d64, 0)
-        xlm = ring + u32((lane & 7) * XS + (lane >> 3) * 16)   # ldmatrix row address: row l%8 of matrix l//8
-        aoff = u32(SLOT + warp * R * ASLOT)                     # this warp's strips in a stage
-
         acc = cuda.local.array(RACC, np.float32)
-        for e in range(RACC):
-            acc[e] = np.float32(0.0)
         a = cuda.local.array(RA, np.uint32)
         sps = cuda.local.array(R, np.bool_)
         m0s = cuda.local.array(R, np.uint32)
         m1s = cuda.local.array(R, np.uint32)
         bs = cuda.local.array(NBW, np.uint32)      # the B fragments of one 32-column half of a step
-
+        for e in range(RACC):
+            acc[e] = np.float32(0.0)
         for j in range(STAGES - 1):
             if j < nst:
                 gk = step_col(j, rot, nst, k0)
@@ -235,35 +230,42 @@ def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
                     n = 8 * jb + 2 * t + (oi & 1)
                     df[n * ROWS + r * 64 + warp * 16 + g + 8 * (oi >> 1)] = acc[r * NACC + 4 * jb + oi]
         cuda.syncthreads()
-        m0 = rb * ROWS
-        if KS == 1:
-            for e in range(tid, TILE, THREADS):
-                n = e // ROWS
-                m = m0 + e - n * ROWS
-                if n0 + n < N and m < M:
-                    y[(n0 + n) * M + m] = np.int16(f2h(df[e]))
-            return
-        tile = rb * nch + chunk
-        wb = (tile * KS + ks) * TILE
-        for e in range(tid, TILE, THREADS):
-            ws[wb + e] = df[e]
-        cuda.threadfence()
-        cuda.syncthreads()
-        if tid == 0:
-            old = cuda.atomic.add(cnt, tile, 1)
-            flag[0] = 1 if old == KS - 1 else 0
-        cuda.syncthreads()
-        if flag[0] == 1:                    # the last split of this output tile: sum the partials
-            cuda.threadfence()
-            for e in range(tid, TILE, THREADS):
-                n = e // ROWS
-                m = m0 + e - n * ROWS
-                if n0 + n < N and m < M:
-                    tot = np.float32(0.0)
-                    for q in range(KS):
-                        tot += ws[(tile * KS + q) * TILE + e]
-                    y[(n0 + n) * M + m] = np.int16(f2h(tot))
-            if tid == 0:
-                cnt[tile] = 0
+
+    @cuda.jit(**({} if SIM else {"max_registers": MAXREG}))
+    def kernel(dense, sp, tiles, x, y, ws, cnt, M, N, GK, ldx, nch, PER):
+        d64, d32, df = dynamic_smem()
+        scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
+        flag = cuda.shared.array(1, np.int32)
+        tid, warp, lane, g, t, _ = thread_ids()
+        ring = byte_addr(d64, 0)
+        xlm = ring + u32((lane & 7) * XS + (lane >> 3) * 16)   # ldmatrix row address: row l%8 of matrix l//8
+        aoff = u32(SLOT + warp * R * ASLOT)                     # this warp's strips in a stage
+        b = cuda.blockIdx.x
+        if SK:
+            ustart = b * PER
+            u = ustart
+            uend = min(((M + 64 * R - 1) // (64 * R)) * nch * GK, ustart + PER)   # block-uniform
+            while u < uend:
+                tt = u // GK                # one segment: columns k0 .. k0+nst-1 of output tile tt
+                k0 = u - tt * GK
+                nst = min(GK - k0, uend - u)
+                rb = tt // nch
+                n0 = (tt - rb * nch) * NT
+                segment(dense, sp, tiles, x, df, d64, d32, scr, tid, warp, lane, g, t, ring, xlm, aoff, M, N, GK,
+                        ldx, rb, n0, k0, nst)
+                tile_end(df, y, ws, cnt, flag, tid, M, N, rb * ROWS, n0, tt, GK, PER, b, u == ustart, nst,
+                         (tt * GK) // PER, (tt * GK + GK - 1) // PER)
+                u += nst
+        else:
+            ksn = (GK + PER - 1) // PER     # block b: split b % ksn (columns from k0, the last one shorter)
+            tt = b // ksn                   # of output tile b // ksn; a tile's splits are neighbours
+            k0 = (b - tt * ksn) * PER
+            rb = tt // nch
+            n0 = (tt - rb * nch) * NT
+            nst = min(PER, GK - k0)
+            segment(dense, sp, tiles, x, df, d64, d32, scr, tid, warp, lane, g, t, ring, xlm, aoff, M, N, GK,
+                    ldx, rb, n0, k0, nst)
+            tile_end(df, y, ws, cnt, flag, tid, M, N, rb * ROWS, n0, tt, GK, PER, b, True, nst, tt * ksn,
+                     tt * ksn + ksn - 1)
 
     return kernel
