@@ -12,6 +12,8 @@ import math
 
 import torch
 
+from .work import RowsPlan, split_work
+
 # ---- shared-memory layout sizes (both kernels)
 XROW = 18                 # uint64 per staged X row: 16 + 2 pad (144 B), conflict-free 4-byte B loads
 XROW_BYTES = 8 * XROW
@@ -258,10 +260,10 @@ def rows_max_registers(nt: int) -> int:
 
 
 def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None, splits: int | None = None,
-              stages: int | None = None) -> tuple[int, int, int, int, int, int, int]:
-    """(tokens per block, stages, row blocks, token chunks, splits, columns per split, dynamic shared
-    bytes) of one spmm_rows launch for ``[n, 64 gk] @ [m, 64 gk]^T``; ``tokens``, ``splits``, ``stages``
-    force the plan (ValueError, one line, for one that cannot run)."""
+              stages: int | None = None, blocks: int | None = None) -> RowsPlan:
+    """The launch plan (``kernels.work.RowsPlan``, one tile row per block) of spmm_rows for
+    ``[n, 64 gk] @ [m, 64 gk]^T``; ``tokens``, ``splits``, ``stages`` force it, ``blocks`` makes it
+    stream-K over that many blocks (ValueError, one line, for a plan that cannot run)."""
     if tokens is not None and tokens not in (8, 16, 32, 64):
         raise ValueError(f"spmm_rows tokens={tokens}: 8, 16, 32 or 64")
     if stages is not None and not 2 <= stages <= 8:
@@ -269,14 +271,11 @@ def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None
     nt = tokens or rows_tokens(n)
     rb = -(-m // 64)
     chunks = -(-n // nt)
-    if splits:
-        kper = -(-gk // max(1, min(splits, gk)))
-        ks = -(-gk // kper)
-    else:
-        ks, kper = rows_splits(rb * chunks, gk, sms)
+    ks, per, nblocks = split_work(rb * chunks, gk, None if splits or blocks else rows_splits(rb * chunks, gk, sms),
+                                  splits, blocks)
     st = stages or rows_stages(nt)
     dyn = rows_smem_bytes(nt, st)
     if dyn > ROWS_SMEM_FORCED:
         raise ValueError(f"this spmm_rows plan (tokens {nt}, stages {st}) needs {dyn} bytes of shared memory, "
                          "more than a block may take without opting in (47 KB): fewer stages or tokens")
-    return nt, st, rb, chunks, ks, kper, dyn
+    return RowsPlan(nt, st, 1, rb, chunks, ks, per, nblocks, dyn, gk)

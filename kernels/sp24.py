@@ -59,7 +59,7 @@ def _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, s
     aslot = sp24_plan.SLOTS[0] if layout.dense.numel() == 0 else sp24_plan.SLOTS[1]
     p = sp24_plan.rows_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, strips, aslot, blocks)
     # two fp32 partial tiles per block (its first and its last output tile), a counter per output tile
-    ws, cnt = launch.workspace(x.device, p.blocks * 2 * p.nt * 64 * p.r if p.partial else 1, p.tiles)
+    ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
     tensors = (_nonempty(layout.dense), _nonempty(layout.sp), layout.tiles, x.reshape(-1).view(torch.int32),
                out.reshape(-1).view(torch.int16), ws, cnt)
     maxreg = 128 if p.r * p.nt <= 64 else 168

@@ -6,7 +6,7 @@ whole tiles (4 strip rows) per block when they do, and every warp streaming seve
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from .work import RowsPlan, split_work
 
 XS = 144                   # bytes per staged X row: 64 halves + 16 pad (conflict-free ldmatrix)
 SMEM_MAX = 44 * 1024       # dynamic shared memory per block (no opt-in past 48 KB needed)
@@ -128,40 +128,6 @@ def rows_stages(nt: int, r: int = 1, aslot: int = 2048) -> int:
     return st
 
 
-class RowsPlan(NamedTuple):
-    """One sp24_rows launch. Its work is ``units`` = output tiles (``rb`` row blocks x ``chunks`` token
-    chunks) x ``gk`` tile columns, cut into ``blocks`` contiguous ranges of ``per`` units (stream-K, see
-    kernels/sp24_rows.py)."""
-    nt: int          # tokens per output tile
-    stages: int      # ring depth
-    r: int           # tile rows per block
-    rb: int          # row blocks
-    chunks: int      # token chunks
-    ks: int          # K splits of a tile (one segment per block); 0: stream-K (``blocks_`` forced)
-    per: int         # units per block (K split: tile columns per split, the last split shorter)
-    blocks: int      # blocks of the launch
-    dyn: int         # dynamic shared bytes
-    gk: int          # tile columns
-
-    @property
-    def tiles(self) -> int:
-        return self.rb * self.chunks
-
-    @property
-    def units(self) -> int:
-        return self.tiles * self.gk
-
-    @property
-    def sk(self) -> bool:
-        """Stream-K: a block may run several segments (the kernel variant with the segment loop)."""
-        return self.ks == 0
-
-    @property
-    def partial(self) -> bool:
-        """Some output tile is shared by several blocks: the launch needs the workspace and counters."""
-        return self.per % self.gk != 0 if self.sk else self.ks > 1
-
-
 def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None, splits_: int | None = None,
               stages_: int | None = None, strips_: int | None = None, aslot: int = 2048,
               blocks_: int | None = None) -> RowsPlan:
@@ -178,19 +144,11 @@ def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = Non
         nt //= 2
     rb = -(-gm // r)
     chunks = -(-n // nt)
-    units = rb * chunks * gk
-    if blocks_:
-        ks = 0
-        per = -(-units // max(1, min(blocks_, units)))
-    else:
-        if splits_:
-            per = -(-gk // max(1, min(splits_, gk)))
-            ks = -(-gk // per)
-        else:
-            ks, per = rows_splits(rb * chunks, gk, sms, n)
+    ks, per, blocks = split_work(rb * chunks, gk, None if splits_ or blocks_ else rows_splits(rb * chunks, gk, sms, n),
+                                 splits_, blocks_)
     st = stages_ or rows_stages(nt, r, aslot)
     dyn = rows_smem_bytes(nt, st, r, aslot)
     if dyn > 48 * 1024 - 1024:
         raise ValueError(f"this sp24_rows plan (tokens {nt}, stages {st}, strips {r}) needs {dyn} bytes of shared "
                          "memory, more than a block may take without opting in (47 KB): fewer stages or tokens")
-    return RowsPlan(nt, st, r, rb, chunks, ks, per, -(-units // per) if ks == 0 else rb * chunks * ks, dyn, gk)
+    return RowsPlan(nt, st, r, rb, chunks, ks, per, blocks, dyn, gk)

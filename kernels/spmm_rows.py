@@ -4,10 +4,11 @@ spmm_warp gives every warp its own X slice for a 16-row strip: at N tokens the l
 (M / 16) x N x K x 2 bytes of X from L2 (720 MB at N = 64 on 22016x4096), and its shared memory caps
 it at 2 blocks per SM. Here the 4 warps of a block share the X slice of one GroupTile row:
 
-- **Block** = 4 warps = one GroupTile row (64 outputs; warp ``w`` decodes strip ``w``), one chunk of
-  ``NT`` tokens (8, 16, 32 or 64) and one range of ``kper`` GroupTile columns (split ``ks`` of
-  ``KS``). Grid order: row block, token chunk, split (the splits of one output tile are neighbours).
-  Blocks start their range at ``rb mod steps`` (row blocks do not ask L2 for the same X slice at once).
+- **Block** = 4 warps = one GroupTile row (64 outputs; warp ``w`` decodes strip ``w``) and ``NT`` tokens
+  (8, 16, 32 or 64) per output tile. Its share of the work (``kernels/work.py``): one K split of one
+  output tile (the splits of a tile are neighbours in the grid), or, in the stream-K variant, a
+  contiguous range of (output tile, column) units run as one segment per tile it touches. A segment
+  starts its range at ``rb mod steps`` (row blocks do not ask L2 for the same X slice at once).
 - **Step** (one GroupTile column): one block-wide ``cp.async`` commit group into a ``STAGES``-deep
   ring: the X slice ``[NT, 64]`` (all 128 threads; rows past N are never copied, and zeroed once in
   the last token chunk; 144-byte rows, so ``ldmatrix`` is conflict-free) and each warp's strip: its
@@ -22,20 +23,20 @@ it at 2 blocks per SM. Here the 4 warps of a block share the X slice of one Grou
 - **Multiply**: per 32 columns, the ``NB = NT / 8`` ``ldmatrix.x4`` of the shared X slice into distinct
   registers first (B fragments of both TCTiles), then the ``2 NB`` ``mma.m16n8k16`` back to back (no
   branch between a load and its mma: sp24_rows' lesson).
-- **End**: the 4 warps' fp32 tile ``[NT, 64]`` goes through shared memory; with one split it is written
-  as fp16; with several, each block writes its fp32 partial to the workspace and the last block of the
-  output tile to arrive (an atomic counter, reset by that block) sums them and writes fp16.
+- **End of a segment** (``block.make_tile_end``): the 4 warps' fp32 tile ``[NT, 64]`` goes through shared
+  memory; a whole tile is written as fp16, a partial one to the block's workspace slot, and the last of
+  the tile's blocks to arrive (an atomic counter, reset by that block) sums the slots and writes fp16.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import cuda
 
-from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, f2h, mma, ptr_of, syncwarp
+from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, mma, ptr_of, syncwarp
 from ._sp_intrinsics import cp_wait3, cp_wait4, cp_wait5, cp_wait6, ldmatrix_x4
 from ._rows_intrinsics import make_x_issue
 from ._warp_intrinsics import byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_counts, sts64b
-from .block import dynamic_smem, thread_ids
+from .block import dynamic_smem, make_tile_end, thread_ids
 from .plan import ROWS_HEADER_BYTES, ROWS_STRIP_BYTES, ROWS_TABLE_BYTES, ROWS_VALUE_BYTES, XROW_BYTES
 from .plan import rows_smem_bytes as smem_bytes  # noqa: F401 - the kernel's shared layout
 from .plan import rows_stage_bytes
@@ -50,16 +51,17 @@ def compiled_kernels() -> dict:
     return dict(_KERNELS)
 
 
-def get_kernel(nt: int, stages: int, cmax: int = 5, maxreg: int = 128):
+def get_kernel(nt: int, stages: int, cmax: int = 5, maxreg: int = 128, sk: bool = False):
     """Kernel for chunks of ``nt`` tokens (8, 16, 32, 64), a ring of ``stages`` (2-8) and ``cmax`` (1-5)
-    16-byte value copies per lane and strip (5: any strip)."""
-    key = (nt, stages, cmax, maxreg)
+    16-byte value copies per lane and strip (5: any strip); ``sk``: the stream-K variant (a loop over a
+    block's segments, ``kernels/work.py``), else one segment (a K split) per block."""
+    key = (nt, stages, cmax, maxreg, sk)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(nt, stages, cmax, maxreg)
+        _KERNELS[key] = _build(nt, stages, cmax, maxreg, sk)
     return _KERNELS[key]
 
 
-def _build(NT: int, STAGES: int, CMAX: int, MAXREG: int):
+def _build(NT: int, STAGES: int, CMAX: int, MAXREG: int, SK: bool):
     assert NT in (8, 16, 32, 64) and 2 <= STAGES <= 8 and 1 <= CMAX <= 5
     NB = NT // 8
     NACC = 4 * NB
@@ -73,6 +75,7 @@ def _build(NT: int, STAGES: int, CMAX: int, MAXREG: int):
     wait = (cp_wait0, cp_wait1, cp_wait2, cp_wait3, cp_wait4, cp_wait5, cp_wait6)[STAGES - 2]
     step_issue = make_step_issue(CMAX, 0, 8)   # a strip's values and bitmaps, then the commit
     x_issue = make_x_issue(XIT, THREADS, 16 * XS)
+    tile_end = make_tile_end(TILE, 64, THREADS, SK)
     u32 = np.uint32
     u64 = np.uint64
 
@@ -94,25 +97,13 @@ def _build(NT: int, STAGES: int, CMAX: int, MAXREG: int):
             en = u32(soff[4 * g + s + 1]) if s < 3 else u32(goff[g + 1])
         return st, en
 
-    @cuda.jit(**({} if SIM else {"max_registers": MAXREG}))
-    def kernel(bm, vals, goff, soff, x, y, ws, cnt, M, N, GK, ldxb, nch, KS, kper):
-        d64, d32, df = dynamic_smem()
-        scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
-        flag = cuda.shared.array(1, np.int32)
-        tid, warp, lane, g, t, _ = thread_ids()
-        per_rb = nch * KS
-        rb = cuda.blockIdx.x // per_rb
-        rem = cuda.blockIdx.x - rb * per_rb
-        chunk = rem // KS
-        ks = rem - chunk * KS
-        n0 = chunk * NT
-        k0 = ks * kper
-        nst = min(GK, k0 + kper) - k0
-        rot = rb % nst
-        g0 = rb * GK                        # this tile row's first GroupTile
+    @cuda.jit(device=True, inline="always")
+    def segment(bm, vals, goff, soff, x, df, d64, d32, scr, tid, warp, lane, g, t, GK, N, ldxb, rb, n0, k0, nst):
+        """GroupTile columns ``k0 .. k0+nst-1`` of output tile (row block ``rb``, tokens from ``n0``): the ring,
+        the steps, and the block's fp32 tile [NT, 64] in ``df`` (all threads past a barrier). At most 30
+        arguments: CPython passes more as one tuple (``*args``), which numba cannot inline."""
         p = u32(2 * (lane & 15))
         lmask = (u32(1) << p) - u32(1)
-
         ring = byte_addr(d64, 0)
         xlm = ring + u32((lane & 7) * XS + (lane >> 3) * 16)   # ldmatrix row address: row l%8 of matrix l//8
         soff_w = u32(XSLOT + warp * ROWS_STRIP_BYTES)           # this warp's strip in a stage
@@ -127,6 +118,9 @@ def _build(NT: int, STAGES: int, CMAX: int, MAXREG: int):
         tab_r = tab + u32((lane >> 4) * 128)
         vp = ptr_of(vals)
         bbase = ptr_of(bm) + u64(16 * warp * 8 + lane * 16)
+        rot = rb % nst
+        g0 = rb * GK                        # this tile row's first GroupTile
+
         nst_u = u32(nst)
         # X: thread tid copies 16-byte chunk tid + 128c (row tid / 8 + 16c, part tid % 8) of the slice;
         # rows past N are never copied (zeroed once below)
@@ -238,35 +232,39 @@ def _build(NT: int, STAGES: int, CMAX: int, MAXREG: int):
                 n = 8 * jb + 2 * t + (oi & 1)
                 df[n * 64 + warp * 16 + g + 8 * (oi >> 1)] = acc[4 * jb + oi]
         cuda.syncthreads()
-        m0 = rb * 64
-        if KS == 1:
-            for e in range(tid, TILE, THREADS):
-                n = e >> 6
-                m = m0 + (e & 63)
-                if n0 + n < N and m < M:
-                    y[(n0 + n) * M + m] = np.int16(f2h(df[e]))
-            return
-        tile = rb * nch + chunk
-        wb = (tile * KS + ks) * TILE
-        for e in range(tid, TILE, THREADS):
-            ws[wb + e] = df[e]
-        cuda.threadfence()
-        cuda.syncthreads()
-        if tid == 0:
-            old = cuda.atomic.add(cnt, tile, 1)
-            flag[0] = 1 if old == KS - 1 else 0
-        cuda.syncthreads()
-        if flag[0] == 1:                    # the last split of this output tile: sum the partials
-            cuda.threadfence()
-            for e in range(tid, TILE, THREADS):
-                n = e >> 6
-                m = m0 + (e & 63)
-                if n0 + n < N and m < M:
-                    tot = np.float32(0.0)
-                    for q in range(KS):
-                        tot += ws[(tile * KS + q) * TILE + e]
-                    y[(n0 + n) * M + m] = np.int16(f2h(tot))
-            if tid == 0:
-                cnt[tile] = 0
+
+    @cuda.jit(**({} if SIM else {"max_registers": MAXREG}))
+    def kernel(bm, vals, goff, soff, x, y, ws, cnt, M, N, GK, ldxb, nch, PER):
+        d64, d32, df = dynamic_smem()
+        scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
+        flag = cuda.shared.array(1, np.int32)
+        tid, warp, lane, g, t, _ = thread_ids()
+        b = cuda.blockIdx.x
+        if SK:
+            ustart = b * PER
+            u = ustart
+            uend = min(((M + 63) // 64) * nch * GK, ustart + PER)   # block-uniform
+            while u < uend:
+                tt = u // GK                # one segment: columns k0 .. k0+nst-1 of output tile tt
+                k0 = u - tt * GK
+                nst = min(GK - k0, uend - u)
+                rb = tt // nch
+                n0 = (tt - rb * nch) * NT
+                segment(bm, vals, goff, soff, x, df, d64, d32, scr, tid, warp, lane, g, t, GK, N, ldxb, rb, n0,
+                        k0, nst)
+                tile_end(df, y, ws, cnt, flag, tid, M, N, rb * 64, n0, tt, GK, PER, b, u == ustart, nst,
+                         (tt * GK) // PER, (tt * GK + GK - 1) // PER)
+                u += nst
+        else:
+            ksn = (GK + PER - 1) // PER     # block b: split b % ksn (columns from k0, the last one shorter)
+            tt = b // ksn                   # of output tile b // ksn; a tile's splits are neighbours
+            k0 = (b - tt * ksn) * PER
+            rb = tt // nch
+            n0 = (tt - rb * nch) * NT
+            nst = min(PER, GK - k0)
+            segment(bm, vals, goff, soff, x, df, d64, d32, scr, tid, warp, lane, g, t, GK, N, ldxb, rb, n0, k0,
+                    nst)
+            tile_end(df, y, ws, cnt, flag, tid, M, N, rb * 64, n0, tt, GK, PER, b, True, nst, tt * ksn,
+                     tt * ksn + ksn - 1)
 
     return kernel
