@@ -129,3 +129,69 @@ def test_timings_are_cached_per_gpu_and_software_and_reused(monkeypatch, tmp_pat
     monkeypatch.setattr(dispatch_cache, "cache_file", lambda device: blocked / "gpu.json")
     rep = dispatch.plan_dispatch(sparse_model(), prefer="speed", token_counts=(1, 8))
     assert "could not be cached" in rep["cache"]["error"] and rep["groups"] == first["groups"]
+
+
+def sp24_model(seed=0):
+    """Three 2:4 layers (two 64x128, one 128x64) and one unstructured 64x128, with their encode-time census."""
+    from sparsekit.packed.sp24 import tile_census
+    from sparsekit.pruning.patterns import nm_mask
+
+    g = torch.Generator().manual_seed(seed)
+
+    def lin(o, i, two_four=True):
+        w = torch.randn(o, i, generator=g)
+        keep = nm_mask(torch.rand(o, i, generator=g), 2, 4) if two_four else torch.rand(o, i, generator=g) < 0.5
+        m = nn.Linear(i, o, bias=False)
+        m.weight.data = torch.where(keep, w, torch.zeros(()))
+        sl = SparseLinear.from_linear(m)
+        sl.tile_census = tile_census(m.weight.data)
+        sl.pattern = "2:4" if two_four else "unstructured"
+        return sl
+
+    return nn.ModuleDict({"a": lin(64, 128), "b": lin(64, 128), "c": lin(128, 64), "u": lin(64, 128, False)})
+
+
+def test_2of4_layers_get_the_2of4_kernel_where_it_beats_tcabme(monkeypatch):
+    """Issue 22: with prefer=speed a layer whose recorded census is all 2:4 tiles gets its layout and its
+    group is timed on the 2:4 kernel too; it runs that kernel up to the last count of the first run where
+    it beats TCA-BME, TCA-BME above while that beats dense. A group where it never wins gives the layout
+    back; an unstructured layer never gets one (census, not a scan)."""
+    model = sp24_model()
+    ref = {k: m.dense_weight(torch.float32) for k, m in model.items()}
+    fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0), (8, 1.5, 2.0), (16, 1.8, 2.0), (32, 3.0, 2.0)],
+                               (128, 64): [(1, 1.0, 2.0), (8, 1.5, 2.0), (16, 3.0, 2.0), (32, 3.0, 2.0)]})
+    sp24_ms = {(64, 128): {1: 0.5, 8: 1.2, 16: 1.9, 32: 2.5}, (128, 64): {1: 1.1, 8: 1.0, 16: 3.0, 32: 3.0}}
+    timed = []
+    monkeypatch.setattr(dispatch, "time_sp24", lambda mods, n: timed.append(n) or
+                        sp24_ms[(mods[0].out_features, mods[0].in_features)][n])   # a pass, like time_group
+    rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1, 8, 16, 32), cache=False)
+    by = {(tuple(g["shape"]), g["layers"]): g for g in rep["groups"]}
+    ab, c, u = by[((64, 128), 2)], by[((128, 64), 1)], by[((64, 128), 1)]
+    assert ab["sp24_max_n"] == 8 and ab["sparse_max_n"] == 16          # 2:4 to 8, TCA-BME to 16 (1.8 < 2.0)
+    assert ab["form"] == "2:4 kernel up to N=8, TCA-BME up to N=16, dense copy above"
+    for k in ("a", "b"):
+        assert model[k].form == "sp24" and model[k].sp24_max_n == 8 and model[k].dense_above == 16
+    assert c["sp24_max_n"] == 0 and model["c"].form == "tcabme" and model["c"].sp24_bytes() == 0   # layout given back
+    assert "sp24_max_n" not in u and model["u"].form == "tcabme"
+    assert rep["sp24_layout_bytes"] == model["a"].sp24_bytes() + model["b"].sp24_bytes() > 0
+    for k in ("a", "b", "c", "u"):
+        assert torch.equal(model[k].dense_weight(torch.float32), ref[k])
+
+
+def test_prefer_memory_and_sp24_off_make_no_layout(monkeypatch):
+    for kw in (dict(prefer="memory"), dict(prefer="speed", sp24=False)):
+        model = sp24_model()
+        fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0), (8, 3.0, 2.0)], (128, 64): [(1, 1.0, 2.0), (8, 3.0, 2.0)]})
+        monkeypatch.setattr(dispatch, "time_sp24", lambda mods, n: pytest.fail("timed the 2:4 kernel"))
+        rep = dispatch.plan_dispatch(model, token_counts=(1, 8), cache=False, **kw)
+        assert all(m.form == "tcabme" for m in model.values() if isinstance(m, SparseLinear))
+        assert rep["sp24_layout_bytes"] == 0
+
+
+def test_2of4_layers_without_a_census_are_named_once(monkeypatch):
+    model = sp24_model()
+    for m in model.values():
+        m.tile_census = None
+    fake_timings(monkeypatch, {(64, 128): [(1, 3.0, 2.0)], (128, 64): [(1, 3.0, 2.0)]})
+    rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1,), cache=False)
+    assert "3 2:4 layers carry no tile census" in rep["sp24_note"] and "re-encode" in rep["sp24_note"]

@@ -160,3 +160,45 @@ def test_every_word_follows_the_fragment_contract():
         else:
             got = _decode_dense_tile(lay.dense[slot * sp24.DENSE_TILE_WORDS:(slot + 1) * sp24.DENSE_TILE_WORDS])
         _same(got, tile)
+
+
+def test_tile_census_counts_each_kind_and_says_which_layers_fit():
+    """The census encode records: a hybrid mask's 2:4 and dense tiles as laid out, an unstructured tile as
+    'other'; the padding of edge tiles is not counted as zeros; the layout takes exactly the layers with no
+    'other' tile and some 2:4 tile."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(130, 200, generator=g).half()
+    sp = torch.tensor([[True, False, True, True], [False, True, False, True], [True, True, False, False]])
+    keep = nm_mask(torch.rand(130, 200, generator=g), 2, 4)
+    tile_sp = sp.repeat_interleave(64, 0).repeat_interleave(64, 1)[:130, :200]
+    hyb = torch.where(tile_sp & ~keep, torch.zeros((), dtype=torch.float16), w)
+    c = sp24.tile_census(hyb)
+    # edge tiles (rows 128-129 / columns 192-199) that are "dense" may also be 2:4-valid by chance
+    assert c["other"] == 0 and c["2:4"] + c["dense"] == 12 and c["2:4"] >= int(sp.sum())
+    assert c == {"2:4": int((sp24.transcode(hyb).tiles & 1).sum()), "dense": 12 - c["2:4"], "other": 0}
+    assert sp24.census_fits(c) is True
+    hyb[5:40, 70:120] = 0                      # tile (0, 1) was dense: now 27% zeros, not 2:4: neither
+    c2 = sp24.tile_census(hyb)
+    assert c2["other"] == 1 and sp24.census_fits(c2) is False
+    assert sp24.tile_census(w) == {"2:4": 0, "dense": 12, "other": 0} and sp24.census_fits({"2:4": 0, "dense": 12, "other": 0}) is False
+    assert sp24.census_fits(None) is None and sp24.tile_census(w.float()) == sp24.tile_census(w)
+
+
+def test_encode_records_each_layers_census(tmp_path):
+    """encode writes the census of every packed layer into the index, so the loader picks the 2:4 layout
+    from it (SparseLinear.tile_census) without scanning."""
+    from sparsekit.packed.encoding import encode as encode_dir
+    from sparsekit.packed.shards import read_packed
+    from sparsekit.runtime.loader import load_packed
+
+    from test_packing import make_pruned
+
+    make_pruned(tmp_path / "pruned")
+    encode_dir(tmp_path / "pruned", tmp_path / "packed", force=True)
+    layers = read_packed(tmp_path / "packed").layers
+    packed = {n: i for n, i in layers.items() if i.get("packed")}
+    assert packed and all(set(i["tiles"]) == {"2:4", "dense", "other"} for i in packed.values())
+    assert all(i["tiles"]["other"] > 0 for i in packed.values())          # magnitude 50%: unstructured
+    model = load_packed(tmp_path / "packed", device="cpu")
+    sl = {n: m for n, m in model.named_modules() if hasattr(m, "tile_census")}
+    assert sl and all(m.tile_census == packed[n]["tiles"] for n, m in sl.items())

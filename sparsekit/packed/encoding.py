@@ -25,6 +25,7 @@ from sparsekit.hf import modelcard
 from sparsekit.host.atomic import atomic_output_dir, check_output_dir
 from sparsekit.errors import SparsekitError
 from sparsekit.hf.metadata import PruneMetadata
+from sparsekit.packed.sp24 import tile_census
 from sparsekit.host.jsonfile import read_json_object
 from sparsekit.progress import Progress
 from sparsekit.packed import shards as sh
@@ -373,6 +374,7 @@ def _encode_layer(module: str, t: torch.Tensor, transposed: bool, min_sparsity: 
         return info, {}
     packed = tcabme.encode(w)
     info.update(packed=True, stored_bytes=packed.nbytes, nnz=nnz, reason=why if gains else "forced (--force)")
+    info["tiles"] = tile_census(w)   # which 64x64 tiles are 2:4 / dense / neither: the loader's 2:4 choice
     return info, packed.tensors(module)
 
 

@@ -99,14 +99,42 @@ def _tiles_of(w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     return raw.reshape(gm, TILE, gk, TILE).permute(0, 2, 1, 3).reshape(gm * gk, TILE, TILE), gm, gk
 
 
-def _kinds(nz: torch.Tensor, m: int, k: int, gm: int, gk: int) -> torch.Tensor:
-    """Kind per tile from the nonzero mask [NT, 64, 64]; refuses tiles that are neither."""
+def _classes(nz: torch.Tensor, m: int, k: int, gm: int, gk: int):
+    """(2:4-valid, neither 2:4 nor dense, zeros, real elements) per tile from the nonzero mask [NT, 64, 64]."""
     sp_ok = (nz.reshape(-1, TILE, TILE // 4, 4).sum(-1) <= 2).all(-1).all(-1)
     rows = torch.arange(gm, device=nz.device).repeat_interleave(gk)
     cols = torch.arange(gk, device=nz.device).repeat(gm)
     real = (torch.clamp(m - rows * TILE, max=TILE) * torch.clamp(k - cols * TILE, max=TILE))
     zeros = real - nz.sum((1, 2))
-    bad = ~sp_ok & (zeros > DENSE_MAX_ZEROS * real)
+    return sp_ok, ~sp_ok & (zeros > DENSE_MAX_ZEROS * real), zeros, real
+
+
+def tile_census(weight: torch.Tensor) -> dict[str, int]:
+    """How many 64x64 tiles of a dense ``[M, K]`` weight (any float dtype; zero = equal to zero) are 2:4,
+    dense, or neither (``{"2:4": a, "dense": b, "other": c}``; a tile both 2:4-valid and dense counts as
+    2:4). ``encode`` records it per layer, so the loader knows which layers the 2:4 layout can take
+    without scanning their weights: those with no "other" tile."""
+    m, k = (int(s) for s in weight.shape)
+    gm, gk = -(-m // TILE), -(-k // TILE)
+    nz = torch.zeros((gm * TILE, gk * TILE), dtype=torch.bool, device=weight.device)
+    nz[:m, :k] = weight != 0
+    nz = nz.reshape(gm, TILE, gk, TILE).permute(0, 2, 1, 3).reshape(gm * gk, TILE, TILE)
+    sp_ok, bad, _, _ = _classes(nz, m, k, gm, gk)
+    n_sp, n_bad = int(sp_ok.sum()), int(bad.sum())
+    return {"2:4": n_sp, "dense": gm * gk - n_sp - n_bad, "other": n_bad}
+
+
+def census_fits(census) -> bool | None:
+    """Whether a recorded census (``tile_census``) lets the 2:4 layout take the layer: some 2:4 tile and
+    no tile that is neither; None when nothing was recorded (an older checkpoint: scan to know)."""
+    if not isinstance(census, dict) or "other" not in census:
+        return None
+    return int(census["other"]) == 0 and int(census.get("2:4", 0)) > 0
+
+
+def _kinds(nz: torch.Tensor, m: int, k: int, gm: int, gk: int) -> torch.Tensor:
+    """Kind per tile from the nonzero mask [NT, 64, 64]; refuses tiles that are neither."""
+    sp_ok, bad, zeros, real = _classes(nz, m, k, gm, gk)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         frac = float(zeros[i]) / float(real[i])

@@ -12,6 +12,14 @@ sparse kernel up to the largest token count where it wins at that count and ever
 crossover (prefill included), so no layer runs slower than dense; that costs memory, which the
 report gives. ``prefer="memory"``: nothing changes (packed weights only; above ``dense_above`` tokens
 a layer decodes its weight with one kernel and runs cuBLAS): the report still shows where dense would win.
+
+**2:4 and hybrid layers** (issue 22): with ``prefer="speed"``, a layer whose encode-time tile census
+(``packed.sp24.tile_census``) says every 64x64 tile is 2:4 or dense also gets its 2:4 tile-mosaic layout
+(``runtime.sp24``), and its group is timed on that kernel too. It runs the 2:4 kernel up to the largest
+token count where that beats the TCA-BME kernel at that count and every smaller one, TCA-BME above it
+while that wins, dense above. A group where the 2:4 kernel never wins gives its layouts back. The
+report says per group which kernel runs up to which token count (``form``, ``sp24_max_n``) and the
+bytes the layouts take. ``prefer="memory"`` makes no layout (it would add ~1.1 bytes per weight).
 """
 from __future__ import annotations
 
@@ -41,7 +49,7 @@ def check_prefer(prefer: str) -> str:
 
 
 def _group_key(m: SparseLinear) -> tuple:
-    return (m.out_features, m.in_features, round(m.sparsity, 1), m.bias is not None)
+    return (m.out_features, m.in_features, round(m.sparsity, 1), m.bias is not None, m.form == "sp24")
 
 
 def time_group(layers: list[SparseLinear], dense: list[torch.Tensor], n: int) -> tuple[float, float]:
@@ -50,6 +58,51 @@ def time_group(layers: list[SparseLinear], dense: list[torch.Tensor], n: int) ->
     sparse_ms = graph_ms(lambda: [m.kernel_forward(x) for m in layers])
     dense_ms = graph_ms(lambda: [F.linear(x, w) for w in dense])
     return sparse_ms, dense_ms
+
+
+def time_sp24(layers: list[SparseLinear], n: int) -> float:
+    """ms of one pass over ``layers`` through their 2:4 tile-mosaic kernel at ``n`` tokens."""
+    x = torch.randn(n, layers[0].in_features, device=layers[0].values.device, dtype=torch.float16)
+    return graph_ms(lambda: [m.sp24_forward(x) for m in layers])
+
+
+def sp24_prefix(rows: list[dict]) -> int:
+    """The largest token count at which the 2:4 kernel beats the TCA-BME kernel there and at every smaller
+    measured count (0: never, or not timed)."""
+    best = 0
+    for r in rows:
+        if r.get("sp24_ms") is None or not r["sp24_ms"] < r["sparse_ms"]:
+            break
+        best = r["n"]
+    return best
+
+
+def _best_rows(rows: list[dict]) -> list[dict]:
+    """``rows`` with ``sparse_ms`` the faster of the two sparse kernels (what the layer runs at each count)."""
+    return [dict(r, sparse_ms=min(r["sparse_ms"], r["sp24_ms"])) if r.get("sp24_ms") is not None else r
+            for r in rows]
+
+
+def make_sp24_layouts(model: nn.Module, names: dict[str, SparseLinear]) -> dict[str, Any]:
+    """Give the layers whose recorded tile census fits the 2:4 layout (``packed.sp24.census_fits``) their
+    layout; returns ``{"layers": n, "bytes": b}``, plus ``"note"`` (one line) when layers of a 2:4 or
+    hybrid pattern carry no census (an older encode: re-encode to use the 2:4 kernel)."""
+    from sparsekit.packed.sp24 import census_fits
+    from sparsekit.runtime.sp24 import enable_sp24
+
+    fits = {n: m for n, m in names.items() if census_fits(m.tile_census) and m.values.dtype == torch.float16}
+    out: dict[str, Any] = {"layers": 0, "bytes": 0}
+    unknown = [n for n, m in names.items() if m.tile_census is None and m.pattern in ("2:4", "hybrid")]
+    if unknown:
+        out["note"] = (f"{len(unknown)} {names[unknown[0]].pattern} layers carry no tile census (encoded by an older "
+                       "sparsekit): they stay on the TCA-BME kernel; re-encode to let the 2:4 kernel take them")
+    if fits:
+        enable_sp24(model, only=set(fits))
+        for m in fits.values():
+            if m.form == "sp24":
+                out["layers"] += 1
+                out["bytes"] += m.sp24_bytes()
+    return out
 
 
 def crossover(rows: list[dict], margin: float = MARGIN) -> int:
@@ -70,46 +123,65 @@ def kernels_usable(mods: list[SparseLinear]) -> bool:
 
 
 def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN_COUNTS,
-                  progress: Progress | None = None, cache: bool = True) -> dict[str, Any]:
+                  progress: Progress | None = None, cache: bool = True, sp24: bool = True) -> dict[str, Any]:
     """Measure and set, for every ``SparseLinear`` of ``model`` (on a CUDA GPU), the largest token count
     that runs the sparse kernel; apply ``prefer`` above it (see the module docstring). Returns a report:
     per group the timings (up to the first token count where dense wins) and the choice, the layers that run dense and why, and the bytes of the
-    dense copies kept."""
+    dense copies kept. ``sp24=False`` leaves 2:4 and hybrid layers on the TCA-BME kernel."""
     check_prefer(prefer)
     names = {name: m for name, m in model.named_modules() if isinstance(m, SparseLinear)}
-    groups: dict[tuple, list[str]] = {}
-    for name, m in names.items():
-        groups.setdefault(_group_key(m), []).append(name)
     out: dict[str, Any] = {"prefer": prefer, "token_counts": list(token_counts), "groups": [],
-                           "dense_layers": {}, "dense_copy_bytes": 0}
+                           "dense_layers": {}, "dense_copy_bytes": 0, "sp24_layout_bytes": 0}
     if not names:
         return out
     if not kernels_usable(list(names.values())):
         out["skipped"] = "no usable GPU kernels: the sparse layers keep the reference path"
         return out
+    if sp24 and prefer == "speed":
+        made = make_sp24_layouts(model, names)
+        if made.get("note"):
+            out["sp24_note"] = made["note"]
+    groups: dict[tuple, list[str]] = {}
+    for name, m in names.items():
+        groups.setdefault(_group_key(m), []).append(name)
     counts = sorted(int(n) for n in token_counts)
     path = dispatch_cache.cache_file(next(iter(names.values())).values.device) if cache else None
     stored = dispatch_cache.read(path) if path is not None else {}
     hits = 0
     for gi, (key, members) in enumerate(groups.items()):
         mods = [names[n] for n in members]
-        ckey = dispatch_cache.entry_key(key[:2], key[2], key[3], counts)
+        ckey = dispatch_cache.entry_key(key[:2], key[2], key[3], counts) + ("|sp24" if key[4] else "")
         rows = stored.get(ckey)
         if rows is None:
-            rows = stored[ckey] = _measure_group(mods[:COPIES], counts)
+            rows = stored[ckey] = _measure_group(mods[:COPIES], counts, key[4])
         else:
             hits += 1
-        max_n = crossover(rows)
+        max_n = crossover(_best_rows(rows))
+        sp24_n = min(sp24_prefix(rows), max_n) if key[4] else 0
         entry = {"shape": [key[0], key[1]], "sparsity": key[2], "layers": len(members), "sparse_max_n": max_n,
                  "timings": rows}
+        if key[4]:
+            entry["sp24_max_n"] = sp24_n
+            for m in mods:
+                if sp24_n:
+                    m.sp24_max_n = sp24_n
+                    out["sp24_layout_bytes"] += m.sp24_bytes()
+                else:
+                    m.use_sp24(None)     # the TCA-BME kernel wins at the smallest count: give the layout back
         if max_n == 0 and prefer == "speed":
             entry["form"] = "dense"
-            why = f"the sparse kernel is slower at every token count ({rows[0]['speedup']:.2f}x cuBLAS at N={counts[0]})"
+            first = _best_rows(rows)[0]
+            why = (f"the sparse kernel is slower at every token count "
+                   f"({first['dense_ms'] / first['sparse_ms']:.2f}x cuBLAS at N={counts[0]})")
             for name in members:
                 set_submodule(model, name, names[name].to_linear(torch.float16))
                 out["dense_layers"][name] = why
         elif prefer == "speed":
-            entry["form"] = f"sparse up to N={max_n}, dense copy above"
+            if sp24_n:
+                entry["form"] = (f"2:4 kernel up to N={sp24_n}, " + (f"TCA-BME up to N={max_n}, " if max_n > sp24_n else "")
+                                 + "dense copy above")
+            else:
+                entry["form"] = f"sparse up to N={max_n}, dense copy above"
             for m in mods:
                 m.dense_above = max_n
                 m.keep_dense_copy()
@@ -128,15 +200,19 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
     return out
 
 
-def _measure_group(timed: list[SparseLinear], counts: list[int]) -> list[dict]:
-    """Timing rows of one group, up to the first token count where dense wins (each new count
-    compiles a kernel variant)."""
+def _measure_group(timed: list[SparseLinear], counts: list[int], sp24: bool = False) -> list[dict]:
+    """Timing rows of one group (``sp24``: its 2:4 kernel too), up to the first token count where dense
+    beats the faster sparse kernel (each new count compiles a kernel variant)."""
     dense = [m.dense_weight(torch.float16) for m in timed]  # decoded once per group, for every count
     rows = []
     for n in counts:
         s_ms, d_ms = time_group(timed, dense, n)
-        rows.append({"n": n, "sparse_ms": s_ms / len(timed), "dense_ms": d_ms / len(timed),
-                     "speedup": d_ms / s_ms if s_ms > 0 else None})
-        if crossover(rows) < n:
+        row = {"n": n, "sparse_ms": s_ms / len(timed), "dense_ms": d_ms / len(timed),
+               "speedup": d_ms / s_ms if s_ms > 0 else None}
+        if sp24:
+            row["sp24_ms"] = time_sp24(timed, n) / len(timed)
+            row["sp24_speedup"] = row["dense_ms"] / row["sp24_ms"] if row["sp24_ms"] > 0 else None
+        rows.append(row)
+        if crossover(_best_rows(rows)) < n:
             break
     return rows

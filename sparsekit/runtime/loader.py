@@ -29,7 +29,7 @@ from sparsekit.hf.modules import set_submodule
 from sparsekit.packed.shards import INDEX_NAME, PackedCheckpoint, is_packed_dir, read_packed
 from sparsekit.runtime.cats import install_from_checkpoint
 from sparsekit.runtime.dispatch import check_prefer, plan_dispatch
-from sparsekit.runtime.sparse_linear import SparseLinear, kernel
+from sparsekit.runtime.sparse_linear import SparseLinear, kernel, notice_once
 from sparsekit.torch_compat import own_tensors, set_module_tensor
 
 _REENCODE = "re-run `sparsekit encode` (or copy config.json of the source model into it)"
@@ -146,7 +146,9 @@ def make_ready(model: nn.Module, path: Path, device: torch.device, *, prefer: st
     if device.type == "cuda" and any(isinstance(m, SparseLinear) for m in model.modules()):
         kernel()  # the kernels' load-time check: on failure one notice now, the reference path later
         if prefer is not None:
-            plan_dispatch(model, prefer=prefer)
+            plan = plan_dispatch(model, prefer=prefer)
+            if plan.get("sp24_note"):
+                notice_once(plan["sp24_note"])
     return model
 
 
@@ -208,8 +210,10 @@ def fill_skeleton(model: nn.Module, ckpt: PackedCheckpoint, path: Path, dev: tor
         bias = dense.pop(f"{name}.bias", None)
         if getattr(old, "bias", None) is not None and bias is None:
             raise SparsekitError(f"{path}: the bias of packed layer {name!r} is missing: re-run `sparsekit encode`")
-        set_submodule(model, name, SparseLinear.from_packed(packed, bias, device=dev, dtype=dtype,
-                                                             transposed=transposed))
+        sl = SparseLinear.from_packed(packed, bias, device=dev, dtype=dtype, transposed=transposed)
+        sl.tile_census = info.get("tiles")
+        sl.pattern = info.get("pattern")
+        set_submodule(model, name, sl)
 
     state = {k: (v.to(device=dev, dtype=dtype) if v.is_floating_point() else v.to(dev)) for k, v in dense.items()}
     state = _rename_checkpoint_keys(model, state)

@@ -1,12 +1,13 @@
-"""The 2:4 tile-mosaic path of ``SparseLinear`` (issue 22), off unless a caller turns it on.
+"""The 2:4 tile-mosaic path of ``SparseLinear`` (issue 22).
 
 :func:`enable_sp24` transcodes the TCA-BME weight of every ``SparseLinear`` of a model whose tiles are
 all 2:4 or dense (``sparsekit.packed.sp24``) and keeps the layout beside it (non-persistent buffers:
 nothing changes on disk). Those layers then run ``sparsekit.kernels.sp24.sp24_matmul`` (``mma.sp`` on
 2:4 tiles, ``mma.sync`` on dense ones) on a GPU wherever they would run the TCA-BME kernel (fp16, at
-most ``dense_above`` tokens) up to ``SparseLinear.sp24_max_n`` tokens; prefill and the CPU keep their paths. Not on by default: it has not been
-measured on a GPU yet (docs/kernels-notes.md "v13-sp" holds the prediction, scripts/checks/gpu_sp24.py
-the check).
+most ``dense_above`` tokens) up to ``SparseLinear.sp24_max_n`` tokens; prefill and the CPU keep their
+paths. The dispatch plan (``runtime.dispatch``, ``prefer="speed"``, the default of ``eval --speed`` and
+``generate``) calls it for the layers whose encode-time tile census fits, times both kernels, and keeps
+each layout only where the 2:4 kernel measures faster (``sp24_max_n`` per layer).
 """
 from __future__ import annotations
 
@@ -64,14 +65,22 @@ def _tensors(layout: Sp24Layout) -> tuple:
     return layout.dense, layout.sp, layout.tiles
 
 
-def enable_sp24(model: nn.Module) -> dict[str, str]:
-    """Give every eligible ``SparseLinear`` of ``model`` its 2:4 layout; returns ``{layer: "sp24"}`` or
-    ``{layer: why not}``. A layer with an unstructured tile is not eligible (it keeps TCA-BME), except
-    under ``SPARSEKIT_STRICT=1``, where that is an error. On a GPU the kernel first runs one checked
-    product (``kernel_check``); if it cannot, that is an error, never a silent fallback."""
+def enable_sp24(model: nn.Module, only: set[str] | None = None) -> dict[str, str]:
+    """Give every eligible ``SparseLinear`` of ``model`` (of the names in ``only``, if given) its 2:4
+    layout; returns ``{layer: "sp24"}`` or ``{layer: why not}``. A layer with an unstructured tile is not
+    eligible (it keeps TCA-BME), except under ``SPARSEKIT_STRICT=1``, where that is an error; one whose
+    recorded tile census says so is not scanned. On a GPU the kernel first runs one checked product
+    (``kernel_check``); if it cannot, that is an error, never a silent fallback."""
+    from sparsekit.packed.sp24 import census_fits
+
     out: dict[str, str] = {}
     for name, m in model.named_modules():
-        if not hasattr(m, "use_sp24"):          # a SparseLinear (not imported: it imports this module)
+        if not hasattr(m, "use_sp24") or (only is not None and name not in only):   # a SparseLinear
+            continue
+        if census_fits(getattr(m, "tile_census", None)) is False and not strict_mode():
+            c = m.tile_census
+            out[name] = (f"{c['other']} of its {sum(int(v) for v in c.values())} tiles are neither 2:4 nor dense "
+                         "(recorded at encode): it keeps TCA-BME")
             continue
         if m.values.dtype != torch.float16:
             out[name] = f"values are {m.values.dtype}: the 2:4 kernel takes fp16"

@@ -4,8 +4,9 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
 
 * CUDA, fp16, ``N <= SparseLinear.dense_above`` -> the bundled kernel
   ``sparsekit.kernels.tcabme_matmul`` (decode steps; launched on torch's current stream, so a
-  CUDA graph can capture it); or, for a layer given its 2:4 layout (``runtime.sp24.enable_sp24``,
-  off by default) and ``N <= sp24_max_n``, the 2:4 tile-mosaic kernel ``sparsekit.kernels.sp24.sp24_matmul``.
+  CUDA graph can capture it); or, for a layer given its 2:4 layout (``runtime.sp24.enable_sp24``; the
+  dispatch plan gives it where it measures faster) and ``N <= sp24_max_n``, the 2:4 tile-mosaic kernel
+  ``sparsekit.kernels.sp24.sp24_matmul``.
 * CUDA, ``N > dense_above`` with a kept dense copy (``runtime.dispatch``, ``prefer="speed"``) ->
   ``F.linear`` on that copy.
 * CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (the
@@ -168,12 +169,16 @@ class SparseLinear(nn.Module):
         self.n_values = int(packed.values.numel())  # the buffer may be padded past this later
         # a dense copy of the weight for token counts above dense_above (runtime.dispatch, prefer="speed")
         self.register_buffer("dense_copy", None, persistent=False)
-        # the 2:4 tile-mosaic layout (runtime.sp24.enable_sp24; off by default, never saved)
+        # the 2:4 tile-mosaic layout (runtime.sp24.enable_sp24, via the dispatch plan; never saved)
         self.register_buffer("sp24_dense", None, persistent=False)
         self.register_buffer("sp24_sp", None, persistent=False)
         self.register_buffer("sp24_tiles", None, persistent=False)
         self._packed: TcaBme | None = None
         self._packed_src: torch.Tensor | None = None
+        # what encode recorded of the weight (the loader sets them): its 64x64 tiles that are 2:4 / dense /
+        # neither (``packed.sp24.tile_census``), and the pruning pattern
+        self.tile_census: dict | None = None
+        self.pattern: str | None = None
 
     # construction ---------------------------------------------------------------------------
     @classmethod
@@ -267,6 +272,18 @@ class SparseLinear(nn.Module):
 
     def dense_copy_bytes(self) -> int:
         return 0 if self.dense_copy is None else self.dense_copy.numel() * self.dense_copy.element_size()
+
+    def sp24_bytes(self) -> int:
+        """Bytes of the 2:4 layout kept beside the packed weight (0 without one)."""
+        return sum(t.numel() * t.element_size() for t in (self.sp24_dense, self.sp24_sp, self.sp24_tiles)
+                   if t is not None)
+
+    def sp24_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x[N, K] @ W^T + b`` through the 2:4 tile-mosaic kernel whatever N is (CUDA, fp16; for measurements)."""
+        from sparsekit.runtime.sp24 import sp24_mm
+
+        y = sp24_mm(x.contiguous(), self.sp24_dense, self.sp24_sp, self.sp24_tiles, self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x[N, K] @ W^T + b`` through the sparse kernel whatever N is (CUDA, fp16; for measurements)."""
