@@ -1,4 +1,5 @@
-"""End-to-end decode speed of a Llama-2-7B-shaped model at 50% sparsity vs dense (GPU only).
+"""End-to-end decode speed of a Llama-2-7B-shaped model at 50% sparsity vs dense (GPU only; ``--pattern 2:4``
+or ``hybrid`` for issue 22's rows).
 
 The model: 32 layers, hidden 4096, MLP 11008, 32 heads, vocab 32000, random fp16 weights made
 directly on the GPU (normal, std 0.02), every decoder linear pruned 50% by magnitude per output
@@ -50,12 +51,26 @@ def build_model(layers: int, hidden: int, inter: int, heads: int, vocab: int, se
     return model.eval()
 
 
-def prune_(model, sparsity: float) -> None:
+def prune_(model, sparsity: float, pattern: str = "unstructured", seed: int = 0) -> None:
+    """Every decoder linear: ``unstructured``, by magnitude per output row; ``2:4``, the 2 largest of every 4
+    along K; ``hybrid``, random 64x64 tiles 2:4 (a share ``sparsity / 0.5`` of them), the rest dense."""
     from sparsekit.hf.modules import find_decoder_layers, find_linears
 
     stack_name, stack = find_decoder_layers(model)
+    gen = torch.Generator(device="cuda").manual_seed(seed + 7)
     for _, mod in find_linears(stack, prefix=stack_name).items():
         w = mod.weight.data
+        if pattern in ("2:4", "hybrid"):
+            m, k = w.shape
+            g = w.view(m, k // 4, 4)
+            drop = g.abs().argsort(dim=-1)[..., :2]                     # the 2 smallest of each group
+            pruned = g.clone().scatter_(-1, drop, 0).view(m, k)
+            if pattern == "hybrid":
+                tiles = torch.rand(-(-m // 64), -(-k // 64), device=w.device, generator=gen) < sparsity / 0.5
+                sel = tiles.repeat_interleave(64, 0).repeat_interleave(64, 1)[:m, :k]
+                pruned = torch.where(sel, pruned, w)
+            w.copy_(pruned)
+            continue
         k = int(w.shape[1] * sparsity)
         for i in range(0, w.shape[0], 2048):  # chunks keep the fp32 temporaries small
             blk = w[i:i + 2048]
@@ -127,7 +142,9 @@ def main() -> int:
     ap.add_argument("--intermediate", type=int, default=11008)
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--sparsity", type=float, default=0.5)
+    ap.add_argument("--sparsity", type=float, default=0.5, help="hybrid: the overall sparsity (0.35: 70%% of tiles 2:4)")
+    ap.add_argument("--pattern", choices=("unstructured", "2:4", "hybrid"), default="unstructured",
+                    help="2:4 and hybrid layers may take the 2:4 kernel where it measures faster (--prefer speed)")
     ap.add_argument("--batch-sizes", default="1,8,16,32")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -164,7 +181,9 @@ def main() -> int:
 
     t0 = time.perf_counter()
     model = build_model(args.layers, args.hidden, args.intermediate, args.heads, args.vocab)
-    prune_(model, args.sparsity)
+    if args.pattern == "2:4":
+        args.sparsity = 0.5
+    prune_(model, args.sparsity, args.pattern)
     torch.cuda.synchronize()
     print(f"built + pruned in {time.perf_counter() - t0:.1f} s; weights {model_bytes(model) / 2**30:.2f} GiB", flush=True)
 
@@ -192,6 +211,7 @@ def main() -> int:
         sizes[label] = model_bytes(model) / 2**30
         print(f"dispatch ({args.prefer}) in {time.perf_counter() - t:.1f} s: "
               + "; ".join(f"{g['shape'][0]}x{g['shape'][1]} {g['form']}" for g in plans[label]["groups"])
+              + (f"; 2:4 layouts {plans[label]['sp24_layout_bytes'] / 2**30:.2f} GiB" if plans[label].get("sp24_layout_bytes") else "")
               + f"; weights {sizes[label]:.2f} GiB", flush=True)
         check_logits(f"{label} planned")
 
@@ -214,7 +234,7 @@ def main() -> int:
         results["dense"] = measure("dense")
 
     t0 = time.perf_counter()
-    swapped = sparsify(model, min_sparsity=0.3)
+    swapped = sparsify(model, min_sparsity=min(0.3, args.sparsity - 0.05))
     if compile_:
         pad = equalize_packed_sizes(model)  # before any kernel call (see its docstring)
         print(f"packed values padded by {100 * pad:.3f}% to equal sizes per shape", flush=True)
@@ -254,7 +274,7 @@ def main() -> int:
         "command": "python -m scripts.bench.e2e " + " ".join(sys.argv[1:]),
         "shape": {"layers": args.layers, "hidden": args.hidden, "intermediate": args.intermediate,
                   "heads": args.heads, "vocab": args.vocab},
-        "sparsity": args.sparsity, "cuda_graphs": graphs, "kernel": kernel() is not None,
+        "sparsity": args.sparsity, "pattern": args.pattern, "cuda_graphs": graphs, "kernel": kernel() is not None,
         "weights_gib": sizes, "encode_s": enc_s, "fused_norms": not args.hf_norms, "compile": compile_,
         "fuse_proj": args.fuse_proj, "overhead_ms": overhead, "logits_rel_err": errs, "rows": rows,
         "dense_above": SparseLinear.dense_above, "prefer": args.prefer, "dispatch": plans,

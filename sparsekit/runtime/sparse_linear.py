@@ -206,7 +206,11 @@ class SparseLinear(nn.Module):
         bias = getattr(module, "bias", None)
         bias = None if bias is None else bias.detach().clone()
         transposed = not isinstance(module, nn.Linear)
-        return cls(encode(w.contiguous()), bias, transposed=transposed)
+        sl = cls(encode(w.contiguous()), bias, transposed=transposed)
+        from sparsekit.packed.sp24 import tile_census
+
+        sl.tile_census = tile_census(w)    # as encode records it: the dispatch plan's 2:4 choice reads it
+        return sl
 
     # the packed weight ----------------------------------------------------------------------
     @property
