@@ -52,15 +52,24 @@ def _build():
     return kernel
 
 
-def tcabme_decode(w) -> torch.Tensor:
-    """The dense ``[M, K]`` weight of a CUDA TCA-BME weight ``w`` (bit-exact, in its values' dtype)."""
+def tcabme_decode(w, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The dense ``[M, K]`` weight of a CUDA TCA-BME weight ``w`` (bit-exact, in its values' dtype), on
+    torch's current stream. ``out``: a contiguous buffer of the values' dtype with at least
+    ``padded_numel(w)`` elements to write into (the result is a view of it, rows padded to a multiple of 64
+    columns); else a new tensor."""
     from . import launch
 
     if not _KERNEL:
         _KERNEL.append(_build())
     m, k = w.shape
     gm, gk = w.grid
-    out = torch.empty((gm * 64, gk * 64), dtype=w.values.dtype, device=w.values.device)
+    if out is None:
+        out = torch.empty((gm * 64, gk * 64), dtype=w.values.dtype, device=w.values.device)
+    else:
+        if out.dtype != w.values.dtype or not out.is_contiguous() or out.numel() < gm * gk * 4096:
+            raise ValueError(f"tcabme_decode: out must be a contiguous {w.values.dtype} buffer of at least "
+                             f"{gm * gk * 4096} elements")
+        out = out.reshape(-1)[: gm * gk * 4096].view(gm * 64, gk * 64)
     if gm * gk and w.values.numel():
         launch.launch_tensors(_KERNEL[0], gm * gk, THREADS,
                               (w.bitmaps.view(torch.int64), w.values.view(torch.int16), w.strip_offsets,
@@ -69,3 +78,9 @@ def tcabme_decode(w) -> torch.Tensor:
     else:
         out.zero_()
     return out[:m, :k]
+
+
+def padded_numel(w) -> int:
+    """Elements of the decoded weight padded to whole 64x64 tiles (what ``tcabme_decode`` writes)."""
+    gm, gk = w.grid
+    return gm * gk * 4096
