@@ -145,3 +145,40 @@ def make_tile_end(TILE: int, ROWS: int, THREADS: int, SK: bool):
         _syncthreads()
 
     return tile_end
+
+
+@_device
+def sk_piece(u, uend, GK, nch, NT):
+    """Stream-K: the segment that starts at unit ``u`` of a range ending at ``uend``: ``(tt, k0, nst, rb, n0)``
+    = output tile, its first column, columns, row block, first token (``kernels/work.py``; tiles in order
+    of row block, then token chunk of ``NT``)."""
+    tt = u // GK
+    k0 = u - tt * GK
+    nst = min(GK - k0, uend - u)
+    rb = tt // nch
+    return tt, k0, nst, rb, (tt - rb * nch) * NT
+
+
+@_device
+def split_piece(b, GK, PER, nch, NT):
+    """K split: block ``b``'s one segment, as ``sk_piece``: split ``b % ksn`` (``PER`` columns, the last
+    split shorter) of output tile ``b // ksn``; a tile's splits are neighbouring blocks."""
+    ksn = (GK + PER - 1) // PER
+    tt = b // ksn
+    k0 = (b - tt * ksn) * PER
+    rb = tt // nch
+    return tt, k0, min(PER, GK - k0), rb, (tt - rb * nch) * NT
+
+
+@_device
+def sk_sharers(tt, GK, PER):
+    """Stream-K: the blocks ``(q0, q1)`` whose ranges of ``PER`` units touch output tile ``tt`` (computed after
+    the segment's step loop: fewer live registers in it)."""
+    return (tt * GK) // PER, (tt * GK + GK - 1) // PER
+
+
+@_device
+def split_sharers(tt, GK, PER):
+    """K split: the blocks ``(q0, q1)`` of output tile ``tt``'s ``ceil(GK / PER)`` splits."""
+    ksn = (GK + PER - 1) // PER
+    return tt * ksn, tt * ksn + ksn - 1

@@ -36,7 +36,7 @@ from numba import cuda
 from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, shfl_idx
 from ._sp_intrinsics import cp16, cp_commit, cp_wait3, cp_wait4, cp_wait5, cp_wait6, ldmatrix_x4, mma_k32, mma_sp
 from ._warp_intrinsics import byte_addr, lds128b, lds32b
-from .block import dynamic_smem, make_tile_end, thread_ids
+from .block import dynamic_smem, make_tile_end, sk_piece, sk_sharers, split_piece, split_sharers, thread_ids
 from .sp24_plan import SLOTS, XS, stage_bytes
 from .sp24_plan import rows_smem_bytes as smem_bytes  # noqa: F401 - the kernel's shared layout
 from sparsekit.packed.sp24 import DENSE_STRIP_WORDS, DENSE_TILE_WORDS, SP_STRIP_WORDS, SP_TILE_WORDS, SP_VALUE_WORDS
@@ -246,26 +246,17 @@ def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int, SK: bool):
             u = ustart
             uend = min(((M + 64 * R - 1) // (64 * R)) * nch * GK, ustart + PER)   # block-uniform
             while u < uend:
-                tt = u // GK                # one segment: columns k0 .. k0+nst-1 of output tile tt
-                k0 = u - tt * GK
-                nst = min(GK - k0, uend - u)
-                rb = tt // nch
-                n0 = (tt - rb * nch) * NT
-                segment(dense, sp, tiles, x, df, d64, d32, scr, tid, warp, lane, g, t, ring, xlm, aoff, M, N, GK,
-                        ldx, rb, n0, k0, nst)
-                tile_end(df, y, ws, cnt, flag, tid, M, N, rb * ROWS, n0, tt, GK, PER, b, u == ustart, nst,
-                         (tt * GK) // PER, (tt * GK + GK - 1) // PER)
+                tt, k0, nst, rb, n0 = sk_piece(u, uend, GK, nch, NT)
+                segment(dense, sp, tiles, x, df, d64, d32, scr, tid, warp, lane, g, t, ring, xlm, aoff, M, N,
+                        GK, ldx, rb, n0, k0, nst)
+                q0, q1 = sk_sharers(tt, GK, PER)
+                tile_end(df, y, ws, cnt, flag, tid, M, N, rb * ROWS, n0, tt, GK, PER, b, u == ustart, nst, q0, q1)
                 u += nst
         else:
-            ksn = (GK + PER - 1) // PER     # block b: split b % ksn (columns from k0, the last one shorter)
-            tt = b // ksn                   # of output tile b // ksn; a tile's splits are neighbours
-            k0 = (b - tt * ksn) * PER
-            rb = tt // nch
-            n0 = (tt - rb * nch) * NT
-            nst = min(PER, GK - k0)
+            tt, k0, nst, rb, n0 = split_piece(b, GK, PER, nch, NT)
             segment(dense, sp, tiles, x, df, d64, d32, scr, tid, warp, lane, g, t, ring, xlm, aoff, M, N, GK,
                     ldx, rb, n0, k0, nst)
-            tile_end(df, y, ws, cnt, flag, tid, M, N, rb * ROWS, n0, tt, GK, PER, b, True, nst, tt * ksn,
-                     tt * ksn + ksn - 1)
+            q0, q1 = split_sharers(tt, GK, PER)
+            tile_end(df, y, ws, cnt, flag, tid, M, N, rb * ROWS, n0, tt, GK, PER, b, True, nst, q0, q1)
 
     return kernel

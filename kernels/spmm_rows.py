@@ -36,7 +36,7 @@ from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, mma, 
 from ._sp_intrinsics import cp_wait3, cp_wait4, cp_wait5, cp_wait6, ldmatrix_x4
 from ._rows_intrinsics import make_x_issue
 from ._warp_intrinsics import byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_counts, sts64b
-from .block import dynamic_smem, make_tile_end, thread_ids
+from .block import dynamic_smem, make_tile_end, sk_piece, sk_sharers, split_piece, split_sharers, thread_ids
 from .plan import ROWS_HEADER_BYTES, ROWS_STRIP_BYTES, ROWS_TABLE_BYTES, ROWS_VALUE_BYTES, XROW_BYTES
 from .plan import rows_smem_bytes as smem_bytes  # noqa: F401 - the kernel's shared layout
 from .plan import rows_stage_bytes
@@ -245,26 +245,17 @@ def _build(NT: int, STAGES: int, CMAX: int, MAXREG: int, SK: bool):
             u = ustart
             uend = min(((M + 63) // 64) * nch * GK, ustart + PER)   # block-uniform
             while u < uend:
-                tt = u // GK                # one segment: columns k0 .. k0+nst-1 of output tile tt
-                k0 = u - tt * GK
-                nst = min(GK - k0, uend - u)
-                rb = tt // nch
-                n0 = (tt - rb * nch) * NT
-                segment(bm, vals, goff, soff, x, df, d64, d32, scr, tid, warp, lane, g, t, GK, N, ldxb, rb, n0,
-                        k0, nst)
-                tile_end(df, y, ws, cnt, flag, tid, M, N, rb * 64, n0, tt, GK, PER, b, u == ustart, nst,
-                         (tt * GK) // PER, (tt * GK + GK - 1) // PER)
+                tt, k0, nst, rb, n0 = sk_piece(u, uend, GK, nch, NT)
+                segment(bm, vals, goff, soff, x, df, d64, d32, scr, tid, warp, lane, g, t, GK, N, ldxb, rb,
+                        n0, k0, nst)
+                q0, q1 = sk_sharers(tt, GK, PER)
+                tile_end(df, y, ws, cnt, flag, tid, M, N, rb * 64, n0, tt, GK, PER, b, u == ustart, nst, q0, q1)
                 u += nst
         else:
-            ksn = (GK + PER - 1) // PER     # block b: split b % ksn (columns from k0, the last one shorter)
-            tt = b // ksn                   # of output tile b // ksn; a tile's splits are neighbours
-            k0 = (b - tt * ksn) * PER
-            rb = tt // nch
-            n0 = (tt - rb * nch) * NT
-            nst = min(PER, GK - k0)
-            segment(bm, vals, goff, soff, x, df, d64, d32, scr, tid, warp, lane, g, t, GK, N, ldxb, rb, n0, k0,
-                    nst)
-            tile_end(df, y, ws, cnt, flag, tid, M, N, rb * 64, n0, tt, GK, PER, b, True, nst, tt * ksn,
-                     tt * ksn + ksn - 1)
+            tt, k0, nst, rb, n0 = split_piece(b, GK, PER, nch, NT)
+            segment(bm, vals, goff, soff, x, df, d64, d32, scr, tid, warp, lane, g, t, GK, N, ldxb, rb, n0,
+                    k0, nst)
+            q0, q1 = split_sharers(tt, GK, PER)
+            tile_end(df, y, ws, cnt, flag, tid, M, N, rb * 64, n0, tt, GK, PER, b, True, nst, q0, q1)
 
     return kernel

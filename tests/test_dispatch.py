@@ -195,3 +195,20 @@ def test_2of4_layers_without_a_census_are_named_once(monkeypatch):
     fake_timings(monkeypatch, {(64, 128): [(1, 3.0, 2.0)], (128, 64): [(1, 3.0, 2.0)]})
     rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1,), cache=False)
     assert "3 2:4 layers carry no tile census" in rep["sp24_note"] and "re-encode" in rep["sp24_note"]
+
+
+def test_a_2of4_kernel_that_fails_its_self_test_is_one_note_and_tcabme_stays(monkeypatch):
+    from sparsekit.runtime import sp24 as rt_sp24
+
+    def broken(model, only=None):
+        raise SparsekitError("the 2:4 kernel cannot run on cuda:0 (mma.sp: illegal instruction): leave the layers on TCA-BME")
+
+    monkeypatch.setattr(rt_sp24, "enable_sp24", broken)
+    monkeypatch.setenv("SPARSEKIT_STRICT", "0")        # a user's run: one note, no error
+    model = sp24_model()
+    fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0)], (128, 64): [(1, 1.0, 2.0)]})
+    rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1,), cache=False)
+    assert "cannot run" in rep["sp24_note"] and all(m.form == "tcabme" for m in model.values())
+    monkeypatch.setenv("SPARSEKIT_STRICT", "1")
+    with pytest.raises(SparsekitError, match="cannot run"):
+        dispatch.plan_dispatch(sp24_model(), prefer="speed", token_counts=(1,), cache=False)
