@@ -164,7 +164,7 @@ def test_2of4_layers_get_the_2of4_kernel_where_it_beats_tcabme(monkeypatch):
     timed = []
     monkeypatch.setattr(dispatch, "time_sp24", lambda mods, n: timed.append(n) or
                         sp24_ms[(mods[0].out_features, mods[0].in_features)][n])   # a pass, like time_group
-    rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1, 8, 16, 32), cache=False)
+    rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1, 8, 16, 32), cache=False, sp24=True)
     by = {(tuple(g["shape"]), g["layers"]): g for g in rep["groups"]}
     ab, c, u = by[((64, 128), 2)], by[((128, 64), 1)], by[((64, 128), 1)]
     assert ab["sp24_max_n"] == 8 and ab["sparse_max_n"] == 16          # 2:4 to 8, TCA-BME to 16 (1.8 < 2.0)
@@ -179,13 +179,15 @@ def test_2of4_layers_get_the_2of4_kernel_where_it_beats_tcabme(monkeypatch):
 
 
 def test_prefer_memory_and_sp24_off_make_no_layout(monkeypatch):
-    for kw in (dict(prefer="memory"), dict(prefer="speed", sp24=False)):
+    for kw in (dict(prefer="memory", sp24=True), dict(prefer="speed", sp24=False), dict(prefer="speed")):
         model = sp24_model()
         fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0), (8, 3.0, 2.0)], (128, 64): [(1, 1.0, 2.0), (8, 3.0, 2.0)]})
         monkeypatch.setattr(dispatch, "time_sp24", lambda mods, n: pytest.fail("timed the 2:4 kernel"))
         rep = dispatch.plan_dispatch(model, token_counts=(1, 8), cache=False, **kw)
         assert all(m.form == "tcabme" for m in model.values() if isinstance(m, SparseLinear))
         assert rep["sp24_layout_bytes"] == 0
+        if kw == dict(prefer="speed"):          # opt-in for now: said in one note
+            assert "3 2:4/hybrid layers stay on the TCA-BME kernel" in rep["sp24_note"] and "SPARSEKIT_SP24=1" in rep["sp24_note"]
 
 
 def test_2of4_layers_without_a_census_are_named_once(monkeypatch):
@@ -193,7 +195,7 @@ def test_2of4_layers_without_a_census_are_named_once(monkeypatch):
     for m in model.values():
         m.tile_census = None
     fake_timings(monkeypatch, {(64, 128): [(1, 3.0, 2.0)], (128, 64): [(1, 3.0, 2.0)]})
-    rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1,), cache=False)
+    rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1,), cache=False, sp24=True)
     assert "3 2:4 layers carry no tile census" in rep["sp24_note"] and "re-encode" in rep["sp24_note"]
 
 
@@ -207,6 +209,7 @@ def test_a_2of4_kernel_that_fails_its_self_test_is_one_note_and_tcabme_stays(mon
     monkeypatch.setenv("SPARSEKIT_STRICT", "0")        # a user's run: one note, no error
     model = sp24_model()
     fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0)], (128, 64): [(1, 1.0, 2.0)]})
+    monkeypatch.setenv("SPARSEKIT_SP24", "1")
     rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1,), cache=False)
     assert "cannot run" in rep["sp24_note"] and all(m.form == "tcabme" for m in model.values())
     monkeypatch.setenv("SPARSEKIT_STRICT", "1")

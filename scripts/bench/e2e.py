@@ -144,7 +144,8 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--sparsity", type=float, default=0.5, help="hybrid: the overall sparsity (0.35: 70%% of tiles 2:4)")
     ap.add_argument("--pattern", choices=("unstructured", "2:4", "hybrid"), default="unstructured",
-                    help="2:4 and hybrid layers may take the 2:4 kernel where it measures faster (--prefer speed)")
+                    help="2:4 and hybrid layers may take the 2:4 kernel where it measures faster (--prefer speed; "
+                         "on here without SPARSEKIT_SP24)")
     ap.add_argument("--batch-sizes", default="1,8,16,32")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -208,7 +209,8 @@ def main() -> int:
         if args.prefer == "none":
             return
         t = time.perf_counter()
-        plans[label] = plan_dispatch(model, prefer=args.prefer, token_counts=sorted(set(TOKEN_COUNTS) | set(batches)))
+        plans[label] = plan_dispatch(model, prefer=args.prefer, token_counts=sorted(set(TOKEN_COUNTS) | set(batches)),
+                                     sp24=args.pattern != "unstructured")
         sizes[label] = model_bytes(model) / 2**30
         print(f"dispatch ({args.prefer}) in {time.perf_counter() - t:.1f} s: "
               + "; ".join(f"{g['shape'][0]}x{g['shape'][1]} {g['form']}" for g in plans[label]["groups"])

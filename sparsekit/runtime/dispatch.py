@@ -13,7 +13,7 @@ crossover (prefill included), so no layer runs slower than dense; that costs mem
 report gives. ``prefer="memory"``: nothing changes (packed weights only; above ``dense_above`` tokens
 a layer decodes its weight with one kernel and runs cuBLAS): the report still shows where dense would win.
 
-**2:4 and hybrid layers** (issue 22): with ``prefer="speed"``, a layer whose encode-time tile census
+**2:4 and hybrid layers** (issue 22; opt-in, ``SPARSEKIT_SP24=1`` or ``sp24=True``): with ``prefer="speed"``, a layer whose encode-time tile census
 (``packed.sp24.tile_census``) says every 64x64 tile is 2:4 or dense also gets its 2:4 tile-mosaic layout
 (``runtime.sp24``), and its group is timed on that kernel too. It runs the 2:4 kernel up to the largest
 token count where that beats the TCA-BME kernel at that count and every smaller one, TCA-BME above it
@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sparsekit.errors import SparsekitError, strict_mode
+from sparsekit.packed.sp24 import census_fits
 from sparsekit.hf.modules import set_submodule
 from sparsekit.progress import Progress, report
 from sparsekit.runtime import dispatch_cache
@@ -83,11 +84,20 @@ def _best_rows(rows: list[dict]) -> list[dict]:
             for r in rows]
 
 
+def sp24_wanted() -> bool:
+    """``SPARSEKIT_SP24=1``: the dispatch plan tries the 2:4 kernel on 2:4 and hybrid layers (opt-in for now)."""
+    import os
+
+    raw = os.environ.get("SPARSEKIT_SP24", "0") or "0"
+    if raw not in ("0", "1"):
+        raise SparsekitError(f"SPARSEKIT_SP24={raw!r}: set it to 1 (try the 2:4 kernel) or 0")
+    return raw == "1"
+
+
 def make_sp24_layouts(model: nn.Module, names: dict[str, SparseLinear]) -> dict[str, Any]:
     """Give the layers whose recorded tile census fits the 2:4 layout (``packed.sp24.census_fits``) their
     layout; returns ``{"layers": n, "bytes": b}``, plus ``"note"`` (one line) when layers of a 2:4 or
     hybrid pattern carry no census (an older encode: re-encode to use the 2:4 kernel)."""
-    from sparsekit.packed.sp24 import census_fits
     from sparsekit.runtime.sp24 import enable_sp24
 
     fits = {n: m for n, m in names.items() if census_fits(m.tile_census) and m.values.dtype == torch.float16}
@@ -131,12 +141,15 @@ def kernels_usable(mods: list[SparseLinear]) -> bool:
 
 
 def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN_COUNTS,
-                  progress: Progress | None = None, cache: bool = True, sp24: bool = True) -> dict[str, Any]:
+                  progress: Progress | None = None, cache: bool = True, sp24: bool | None = None) -> dict[str, Any]:
     """Measure and set, for every ``SparseLinear`` of ``model`` (on a CUDA GPU), the largest token count
     that runs the sparse kernel; apply ``prefer`` above it (see the module docstring). Returns a report:
     per group the timings (up to the first token count where dense wins) and the choice, the layers that run dense and why, and the bytes of the
-    dense copies kept. ``sp24=False`` leaves 2:4 and hybrid layers on the TCA-BME kernel."""
+    dense copies kept. ``sp24``: give 2:4 and hybrid layers the 2:4 kernel where it wins (None: as
+    ``SPARSEKIT_SP24`` says, off unless ``1``, until a GPU session has run it in the decode step end to end)."""
     check_prefer(prefer)
+    if sp24 is None:
+        sp24 = sp24_wanted()
     names = {name: m for name, m in model.named_modules() if isinstance(m, SparseLinear)}
     out: dict[str, Any] = {"prefer": prefer, "token_counts": list(token_counts), "groups": [],
                            "dense_layers": {}, "dense_copy_bytes": 0, "sp24_layout_bytes": 0}
@@ -149,6 +162,11 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
         made = make_sp24_layouts(model, names)
         if made.get("note"):
             out["sp24_note"] = made["note"]
+    elif prefer == "speed":
+        n24 = sum(census_fits(m.tile_census) is True for m in names.values())
+        if n24:
+            out["sp24_note"] = (f"{n24} 2:4/hybrid layers stay on the TCA-BME kernel: the 2:4 kernel path is opt-in "
+                                "(SPARSEKIT_SP24=1) until it has run end to end on a GPU")
     groups: dict[tuple, list[str]] = {}
     for name, m in names.items():
         groups.setdefault(_group_key(m), []).append(name)
