@@ -56,3 +56,20 @@ def test_enable_attaches_one_pipeline_and_moving_the_model_drops_it():
     model.to(torch.float32)
     assert all(m.prefill_pipeline is None for m in model)
     assert enable_prefill_pipeline(nn.Sequential(nn.Linear(4, 4))) is None
+
+
+def test_the_loader_attaches_it_only_when_asked(monkeypatch):
+    from sparsekit.errors import SparsekitError
+    from sparsekit.runtime.prefill import prefill_ahead_wanted
+
+    monkeypatch.delenv("SPARSEKIT_PREFILL_AHEAD", raising=False)
+    assert prefill_ahead_wanted() is False
+    monkeypatch.setenv("SPARSEKIT_PREFILL_AHEAD", "1")
+    assert prefill_ahead_wanted() is True
+    monkeypatch.setenv("SPARSEKIT_PREFILL_AHEAD", "yes")
+    try:
+        prefill_ahead_wanted()
+    except SparsekitError as e:
+        assert "SPARSEKIT_PREFILL_AHEAD='yes'" in str(e)
+    else:
+        raise AssertionError("a bad value must be one error line")

@@ -19,7 +19,8 @@ other.
 - Memory: two buffers of the largest padded weight (7B shapes: 2 x 86 MB), allocated at the first use.
 
 On the CPU (tests) the same bookkeeping runs with no stream: every decode is immediate.
-Used in eager prefill only (never inside ``torch.compile`` or a CUDA-graph capture).
+Used in eager prefill only (never inside ``torch.compile`` or a CUDA-graph capture). The loader attaches
+it with ``SPARSEKIT_PREFILL_AHEAD=1`` (opt-in until ``scripts/checks/gpu_prefill.py`` has checked it on a GPU).
 """
 from __future__ import annotations
 
@@ -143,6 +144,18 @@ def _decode_into(layer, buf: torch.Tensor) -> torch.Tensor:
     view = buf[: m * k].view(m, k)
     view.copy_(decode(p))
     return view
+
+
+def prefill_ahead_wanted() -> bool:
+    """``SPARSEKIT_PREFILL_AHEAD=1``: the loader attaches a pipeline (opt-in for now)."""
+    import os
+
+    from sparsekit.errors import SparsekitError
+
+    raw = os.environ.get("SPARSEKIT_PREFILL_AHEAD", "0") or "0"
+    if raw not in ("0", "1"):
+        raise SparsekitError(f"SPARSEKIT_PREFILL_AHEAD={raw!r}: set it to 1 (decode one layer ahead) or 0")
+    return raw == "1"
 
 
 def enable_prefill_pipeline(model: nn.Module) -> PrefillPipeline | None:
