@@ -29,6 +29,7 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 import sys
 import time
 
@@ -134,6 +135,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-overlap", action="store_true", help="move layers synchronously (no background copies)")
     ap.add_argument("--warmup", action="store_true", help="run the first (shape, method) once untimed first")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run the methods this many times, interleaved (a, b, a, b, ...), and report each one's median "
+                         "total_s (ratios of single runs move by +-10%% on a GPU)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--ratios", action="store_true", help="print each method's time over sparsegpt's and +owl's over its base")
     ap.add_argument("--disk", action="store_true", help="disk-backed mode: write checkpoints, prune them from disk")
@@ -163,11 +167,22 @@ def main(argv=None) -> int:
     if args.warmup:
         run_one(args.shape[0], args.methods[0], args.pattern, 8, min(args.seqlen, 512), args.device, args.batch_size,
                 layers=args.layers)
+    if args.repeats < 1:
+        print("--repeats must be 1 or more", file=sys.stderr)
+        return 2
     for shape in args.shape:
-        for method in args.methods:
-            r = run_one(shape, method, args.pattern, args.nsamples, args.seqlen, args.device, args.batch_size,
-                        overlap=not args.no_overlap, layers=args.layers)
-            print(json.dumps(r), flush=True)
+        runs: dict[str, list] = {m: [] for m in args.methods}
+        for _ in range(args.repeats):
+            for method in args.methods:
+                r = run_one(shape, method, args.pattern, args.nsamples, args.seqlen, args.device, args.batch_size,
+                            overlap=not args.no_overlap, layers=args.layers)
+                print(json.dumps(r), flush=True)
+                runs[method].append(r)
+        for method, rs in runs.items():
+            r = dict(rs[0])
+            if len(rs) > 1:
+                r["runs_total_s"] = [x["total_s"] for x in rs]
+                r["total_s"] = round(statistics.median(r["runs_total_s"]), 3)
             results.append(r)
     if args.ratios:
         for r in results:

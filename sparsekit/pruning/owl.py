@@ -72,7 +72,7 @@ def outlier_ratio(scores: Iterable[torch.Tensor], m: float) -> float:
     total = sum(s.numel() for s in scores)
     if not total:
         return 0.0
-    mean = sum(float(s.double().sum()) for s in scores) / total
+    mean = sum(float(s.sum(dtype=torch.float64)) for s in scores) / total   # no float64 copy of the scores
     above = sum(int((s > m * mean).sum()) for s in scores)
     return 100.0 * above / total
 
