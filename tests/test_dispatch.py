@@ -215,3 +215,17 @@ def test_a_2of4_kernel_that_fails_its_self_test_is_one_note_and_tcabme_stays(mon
     monkeypatch.setenv("SPARSEKIT_STRICT", "1")
     with pytest.raises(SparsekitError, match="cannot run"):
         dispatch.plan_dispatch(sp24_model(), prefer="speed", token_counts=(1,), cache=False)
+
+
+def test_the_crossover_counts_the_kernel_each_token_count_really_runs(monkeypatch):
+    """2:4 wins at N=1 only; at N=16 it would beat dense but TCA-BME, which the layer runs there, does not:
+    the layer goes dense above N=8, not above 16."""
+    model = sp24_model()
+    fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0), (8, 1.5, 2.0), (16, 2.5, 2.0)],
+                               (128, 64): [(1, 3.0, 2.0), (8, 3.0, 2.0), (16, 3.0, 2.0)]})
+    sp = {1: 0.5, 8: 1.8, 16: 1.9}
+    monkeypatch.setattr(dispatch, "time_sp24", lambda mods, n: sp[n])
+    rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1, 8, 16), cache=False, sp24=True)
+    ab = next(g for g in rep["groups"] if g["layers"] == 2)
+    assert (ab["sp24_max_n"], ab["sparse_max_n"]) == (1, 8)
+    assert model["a"].sp24_max_n == 1 and model["a"].dense_above == 8

@@ -84,6 +84,12 @@ def _best_rows(rows: list[dict]) -> list[dict]:
             for r in rows]
 
 
+def _run_rows(rows: list[dict], sp24_n: int) -> list[dict]:
+    """``rows`` with ``sparse_ms`` the time of the kernel a layer runs at each count: the 2:4 kernel up to
+    ``sp24_n``, TCA-BME above."""
+    return [dict(r, sparse_ms=r["sp24_ms"]) if r["n"] <= sp24_n else r for r in rows]
+
+
 def sp24_wanted() -> bool:
     """``SPARSEKIT_SP24=1``: the dispatch plan tries the 2:4 kernel on 2:4 and hybrid layers (opt-in for now)."""
     import os
@@ -182,8 +188,9 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
             rows = stored[ckey] = _measure_group(mods[:COPIES], counts, key[4])
         else:
             hits += 1
-        max_n = crossover(_best_rows(rows))
-        sp24_n = min(sp24_prefix(rows), max_n) if key[4] else 0
+        sp24_n = sp24_prefix(rows) if key[4] else 0
+        max_n = crossover(_run_rows(rows, sp24_n))     # against dense: the kernel each count really runs
+        sp24_n = min(sp24_n, max_n)
         entry = {"shape": [key[0], key[1]], "sparsity": key[2], "layers": len(members), "sparse_max_n": max_n,
                  "timings": rows}
         if key[4]:
@@ -196,7 +203,7 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
                     m.use_sp24(None)     # the TCA-BME kernel wins at the smallest count: give the layout back
         if max_n == 0 and prefer == "speed":
             entry["form"] = "dense"
-            first = _best_rows(rows)[0]
+            first = _run_rows(rows, sp24_n)[0]
             why = (f"the sparse kernel is slower at every token count "
                    f"({first['dense_ms'] / first['sparse_ms']:.2f}x cuBLAS at N={counts[0]})")
             for name in members:
