@@ -59,8 +59,11 @@ class PrefillPipeline:
             self.bufs = [torch.empty(self.numel, dtype=dtype, device=self.device) for _ in range(2)]
             self.used = [None, None]
             self.pending = None
-            if self.device.type == "cuda" and self.side is None:
-                self.side = torch.cuda.Stream(self.device)
+            if self.device.type == "cuda":
+                if self.side is None:
+                    self.side = torch.cuda.Stream(self.device)
+                for b in self.bufs:               # freed later, they wait for the side stream's work too
+                    b.record_stream(self.side)
 
     def _decode(self, layer, slot: int) -> torch.Tensor:
         """Decode ``layer`` into buffer ``slot`` on the current stream; the ``[out, in]`` view."""
