@@ -63,7 +63,7 @@ def _rel_err(p, w, x, **knobs):
         (64, 64, 1, 0.5, {}),                                  # one tile row, one step, one token
         (100, 200, 7, 0.3, {}),                                # M and K padding (70% pruned), 2 row blocks
         (64, 192, 9, 0.5, dict(splits=3)),                     # 2 mma blocks; 3 splits of one column each
-        (130, 130, 17, "2:4", dict(tokens=8, stages=2)),       # 3 token chunks, 3 row blocks (rotated starts)
+        (130, 130, 9, "2:4", dict(tokens=8, stages=2)),        # 2 token chunks, 3 row blocks (rotated starts)
         (64, 320, 33, "strips", dict(tokens=32, stages=3)),    # zero/dense/50%/2:4/70% strips; ring wraps; 2 chunks
         (48, 136, 64, 1.0, {}),                                # dense strips (the widest value copies)
         (16, 64, 70, 0.5, dict(tokens=64)),                    # 2 chunks of 64, the last one 6 rows
@@ -91,7 +91,7 @@ def test_split_k_twice_resets_its_counters():
     """Each call twice with new inputs: a counter left non-zero by the last block of an output tile would
     elect no block to write that tile on the second call (its outputs stay NaN)."""
     splits = 3
-    w, g = _weight(128, 448, 0.5, seed=splits)
+    w, g = _weight(64, 448, 0.5, seed=splits)
     p = encode(w)
     for _ in range(2):
         x = torch.randn(3, 448, generator=g).half()
@@ -100,8 +100,9 @@ def test_split_k_twice_resets_its_counters():
 
 def test_more_than_32_steps_reload_the_offset_window():
     """34 GroupTile columns in one split: lane l holds the offsets of steps l and 32 + l; steps 32 and 33
-    come from the window loaded 32 steps ahead (rotated start: block 1 begins at step 1)."""
-    w, g = _weight(128, 64 * 34, 0.5, seed=5)
+    come from the window loaded 32 steps ahead. (The window is indexed by step, not by column, so the
+    rotated starts of other row blocks, covered above, do not change it: one row block here.)"""
+    w, g = _weight(64, 64 * 34, 0.5, seed=5)
     x = torch.randn(1, 64 * 34, generator=g).half()
     assert _rel_err(encode(w), w, x, splits=1, stages=2) < 1e-3
 
