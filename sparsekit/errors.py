@@ -16,11 +16,17 @@ class SparsekitWarning(UserWarning):
     ``warning: <message>`` on stderr, without a source location."""
 
 
+def env_switch(name: str, what: str) -> bool:
+    """An on/off environment variable: ``1`` on, unset, empty or ``0`` off, anything else one error line
+    (``what`` says what ``1`` does)."""
+    raw = os.environ.get(name, "")
+    if raw not in ("", "0", "1"):
+        raise SparsekitError(f"{name}={raw!r}: set it to 1 ({what}) or 0")
+    return raw == "1"
+
+
 def strict_mode() -> bool:
     """``SPARSEKIT_STRICT=1``: a faster path that cannot be used (compiling the decode step, its CUDA
     graph, the static decoder, the CATS kernels) is an error instead of a fallback with a one-line note.
     The tests and the benchmark scripts set it, so a lost feature cannot hide in their numbers."""
-    raw = os.environ.get("SPARSEKIT_STRICT", "")
-    if raw not in ("", "0", "1"):
-        raise SparsekitError(f"SPARSEKIT_STRICT={raw!r}: set it to 1 (no fallbacks) or 0")
-    return raw == "1"
+    return env_switch("SPARSEKIT_STRICT", "no fallbacks")

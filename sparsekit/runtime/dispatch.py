@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sparsekit.errors import SparsekitError, strict_mode
+from sparsekit.errors import SparsekitError, env_switch, strict_mode
 from sparsekit.packed.sp24 import census_fits
 from sparsekit.hf.modules import set_submodule
 from sparsekit.progress import Progress, report
@@ -79,7 +79,8 @@ def sp24_prefix(rows: list[dict]) -> int:
 
 
 def _best_rows(rows: list[dict]) -> list[dict]:
-    """``rows`` with ``sparse_ms`` the faster of the two sparse kernels (what the layer runs at each count)."""
+    """``rows`` with ``sparse_ms`` the faster of the two sparse kernels (when to stop timing: once dense
+    beats both; what a layer then runs is ``_run_rows``)."""
     return [dict(r, sparse_ms=min(r["sparse_ms"], r["sp24_ms"])) if r.get("sp24_ms") is not None else r
             for r in rows]
 
@@ -92,26 +93,21 @@ def _run_rows(rows: list[dict], sp24_n: int) -> list[dict]:
 
 def sp24_wanted() -> bool:
     """``SPARSEKIT_SP24=1``: the dispatch plan tries the 2:4 kernel on 2:4 and hybrid layers (opt-in for now)."""
-    import os
-
-    raw = os.environ.get("SPARSEKIT_SP24", "0") or "0"
-    if raw not in ("0", "1"):
-        raise SparsekitError(f"SPARSEKIT_SP24={raw!r}: set it to 1 (try the 2:4 kernel) or 0")
-    return raw == "1"
+    return env_switch("SPARSEKIT_SP24", "try the 2:4 kernel")
 
 
-def make_sp24_layouts(model: nn.Module, names: dict[str, SparseLinear]) -> dict[str, Any]:
+def make_sp24_layouts(model: nn.Module, names: dict[str, SparseLinear]) -> str | None:
     """Give the layers whose recorded tile census fits the 2:4 layout (``packed.sp24.census_fits``) their
-    layout; returns ``{"layers": n, "bytes": b}``, plus ``"note"`` (one line) when layers of a 2:4 or
-    hybrid pattern carry no census (an older encode: re-encode to use the 2:4 kernel)."""
+    layout. Returns one note line, or None: the 2:4 kernel failed its self-test here (an error under
+    ``SPARSEKIT_STRICT=1``), or layers of a 2:4 or hybrid pattern carry no census (an older encode)."""
     from sparsekit.runtime.sp24 import enable_sp24
 
     fits = {n: m for n, m in names.items() if census_fits(m.tile_census) and m.values.dtype == torch.float16}
-    out: dict[str, Any] = {"layers": 0, "bytes": 0}
+    note = None
     unknown = [n for n, m in names.items() if m.tile_census is None and m.pattern in ("2:4", "hybrid")]
     if unknown:
-        out["note"] = (f"{len(unknown)} {names[unknown[0]].pattern} layers carry no tile census (encoded by an older "
-                       "sparsekit): they stay on the TCA-BME kernel; re-encode to let the 2:4 kernel take them")
+        note = (f"{len(unknown)} {names[unknown[0]].pattern} layers carry no tile census (encoded by an older "
+                "sparsekit): they stay on the TCA-BME kernel; re-encode to let the 2:4 kernel take them")
     if fits:
         try:
             enable_sp24(model, only=set(fits))
@@ -120,13 +116,8 @@ def make_sp24_layouts(model: nn.Module, names: dict[str, SparseLinear]) -> dict[
                 raise
             for m in fits.values():
                 m.use_sp24(None)
-            out["note"] = f"{e} (all {len(fits)} such layers)"
-            return out
-        for m in fits.values():
-            if m.form == "sp24":
-                out["layers"] += 1
-                out["bytes"] += m.sp24_bytes()
-    return out
+            note = f"{e} (all {len(fits)} such layers)"
+    return note
 
 
 def crossover(rows: list[dict], margin: float = MARGIN) -> int:
@@ -165,9 +156,9 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
         out["skipped"] = "no usable GPU kernels: the sparse layers keep the reference path"
         return out
     if sp24 and prefer == "speed":
-        made = make_sp24_layouts(model, names)
-        if made.get("note"):
-            out["sp24_note"] = made["note"]
+        note = make_sp24_layouts(model, names)
+        if note:
+            out["sp24_note"] = note
     elif prefer == "speed":
         n24 = sum(census_fits(m.tile_census) is True for m in names.values())
         if n24:

@@ -151,14 +151,9 @@ def _decode_into(layer, buf: torch.Tensor) -> torch.Tensor:
 
 def prefill_ahead_wanted() -> bool:
     """``SPARSEKIT_PREFILL_AHEAD=1``: the loader attaches a pipeline (opt-in for now)."""
-    import os
+    from sparsekit.errors import env_switch
 
-    from sparsekit.errors import SparsekitError
-
-    raw = os.environ.get("SPARSEKIT_PREFILL_AHEAD", "0") or "0"
-    if raw not in ("0", "1"):
-        raise SparsekitError(f"SPARSEKIT_PREFILL_AHEAD={raw!r}: set it to 1 (decode one layer ahead) or 0")
-    return raw == "1"
+    return env_switch("SPARSEKIT_PREFILL_AHEAD", "decode one layer ahead")
 
 
 def enable_prefill_pipeline(model: nn.Module) -> PrefillPipeline | None:

@@ -5,9 +5,9 @@ all 2:4 or dense (``sparsekit.packed.sp24``) and keeps the layout beside it (non
 nothing changes on disk). Those layers then run ``sparsekit.kernels.sp24.sp24_matmul`` (``mma.sp`` on
 2:4 tiles, ``mma.sync`` on dense ones) on a GPU wherever they would run the TCA-BME kernel (fp16, at
 most ``dense_above`` tokens) up to ``SparseLinear.sp24_max_n`` tokens; prefill and the CPU keep their
-paths. The dispatch plan (``runtime.dispatch``, ``prefer="speed"``, the default of ``eval --speed`` and
-``generate``) calls it for the layers whose encode-time tile census fits, times both kernels, and keeps
-each layout only where the 2:4 kernel measures faster (``sp24_max_n`` per layer).
+paths. The dispatch plan (``runtime.dispatch``, ``prefer="speed"``, under ``SPARSEKIT_SP24=1`` until the
+path has run end to end on a GPU) calls it for the layers whose encode-time tile census fits, times both
+kernels, and keeps each layout only where the 2:4 kernel measures faster (``sp24_max_n`` per layer).
 """
 from __future__ import annotations
 

@@ -5,14 +5,14 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
 * CUDA, fp16, ``N <= SparseLinear.dense_above`` -> the bundled kernel
   ``sparsekit.kernels.tcabme_matmul`` (decode steps; launched on torch's current stream, so a
   CUDA graph can capture it); or, for a layer given its 2:4 layout (``runtime.sp24.enable_sp24``; the
-  dispatch plan gives it where it measures faster) and ``N <= sp24_max_n``, the 2:4 tile-mosaic kernel
-  ``sparsekit.kernels.sp24.sp24_matmul``.
+  dispatch plan gives it where it measures faster, under ``SPARSEKIT_SP24=1``) and ``N <= sp24_max_n``, the
+  2:4 tile-mosaic kernel ``sparsekit.kernels.sp24.sp24_matmul``.
 * CUDA, ``N > dense_above`` with a kept dense copy (``runtime.dispatch``, ``prefer="speed"``) ->
   ``F.linear`` on that copy.
 * CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (the
   decode kernel ``sparsekit.kernels.decode``), then ``F.linear`` (cuBLAS); with the model's
-  ``runtime.prefill.PrefillPipeline`` (the loader attaches one) each decode runs one layer ahead on a
-  side stream, behind the previous GEMM. The threshold is measured by ``scripts/checks/gpu_runtime.py`` (kernel
+  ``runtime.prefill.PrefillPipeline`` (the loader attaches one under ``SPARSEKIT_PREFILL_AHEAD=1``) each
+  decode runs one layer ahead on a side stream, behind the previous GEMM. The threshold is measured by ``scripts/checks/gpu_runtime.py`` (kernel
   vs decode + cuBLAS per N) and recorded in docs/benchmarks.md ("End to end"); override it with
   the environment variable ``SPARSEKIT_DENSE_ABOVE`` or per module (``layer.dense_above = n``).
   Inside a compiled or graph-captured step the decode is ``decode_dense`` (no host sync).
@@ -181,7 +181,7 @@ class SparseLinear(nn.Module):
         # neither (``packed.sp24.tile_census``), and the pruning pattern
         self.tile_census: dict | None = None
         self.pattern: str | None = None
-        # decode-ahead for eager prefill on packed weights (runtime.prefill; the loader attaches one per model)
+        # decode-ahead for eager prefill on packed weights (runtime.prefill; one per model, SPARSEKIT_PREFILL_AHEAD=1)
         self.prefill_pipeline = None
 
     # construction ---------------------------------------------------------------------------
