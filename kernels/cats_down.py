@@ -17,6 +17,7 @@ import functools
 import numpy as np
 from numba import cuda
 
+from . import kcache
 from ._intrinsics import SCRATCH_WORDS, SIM, f2h, h2f, shfl_idx
 from .cats_kernels import load_quad, pair_prefix, scan_incl
 
@@ -224,4 +225,4 @@ def get_down(nt: int, rows: bool, unroll: int = 0, regs: int = 0, v: int = 1):
                         acc[n * 32 + q] += hv * vf[q]
         block_out(acc, red, y, ws, cnt, flag, tid, cb, s, S, N, H, cb * 1024, H)
 
-    return down_rows if rows else down_dense
+    return kcache.tag(down_rows if rows else down_dense, "cats_down", (nt, rows, unroll, regs, v))

@@ -16,6 +16,7 @@ import functools
 import numpy as np
 from numba import cuda
 
+from . import kcache
 from ._intrinsics import SCRATCH_WORDS, f2h, h2f
 from .cats_kernels import gate_act, load_quad, pair_prefix, warp_sum
 
@@ -122,4 +123,4 @@ def get_up(nt: int, rows: bool, r: int = 0, u: int = 0):
                     acc[n] += sacc
         finish(scr, tid, acc, 0, a, h, j, I, N)
 
-    return up_rows if rows else up_dense
+    return kcache.tag(up_rows if rows else up_dense, "cats_up", (nt, rows, r, u))

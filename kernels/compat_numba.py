@@ -13,7 +13,9 @@ what a kernel computes. What reaches in:
 - ``opt_in_smem``: ``Dispatcher._compile_for_args`` + the code library's ``CUfunction`` +
   ``cuKernelSetAttribute`` (dynamic shared memory past 48 KB);
 - ``fast_entry`` / ``launch_direct`` / ``flat``: numba's kernel argument packing (checked once per
-  kernel against ``_Kernel._prepare_args``) and a direct ``cuda.core.launch`` of the compiled kernel.
+  kernel against ``_Kernel._prepare_args``) and a direct ``cuda.core.launch`` of the compiled kernel;
+- ``cubin_of`` / ``load_cubin`` / ``set_max_dyn_smem``: the compiled kernel's code library (its cubin
+  and entry name) for ``kcache``, and cuda.core's ``ObjectCode`` to load it back.
 
 Importing this module imports numpy only; numba is imported on first use.
 """
@@ -74,16 +76,56 @@ def opt_in_smem(kern, args, nbytes: int) -> bool:
     """Let ``kern`` (compiled for ``args``) take up to ``nbytes`` of dynamic shared memory; False
     where this numba cannot (the caller stays under 48 KB)."""
     try:
-        from numba.cuda.cudadrv.driver import binding, driver
-
         k = kern._compile_for_args(*args)
         cufunc = k._codelibrary.get_cufunc()
-        attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-        driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cufunc.device.id)
+        _set_dyn_smem(cufunc.handle, nbytes, cufunc.device.id)
         return True
     except Exception as e:  # noqa: BLE001 - said once (raised under SPARSEKIT_STRICT): stay under 48 KB
         lost("shared memory past 48 KB per block (fewer pipeline stages)", e)
         return False
+
+
+def _set_dyn_smem(handle, nbytes: int, device_id: int) -> None:
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, nbytes, handle, device_id)
+
+
+def set_max_dyn_smem(ck, nbytes: int, device_id: int) -> bool:
+    """Let the cuda.core kernel ``ck`` (see ``load_cubin``) take up to ``nbytes`` of dynamic shared
+    memory; False where it cannot (the caller compiles through numba, which says why)."""
+    try:
+        _set_dyn_smem(ck.handle, nbytes, device_id)
+        return True
+    except Exception:  # noqa: BLE001 - numba's own opt-in runs next and reports the failure once
+        return False
+
+
+def cubin_of(kern, args) -> tuple[bytes, str] | None:
+    """``(cubin, entry name)`` of ``kern`` as compiled for ``args``, or None where its module needs
+    numba's set-up or tear-down on load (then it cannot be loaded without numba)."""
+    lib = kern._compile_for_args(*args)._codelibrary
+    if getattr(lib, "_setup_functions", None) or getattr(lib, "_teardown_functions", None):
+        return None
+    code = lib.get_cubin()
+    data = getattr(code, "code", code)     # numba-cuda 0.30 links with cuda.core: an ObjectCode holding bytes
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"its linked code is a {type(data).__name__}, not cubin bytes")
+    return bytes(data), lib._entry_name
+
+
+_objects: list = []   # loaded cubins stay loaded for the process (their kernels are cached by the launcher)
+
+
+def load_cubin(cubin: bytes, entry: str):
+    """The cuda.core kernel ``entry`` of ``cubin``, loaded into this process."""
+    from cuda.core import ObjectCode
+
+    obj = ObjectCode.from_cubin(cubin)
+    kernel = obj.get_kernel(entry)
+    _objects.append(obj)
+    return kernel
 
 
 _lost_said: set[str] = set()

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from numba import cuda
 
+from . import kcache
 from ._intrinsics import SCRATCH_WORDS
 from ._warp_intrinsics import scan_counts
 
@@ -52,6 +53,13 @@ def _build():
     return kernel
 
 
+def get_kernel():
+    """The decode kernel (built once)."""
+    if not _KERNEL:
+        _KERNEL.append(kcache.tag(_build(), "decode", ()))
+    return _KERNEL[0]
+
+
 def tcabme_decode(w, out: torch.Tensor | None = None) -> torch.Tensor:
     """The dense ``[M, K]`` weight of a CUDA TCA-BME weight ``w`` (bit-exact, in its values' dtype), on
     torch's current stream. ``out``: a contiguous buffer of the values' dtype with at least
@@ -59,8 +67,6 @@ def tcabme_decode(w, out: torch.Tensor | None = None) -> torch.Tensor:
     columns); else a new tensor."""
     from . import launch
 
-    if not _KERNEL:
-        _KERNEL.append(_build())
     m, k = w.shape
     gm, gk = w.grid
     if out is None:
@@ -71,7 +77,7 @@ def tcabme_decode(w, out: torch.Tensor | None = None) -> torch.Tensor:
                              f"{gm * gk * 4096} elements")
         out = out.reshape(-1)[: gm * gk * 4096].view(gm * 64, gk * 64)
     if gm * gk and w.values.numel():
-        launch.launch_tensors(_KERNEL[0], gm * gk, THREADS,
+        launch.launch_tensors(get_kernel(), gm * gk, THREADS,
                               (w.bitmaps.view(torch.int64), w.values.view(torch.int16), w.strip_offsets,
                                out.view(-1).view(torch.int32)),
                               (gk, gk * 32))

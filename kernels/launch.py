@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from numba import cuda
 
-from . import compat_numba, plan, spmm, spmm_warp
+from . import compat_numba, kcache, plan, spmm, spmm_warp
 from ._intrinsics import SIM
 
 compat_numba.silence_low_occupancy_warnings()
@@ -25,6 +25,8 @@ _views: dict = {}
 _sms: dict = {}
 _fast: dict = {}      # (id(kernel), device index) -> cuda.core kernel, or None where the fast launch is off
 _VIEW_CACHE_MAX = 4096
+_cc: dict = {}
+_unusable: set = set()   # kernel cache files that could not be loaded (rewritten after numba compiles)
 
 
 def _as_numba(t: torch.Tensor):
@@ -118,6 +120,58 @@ def _allow_smem(kern, args, dyn: int) -> bool:
     return False
 
 
+def _disk_kernel(kern, args, device: torch.device, dyn: int = 0):
+    """``kern`` compiled for ``args`` (arrays or tensors, then int scalars) and loaded from the kernel
+    cache (``kcache``) without numba, opted in to ``dyn`` bytes of shared memory; None where it is not
+    cached (or the cache is off): numba compiles it at its launch, and ``_keep`` stores it."""
+    global _SMEM_OPTIN_OK
+    if SIM or not kcache.enabled():
+        return None
+    if device.index not in _cc:
+        _cc[device.index] = torch.cuda.get_device_capability(device)
+    stem = kcache.key_of(kern, args, _cc[device.index])
+    if stem is None or stem in _unusable:
+        return None
+    try:
+        found = kcache.read(stem)
+        if found is None:
+            return None
+        ck = compat_numba.load_cubin(*found)
+    except Exception as e:  # noqa: BLE001 - said once; numba compiles it again and the file is rewritten
+        _unusable.add(stem)
+        kcache.note(f"kernel cache file {stem} could not be used ({type(e).__name__}: {e}); compiling it again")
+        return None
+    if dyn > 48 * 1024 and id(kern) not in _optin_done:
+        if not compat_numba.set_max_dyn_smem(ck, plan.WARP_SMEM_MAX, device.index):
+            return None
+        _optin_done.add(id(kern))
+        _SMEM_OPTIN_OK = True
+    return ck
+
+
+def _keep(kern, args, device: torch.device) -> None:
+    """Store ``kern`` as numba just compiled it for ``args`` in the kernel cache, for later processes."""
+    if SIM or not kcache.enabled():
+        return
+    if device.index not in _cc:
+        _cc[device.index] = torch.cuda.get_device_capability(device)
+    stem = kcache.key_of(kern, args, _cc[device.index])
+    if stem is None or (stem not in _unusable and (kcache.folder() / f"{stem}.json").exists()):
+        return
+    try:
+        code = compat_numba.cubin_of(kern, args)
+    except Exception as e:  # noqa: BLE001 - said once: this kernel compiles again in the next process
+        kcache.note(f"kernel cache: cannot take the cubin of a compiled kernel ({type(e).__name__}: {e}); "
+                    "each process compiles it again")
+        return
+    if code is not None:
+        why = kcache.write(stem, *code)
+        if why:
+            kcache.note(f"kernel cache: cannot write under {kcache.folder()} ({why}); each process compiles "
+                        "its kernels again")
+        _unusable.discard(stem)
+
+
 def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int = 0) -> None:
     """Launch ``kern[blocks, threads]`` on torch's current stream with 1-D contiguous tensors (as
     numba arrays) then int64 scalars, directly once numba's packing of them is checked; ``dyn``
@@ -127,6 +181,10 @@ def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int =
         kern[blocks, threads, 0, dyn](*[_as_numba(t) for t in tensors], *scalars)
         return
     fkey = (id(kern), device.index)
+    if fkey not in _fast:
+        ck = _disk_kernel(kern, (*tensors, *scalars), device, dyn)
+        if ck is not None:
+            _fast[fkey] = ck
     ck = _fast.get(fkey)
     if ck is not None:
         flat = [f for t in tensors for f in compat_numba.flat(t.data_ptr(), t.numel(), t.element_size())]
@@ -136,6 +194,8 @@ def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int =
     kern[blocks, threads, _stream(device), dyn](*args)
     if fkey not in _fast:
         _fast[fkey] = compat_numba.fast_entry(kern, args)
+        if _fast[fkey] is not None:
+            _keep(kern, args, device)
 
 
 def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, regs=None, wflat=None) -> bool:
@@ -153,6 +213,11 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, reg
     scalars = (m, gk, gk * 128, vch, spmm_warp.slot_words(vch, n, r))
     blocks = plan.warp_blocks(m, r)
     fkey = (id(kern), x.device.index)
+    if not SIM and wflat and fkey not in _fast:
+        ck = _disk_kernel(kern, (bm, vals, goff, soff, x.reshape(-1).view(torch.int64),
+                                 y.reshape(-1).view(torch.int16)) + scalars, x.device, dyn)
+        if ck is not None:
+            _fast[fkey] = ck
     # (a block past 48 KB of shared memory needs the kernel's opt-in first: numba's launch path does it)
     if not SIM and wflat and _fast.get(fkey) is not None and (dyn <= 48 * 1024 or id(kern) in _optin_done):
         xs, ys = x.numel() // 4, y.numel()     # x as int64 words, y as int16
@@ -175,6 +240,8 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, reg
     fkey = (id(kern), x.device.index)
     if fkey not in _fast:
         _fast[fkey] = compat_numba.fast_entry(kern, args)
+        if _fast[fkey] is not None:
+            _keep(kern, args, x.device)
     return True
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from . import kcache
 from ._intrinsics import SCRATCH_WORDS, SIM, shfl_idx, syncwarp
 from ._sp_intrinsics import ldg128, ldmatrix_x4, mma_k32, sts128
 from ._warp_intrinsics import byte_addr
@@ -41,7 +42,7 @@ def get_kernel(nt: int, r: int, maxreg: int = 128):
     """Kernel for chunks of ``nt`` tokens (8, 16, 32, 64) and ``r`` strip rows per block (1, 2, 4)."""
     key = (nt, r, maxreg)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(nt, r, maxreg)
+        _KERNELS[key] = kcache.tag(_build(nt, r, maxreg), "sp24_kernel", key)
     return _KERNELS[key]
 
 

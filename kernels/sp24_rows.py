@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from . import kcache
 from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, shfl_idx
 from ._sp_intrinsics import cp16, cp_commit, cp_wait3, cp_wait4, cp_wait5, cp_wait6, ldmatrix_x4, mma_k32, mma_sp
 from ._warp_intrinsics import byte_addr, lds128b, lds32b
@@ -58,7 +59,7 @@ def get_kernel(nt: int, stages: int, r: int = 1, aslot: int = 2048, maxreg: int 
     step loop ptxas compiles tighter (docs/kernels-notes.md "v15")."""
     key = (nt, stages, r, aslot, maxreg, sk)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(nt, stages, r, aslot, maxreg, sk)
+        _KERNELS[key] = kcache.tag(_build(nt, stages, r, aslot, maxreg, sk), "sp24_rows", key)
     return _KERNELS[key]
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from . import kcache
 from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, decode_pair, f2h, fence_proxy_async, h2f, lds32,
                           mbar_expect, mbar_init, mbar_wait, mma, shfl_up, shfl_xor, smem_base, syncwarp)
 from .plan import KPER_MAX, XROW
@@ -54,7 +55,7 @@ def get_kernel(nt: int, use_mma: bool, stages: int):
     """Kernel for ``nt`` token slots (multiple of 8 up to 64 on tensor cores, 1..8 on CUDA cores)."""
     key = (nt, use_mma, stages)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(nt, use_mma, stages)
+        _KERNELS[key] = kcache.tag(_build(nt, use_mma, stages), "spmm", key)
     return _KERNELS[key]
 
 

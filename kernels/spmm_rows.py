@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from . import kcache
 from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, mma, ptr_of, syncwarp
 from ._sp_intrinsics import cp_wait3, cp_wait4, cp_wait5, cp_wait6, ldmatrix_x4
 from ._rows_intrinsics import make_x_issue
@@ -57,7 +58,7 @@ def get_kernel(nt: int, stages: int, cmax: int = 5, maxreg: int = 128, sk: bool 
     block's segments, ``kernels/work.py``), else one segment (a K split) per block."""
     key = (nt, stages, cmax, maxreg, sk)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(nt, stages, cmax, maxreg, sk)
+        _KERNELS[key] = kcache.tag(_build(nt, stages, cmax, maxreg, sk), "spmm_rows", key)
     return _KERNELS[key]
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
+from . import kcache
 from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, mma, ptr_of, shfl_idx, syncwarp
 from ._warp_intrinsics import byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_counts, sts64b
 from .block import dynamic_smem, make_warp_sums, thread_ids
@@ -54,7 +55,7 @@ def get_kernel(n: int, stages: int, cmax: int, r: int = 1, maxreg: int | None = 
     maxreg = maxreg or max_registers(n, r)
     key = (n, stages, cmax, r, maxreg, PROBE, ROT)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(n, stages, cmax, r, maxreg, PROBE, ROT)
+        _KERNELS[key] = kcache.tag(_build(n, stages, cmax, r, maxreg, PROBE, ROT), "spmm_warp", key)
     return _KERNELS[key]
 
 

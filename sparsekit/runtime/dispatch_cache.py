@@ -25,13 +25,9 @@ VERSION = 1
 
 def kernels_hash() -> str:
     """A short hash of the bundled kernels' sources (a changed kernel never reuses a cached result)."""
-    from sparsekit import kernels
+    from sparsekit.kernels import kcache
 
-    h = hashlib.sha256()
-    for f in sorted(Path(kernels.__file__).parent.glob("*.py")):
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+    return kcache.source_hash()
 
 
 def cache_file(device: torch.device) -> Path:
