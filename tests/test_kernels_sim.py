@@ -146,7 +146,7 @@ def test_decode_kernel_is_bit_exact(m, k, sparsity, dtype):
     assert d.shape == (m, k) and d.dtype == dtype
     assert torch.equal(d.cpu().view(torch.int16), decode(encode(w)).view(torch.int16))
     assert torch.equal(d.cpu().view(torch.int16), w.view(torch.int16))
-    # into a given (poisoned, oversized) buffer, as the prefill pipeline does: the same weight, a view of it
+    # into a given (poisoned, oversized) scratch buffer: the same weight, a view of it
     from sparsekit.kernels.decode import padded_numel
 
     buf = torch.full((padded_numel(p) + 100,), float("nan"), dtype=dtype, device=DEV)

@@ -170,7 +170,6 @@ def main() -> int:
     from sparsekit.runtime.fusion import equalize_packed_sizes, fuse_projections, fuse_rms_norms
     from sparsekit.runtime.dispatch import TOKEN_COUNTS, plan_dispatch
     from sparsekit.runtime.sparse_linear import SparseLinear, kernel
-    from sparsekit.runtime.prefill import enable_prefill_pipeline
     from sparsekit.runtime.swap import densify, sparsify
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -238,7 +237,6 @@ def main() -> int:
 
     t0 = time.perf_counter()
     swapped = sparsify(model, min_sparsity=min(0.3, args.sparsity - 0.05))
-    enable_prefill_pipeline(model)     # prefill on packed weights decodes one layer ahead, as after a load
     if compile_:
         pad = equalize_packed_sizes(model)  # before any kernel call (see its docstring)
         print(f"packed values padded by {100 * pad:.3f}% to equal sizes per shape", flush=True)

@@ -29,7 +29,6 @@ from sparsekit.hf.modules import set_submodule
 from sparsekit.packed.shards import INDEX_NAME, PackedCheckpoint, is_packed_dir, read_packed
 from sparsekit.runtime.cats import install_from_checkpoint
 from sparsekit.runtime.dispatch import check_prefer, plan_dispatch
-from sparsekit.runtime.prefill import enable_prefill_pipeline, prefill_ahead_wanted
 from sparsekit.runtime.sparse_linear import SparseLinear, kernel, notice_once
 from sparsekit.torch_compat import own_tensors, set_module_tensor
 
@@ -146,8 +145,6 @@ def make_ready(model: nn.Module, path: Path, device: torch.device, *, prefer: st
     model.eval()
     if device.type == "cuda" and any(isinstance(m, SparseLinear) for m in model.modules()):
         kernel()  # the kernels' load-time check: on failure one notice now, the reference path later
-        if prefill_ahead_wanted():       # prefill on packed weights: decode one layer ahead (runtime.prefill)
-            enable_prefill_pipeline(model)
         if prefer is not None:
             plan = plan_dispatch(model, prefer=prefer)
             if plan.get("sp24_note"):

@@ -10,9 +10,7 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
 * CUDA, ``N > dense_above`` with a kept dense copy (``runtime.dispatch``, ``prefer="speed"``) ->
   ``F.linear`` on that copy.
 * CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (the
-  decode kernel ``sparsekit.kernels.decode``), then ``F.linear`` (cuBLAS); with the model's
-  ``runtime.prefill.PrefillPipeline`` (the loader attaches one under ``SPARSEKIT_PREFILL_AHEAD=1``) each
-  decode runs one layer ahead on a side stream, behind the previous GEMM. The threshold is measured by ``scripts/checks/gpu_runtime.py`` (kernel
+  decode kernel ``sparsekit.kernels.decode``), then ``F.linear`` (cuBLAS). The threshold is measured by ``scripts/checks/gpu_runtime.py`` (kernel
   vs decode + cuBLAS per N) and recorded in docs/benchmarks.md ("End to end"); override it with
   the environment variable ``SPARSEKIT_DENSE_ABOVE`` or per module (``layer.dense_above = n``).
   Inside a compiled or graph-captured step the decode is ``decode_dense`` (no host sync).
@@ -181,8 +179,6 @@ class SparseLinear(nn.Module):
         # neither (``packed.sp24.tile_census``), and the pruning pattern
         self.tile_census: dict | None = None
         self.pattern: str | None = None
-        # decode-ahead for eager prefill on packed weights (runtime.prefill; one per model, SPARSEKIT_PREFILL_AHEAD=1)
-        self.prefill_pipeline = None
 
     # construction ---------------------------------------------------------------------------
     @classmethod
@@ -232,7 +228,6 @@ class SparseLinear(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         self._packed = self._packed_src = None
-        self.prefill_pipeline = None        # its buffers and stream belong to the old placement
         return super()._apply(fn, *args, **kwargs)
 
     def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -340,12 +335,6 @@ class SparseLinear(nn.Module):
                 raw = TcaBme(bitmaps=self.bitmaps, values=self.values, gtile_offsets=self.gtile_offsets,
                              strip_offsets=self.strip_offsets, shape=(self.out_features, self.in_features))
                 y = F.linear(x2, decode_dense(raw).to(x2.dtype))
-            elif self.prefill_pipeline is not None and x2.dtype == self.values.dtype:
-                # prefill on packed weights: this layer's decode was issued one layer ago on a side stream
-                # (runtime.prefill), the next one's goes there now, behind this GEMM
-                w, slot = self.prefill_pipeline.weight(self)
-                y = F.linear(x2, w)
-                self.prefill_pipeline.done(slot)
             else:  # prefill: decode the tiles to a dense weight on the GPU (one kernel), then cuBLAS
                 y = F.linear(x2, self.dense_weight(x2.dtype))
         elif torch.compiler.is_compiling():  # the reference path, as one op (decode + matmul)
