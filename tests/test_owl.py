@@ -174,3 +174,38 @@ def test_bad_owl_input_is_a_one_line_error(work, tmp_path, args, words):
     assert res.exit_code == 2, res.output
     assert words in res.output and len(res.output.strip().splitlines()) == 1, res.output
 
+
+
+def test_resident_layers_keep_in_order_within_the_budget():
+    """OWL's scan leaves device copies for the pruning pass: in layer order, while they fit, and only
+    copies that match the layer's tensors are handed back."""
+    from sparsekit.pruning.offload import ResidentLayers
+
+    t = [torch.zeros(10, dtype=torch.float16), torch.zeros(5, dtype=torch.float32)]   # 40 bytes
+    r = ResidentLayers(100)
+    assert r.keep(0, t) and r.keep(1, list(t))
+    assert not r.keep(2, list(t))                     # 120 > 100
+    assert not r.keep(3, [torch.zeros(1)])            # fits, but a later layer than a refused one: kept in order only
+    assert r.report(4) == {"layers_kept": 2, "of": 4, "budget_bytes": 100, "kept_bytes": 80}
+    assert r.take(0, t) is t and r.used == 40
+    assert r.take(0, t) is None                       # taken once
+    assert r.take(1, [torch.zeros(10, dtype=torch.float32), t[1]]) is None   # dtype differs: copied in as usual
+    assert r.take(2, t) is None and r.used == 0
+    assert ResidentLayers(-5).budget == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the overlapped layer mover)")
+def test_resident_scan_copies_prune_the_same(work, monkeypatch):
+    """The pruning pass on the scan's device copies gives the same weights as on fresh copies."""
+    from sparsekit.pruning import engine
+
+    a = _prune(work, "owl-res", device="cuda")
+    assert a["allocation"]["resident"]["layers_kept"] == len(a["per_layer"])
+    monkeypatch.setattr(engine, "resident_for", lambda *args: None)
+    b = _prune(work, "owl-nores", device="cuda")
+    assert "resident" not in b["allocation"]
+    from safetensors.torch import load_file
+
+    wa = {k: v for f in sorted(Path(a["output"]).glob("*.safetensors")) for k, v in load_file(f).items()}
+    wb = {k: v for f in sorted(Path(b["output"]).glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -35,7 +35,7 @@ from sparsekit.pruning.methods import METHODS, get_method
 from sparsekit.pruning.methods.cats import require_gated_mlps
 from sparsekit.pruning.offload import LayerMover
 from sparsekit.pruning.outside import check_outside_linears, prune_outside_linears
-from sparsekit.pruning.owl_pass import owl_allotment, prune_allotted, weighted_sparsity
+from sparsekit.pruning.owl_pass import owl_allotment, prune_allotted, resident_for, weighted_sparsity
 from sparsekit.pruning.stats import collect_stats
 
 
@@ -133,10 +133,11 @@ def prune_model(
     if stacked is not None:
         require_gated_mlps(layers, skip=skip, fix="drop --cats")
     check_outside_linears(model, stack_name, skip, meth)
-    allot, allocation = None, None
-    if owl is not None:  # the read-only first pass over the dense model
+    allot, allocation, resident = None, None, None
+    if owl is not None:  # the read-only first pass over the dense model (its device copies kept where they fit)
+        resident = resident_for(model, calib, device, overlap, layer_mover, meth) if calib is not None else None
         allot, allocation = owl_allotment(model, calib, meth, sparsity, pattern, owl, skip, device, batch_size,
-                                          layer_mover, overlap, progress)
+                                          layer_mover, overlap, progress, resident)
 
     acts = None
     t_capture = 0.0
@@ -151,7 +152,9 @@ def prune_model(
     layer_reports = []
     linear_reports: dict[str, dict] = {}
     method_reports: dict[str, dict] = {}
-    with torch.no_grad(), (layer_mover or LayerMover)(layers, device, overlap) as mover:
+    mover = (layer_mover(layers, device, overlap) if layer_mover is not None
+             else LayerMover(layers, device, overlap, resident=resident))
+    with torch.no_grad(), mover:
         for idx, layer in enumerate(layers):
             t0 = time.perf_counter()
             phases = _Phases(device)

@@ -1,11 +1,47 @@
 """Moving decoder layers to the device and back, one at a time (on CUDA, in the background):
-``LayerMover`` for a model in host memory, ``DiskLayerMover`` for one streamed from disk."""
+``LayerMover`` for a model in host memory, ``DiskLayerMover`` for one streamed from disk, and
+``ResidentLayers``, the device copies a read-only pass leaves for the next pass."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from sparsekit.torch_compat import module_tensors, set_module_tensor
+
+
+class ResidentLayers:
+    """Device copies of decoder layers that a read-only pass (OWL's outlier scan) leaves on the device
+    for the pass after it, up to ``budget`` bytes: that pass then takes them instead of copying the
+    same weights in again. The copies hold the layers' unchanged values (the read-only pass writes
+    nothing). Layers are kept in order, so the next pass, which starts at layer 0, frees memory as
+    it goes; a layer that does not fit is copied in as usual."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used = max(0, int(budget)), 0
+        self.kept: dict[int, list[torch.Tensor]] = {}
+        self.refused = 0
+
+    def keep(self, idx: int, tensors: list[torch.Tensor]) -> bool:
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        if self.refused or self.used + size > self.budget:   # in order: once one is refused, keep no later one
+            self.refused += 1
+            return False
+        self.kept[idx] = tensors
+        self.used += size
+        return True
+
+    def take(self, idx: int, like: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Layer ``idx``'s copies if they match ``like`` (the layer's host tensors, in order), else None."""
+        got = self.kept.pop(idx, None)
+        if got is None:
+            return None
+        self.used -= sum(t.numel() * t.element_size() for t in got)
+        if len(got) != len(like) or any(g.shape != t.shape or g.dtype != t.dtype for g, t in zip(got, like)):
+            return None
+        return got
+
+    def report(self, layers: int) -> dict:
+        return {"layers_kept": len(self.kept), "of": layers, "budget_bytes": self.budget, "kept_bytes": self.used}
 
 
 class LayerMover:
@@ -15,12 +51,16 @@ class LayerMover:
     current one computes, and copies each pruned layer's tensors back into its original CPU
     tensors in the background; :meth:`finish` waits for those copies. Elsewhere it is a plain
     ``layer.to(device)`` / ``layer.to("cpu")``. As a context manager it finishes on exit.
-    ``write=False`` (a pass that changes no weight, e.g. OWL's outlier scan) copies nothing back on CUDA.
+    ``write=False`` (a pass that changes no weight, e.g. OWL's outlier scan) copies nothing back on CUDA;
+    with ``resident`` it leaves each layer's device copies there (as the budget allows), and a mover
+    given the same ``resident`` later takes them instead of copying the layer in.
     """
 
-    def __init__(self, layers: nn.ModuleList, device: torch.device, overlap: bool, write: bool = True):
+    def __init__(self, layers: nn.ModuleList, device: torch.device, overlap: bool, write: bool = True,
+                 resident: ResidentLayers | None = None):
         self.layers, self.device, self.write = layers, device, write
         self.overlap = overlap and device.type == "cuda"
+        self.resident = resident if self.overlap else None
         self.pending: dict[int, object] = {}
         self.offloads: list = []
         self.cpu: dict[int, list] = {}
@@ -36,8 +76,10 @@ class LayerMover:
 
     def _copy_in(self, idx: int):
         slots = list(self._slots(self.layers[idx]))
+        host = [t.data if kind == "p" else t for _, kind, _, t in slots]
+        kept = self.resident.take(idx, host) if self.resident is not None and self.write else None
         with torch.cuda.stream(self.stream):
-            gpu = [(t.data if kind == "p" else t).to(self.device, non_blocking=True) for _, kind, _, t in slots]
+            gpu = kept if kept is not None else [t.to(self.device, non_blocking=True) for t in host]
             ev = torch.cuda.Event()
             ev.record(self.stream)
         return slots, gpu, ev
@@ -88,6 +130,8 @@ class LayerMover:
                 else:
                     set_module_tensor(mod, "b", key, t.to("cpu"))
         if not self.write:  # the CPU tensors still hold the same values
+            if self.resident is not None:
+                self.resident.keep(idx, [g for g, _ in gpu])
             return
 
         def copy_out():

@@ -17,7 +17,7 @@ from sparsekit.progress import Progress, report
 from sparsekit.pruning.capture import capture_inputs, default_batch_size
 from sparsekit.pruning.linears import prune_linears
 from sparsekit.pruning.methods.wanda import wanda_scores
-from sparsekit.pruning.offload import LayerMover
+from sparsekit.pruning.offload import LayerMover, ResidentLayers
 from sparsekit.pruning.owl import Allotment, outlier_ratio, owl_sparsities
 from sparsekit.pruning.patterns import HYBRID_MAX_SPARSITY, Pattern
 from sparsekit.pruning.stats import collect_stats
@@ -27,8 +27,9 @@ OWL_MAX_SPARSITY = 0.99  # no layer is pruned further under OWL (unstructured)
 
 def owl_allotment(model: nn.Module, calib, meth, sparsity: float, pattern, owl, skip: list[str], device: torch.device,
                   batch_size: int | None, layer_mover: Callable | None, overlap: bool,
-                  progress: Progress | None) -> tuple[Allotment, dict]:
-    """The scan, then ``(Allotment, allocation report)``: ratios, per-layer targets, OWL's settings."""
+                  progress: Progress | None, resident: ResidentLayers | None = None) -> tuple[Allotment, dict]:
+    """The scan, then ``(Allotment, allocation report)``: ratios, per-layer targets, OWL's settings.
+    ``resident``: where the scan leaves its device copies of the layers for the pruning pass."""
     pattern = Pattern.parse(pattern)
     if not meth.changes_weights or pattern.is_nm:
         raise SparsekitError(f"OWL varies the sparsity per layer: it needs a weight method and an unstructured or "
@@ -36,11 +37,33 @@ def owl_allotment(model: nn.Module, calib, meth, sparsity: float, pattern, owl, 
     if calib is None:
         raise SparsekitError("OWL measures outliers on calibration data: pass calibration windows")
     t0 = time.perf_counter()
-    ratios, params = owl_scan(model, calib, device, owl, skip, batch_size, layer_mover, overlap, progress)
+    ratios, params = owl_scan(model, calib, device, owl, skip, batch_size, layer_mover, overlap, progress, resident)
     hi = HYBRID_MAX_SPARSITY if pattern.is_hybrid else OWL_MAX_SPARSITY
     targets = owl_sparsities(ratios, sparsity, owl.lam, params, hi=hi)
-    return Allotment(targets, hi), {"kind": "owl", **owl.as_dict(), "outlier_ratio": ratios, "target": targets,
-                                    "scan_seconds": time.perf_counter() - t0}
+    rep = {"kind": "owl", **owl.as_dict(), "outlier_ratio": ratios, "target": targets,
+           "scan_seconds": time.perf_counter() - t0}
+    if resident is not None:
+        rep["resident"] = resident.report(len(ratios))
+    return Allotment(targets, hi), rep
+
+
+def resident_for(model: nn.Module, calib: torch.Tensor, device: torch.device, overlap: bool,
+                 layer_mover: Callable | None, meth=None) -> ResidentLayers | None:
+    """Where OWL's scan may leave its device copies of the layers for the pruning pass (so the pass does
+    not copy the same weights in a second time): 70% of the device memory free now, less what the
+    pruning pass needs beside them (its activations in and out, three layers in flight, a method's
+    Hessian of the widest input twice over, 2 GiB). None off CUDA, with another layer mover (streamed
+    from disk), or without the overlapped mover."""
+    if device.type != "cuda" or layer_mover is not None or not overlap:
+        return None
+    _, layers = L.find_decoder_layers(model)
+    layer_bytes = max((sum(t.numel() * t.element_size() for t in lay.parameters()) for lay in layers), default=0)
+    widest = max((p.shape[-1] for lay in layers for p in lay.parameters() if p.dim() == 2), default=0)
+    hidden = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
+    act_bytes = 2 * calib.numel() * hidden * 4
+    hessian = 2 * widest * widest * 4 if getattr(meth, "needs_hessian", True) else 0
+    free, _ = torch.cuda.mem_get_info(device)
+    return ResidentLayers(int(0.7 * free) - act_bytes - 3 * layer_bytes - hessian - (2 << 30))
 
 
 def prune_allotted(linears: dict, stats: dict, meth, allot: Allotment, idx: int, pattern, warn, blocksize: int,
@@ -63,15 +86,18 @@ def weighted_sparsity(entries) -> float:
 @torch.no_grad()
 def owl_scan(model: nn.Module, calib: torch.Tensor, device: torch.device, owl, skip: list[str],
              batch_size: int | None = None, layer_mover: Callable | None = None, overlap: bool = True,
-             progress: Progress | None = None) -> tuple[list[float], list[int]]:
+             progress: Progress | None = None, resident: ResidentLayers | None = None) -> tuple[list[float], list[int]]:
     """OWL's first pass: each decoder layer's outlier ratio (percent, ``owl.m``) and its number of
     prunable weights, on the dense model, one layer at a time on the device and nothing written
-    (the layer mover runs with ``write=False``). Reads the first ``owl.windows`` calibration windows."""
+    (the layer mover runs with ``write=False``; with ``resident`` it leaves the layers' device copies
+    there for the pruning pass). Reads the first ``owl.windows`` calibration windows."""
     stack_name, layers = L.find_decoder_layers(model)
     ids = calib if owl.windows is None else calib[: owl.windows]
     acts = capture_inputs(model, ids, device, batch_size or default_batch_size(ids.shape[1]))
     ratios, params = [], []
-    with (layer_mover or LayerMover)(layers, device, overlap, write=False) as mover:
+    mover = (layer_mover(layers, device, overlap, write=False) if layer_mover is not None
+             else LayerMover(layers, device, overlap, write=False, resident=resident))
+    with mover:
         for idx, layer in enumerate(layers):
             mover.load(idx)
             mover.prefetch(idx + 1)
