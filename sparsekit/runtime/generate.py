@@ -233,12 +233,15 @@ def _static_generate(model, input_ids, max_new: int, eos: set[int], streamer, st
                      notes: list[str], clock: dict) -> list[int]:
     """Greedy decoding on the runtime's decoder. ``clock["warmup"]``: the seconds the first decode step
     took to warm up and capture its CUDA graph (reported apart from the decoding speed)."""
-    from sparsekit.runtime.cats_mlp import enable_cats_kernels
+    from sparsekit.runtime.cats import CatsActivation
     from sparsekit.runtime.decoder import GreedyDecoder
 
-    try:  # batch 1: CATS MLPs take the activation-sparse kernels where they pay
-        if enable_cats_kernels(model):
-            notes.append("CATS MLPs on the activation-sparse kernels")
+    try:  # batch 1: CATS MLPs take the activation-sparse kernels where they pay (numba only imported then)
+        if any(isinstance(m, CatsActivation) for m in model.modules()):
+            from sparsekit.runtime.cats_mlp import enable_cats_kernels
+
+            if enable_cats_kernels(model):
+                notes.append("CATS MLPs on the activation-sparse kernels")
     except Exception as e:  # noqa: BLE001 - the masked activation still works, and the note says so
         if strict_mode():
             raise
