@@ -1,7 +1,7 @@
 """Block-level pieces the kernels share: thread ids, the dynamic shared-memory views, the end of a block
 whose warps split K (their fp32 sums meet in shared memory, fp16 out: spmm_warp, sp24_kernel), and the
-end of a stream-K segment (a whole output tile out as fp16, or a partial one summed by the last of its
-blocks to arrive: sp24_rows, spmm_rows).
+end of a block that runs one K split of an output tile (a whole tile out as fp16, or a partial one
+summed by the last of the tile's blocks to arrive: sp24_rows, spmm_rows).
 
 Under the simulator these are plain Python on the running kernel's context (``compat_numba.sim_kernel``):
 a device function of another module than the kernel cannot use ``cuda.*`` there (the simulator's
@@ -98,21 +98,19 @@ def make_warp_sums(R: int, NB: int, NT: int):
     return warp_sums
 
 
-def make_tile_end(TILE: int, ROWS: int, THREADS: int, SK: bool):
-    """``tile_end(df, y, ws, cnt, flag, tid, M, N, m0, n0, tt, GK, PER, b, first, nst, q0, q1)``: the end of
-    one segment of a block, after the block's fp32 output tile ``tt`` (``TILE`` = tokens x ``ROWS`` values,
+def make_tile_end(TILE: int, ROWS: int, THREADS: int):
+    """``tile_end(df, y, ws, cnt, flag, tid, M, N, m0, n0, tt, GK, b, nst, q0, q1)``: the end of block ``b``'s
+    K split of output tile ``tt``, after the block's fp32 tile (``TILE`` = tokens x ``ROWS`` values,
     token-major, from row ``m0`` and token ``n0``) is in ``df`` and every thread has passed a barrier.
 
-    The segment covered ``nst`` of the tile's ``GK`` columns. A whole tile (``nst == GK``) is written as
-    fp16. Otherwise the partial goes to slot ``2b`` (``first``: block ``b``'s range starts in this tile) or
-    ``2b + 1`` (it ends in it) of the fp32 workspace ``ws``, and the last of the tile's blocks ``q0 .. q1``
-    to arrive, counted in ``cnt[tt]``, sums their slots, writes fp16 and resets the counter (so a
-    CUDA-graph replay needs nothing else). Which slot block ``q`` used: with ``SK`` (stream-K, ranges of
-    ``PER`` units = (tile, column) pairs) 0 if its range starts in tile ``tt``, else 1; without (one
-    segment per block, a K split) always 0. ``flag`` is a 1-word shared array. Ends with a barrier."""
+    The split covered ``nst`` of the tile's ``GK`` columns. A whole tile (``nst == GK``) is written as
+    fp16. Otherwise the partial goes to slot ``2b`` of the fp32 workspace ``ws`` (two slots per block,
+    ``kernels/work.py``), and the last of the tile's blocks ``q0 .. q1`` to arrive, counted in ``cnt[tt]``,
+    sums their slots, writes fp16 and resets the counter (so a CUDA-graph replay needs nothing else).
+    ``flag`` is a 1-word shared array. Ends with a barrier."""
 
     @_device
-    def tile_end(df, y, ws, cnt, flag, tid, M, N, m0, n0, tt, GK, PER, b, first, nst, q0, q1):
+    def tile_end(df, y, ws, cnt, flag, tid, M, N, m0, n0, tt, GK, b, nst, q0, q1):
         if nst == GK:
             for e in range(tid, TILE, THREADS):
                 n = e // ROWS
@@ -120,7 +118,7 @@ def make_tile_end(TILE: int, ROWS: int, THREADS: int, SK: bool):
                 if n0 + n < N and m < M:
                     y[(n0 + n) * M + m] = np.int16(f2h(df[e]))
         else:
-            wb = (2 * b + (0 if first else 1)) * TILE
+            wb = 2 * b * TILE
             for e in range(tid, TILE, THREADS):
                 ws[wb + e] = df[e]
             _threadfence()
@@ -137,8 +135,7 @@ def make_tile_end(TILE: int, ROWS: int, THREADS: int, SK: bool):
                     if n0 + n < N and m < M:
                         tot = np.float32(0.0)
                         for q in range(q0, q1 + 1):
-                            side = (0 if (q * PER) // GK == tt else 1) if SK else 0
-                            tot += ws[(2 * q + side) * TILE + e]
+                            tot += ws[2 * q * TILE + e]
                         y[(n0 + n) * M + m] = np.int16(f2h(tot))
                 if tid == 0:
                     cnt[tt] = 0
@@ -148,21 +145,10 @@ def make_tile_end(TILE: int, ROWS: int, THREADS: int, SK: bool):
 
 
 @_device
-def sk_piece(u, uend, GK, nch, NT):
-    """Stream-K: the segment that starts at unit ``u`` of a range ending at ``uend``: ``(tt, k0, nst, rb, n0)``
-    = output tile, its first column, columns, row block, first token (``kernels/work.py``; tiles in order
-    of row block, then token chunk of ``NT``)."""
-    tt = u // GK
-    k0 = u - tt * GK
-    nst = min(GK - k0, uend - u)
-    rb = tt // nch
-    return tt, k0, nst, rb, (tt - rb * nch) * NT
-
-
-@_device
 def split_piece(b, GK, PER, nch, NT):
-    """K split: block ``b``'s one segment, as ``sk_piece``: split ``b % ksn`` (``PER`` columns, the last
-    split shorter) of output tile ``b // ksn``; a tile's splits are neighbouring blocks."""
+    """Block ``b``'s K split ``(tt, k0, nst, rb, n0)`` = output tile, its first column, columns, row block,
+    first token: split ``b % ksn`` (``PER`` columns, the last split shorter) of output tile ``b // ksn``
+    (tiles in order of row block, then token chunk of ``NT``); a tile's splits are neighbouring blocks."""
     ksn = (GK + PER - 1) // PER
     tt = b // ksn
     k0 = (b - tt * ksn) * PER
@@ -171,14 +157,8 @@ def split_piece(b, GK, PER, nch, NT):
 
 
 @_device
-def sk_sharers(tt, GK, PER):
-    """Stream-K: the blocks ``(q0, q1)`` whose ranges of ``PER`` units touch output tile ``tt`` (computed after
-    the segment's step loop: fewer live registers in it)."""
-    return (tt * GK) // PER, (tt * GK + GK - 1) // PER
-
-
-@_device
 def split_sharers(tt, GK, PER):
-    """K split: the blocks ``(q0, q1)`` of output tile ``tt``'s ``ceil(GK / PER)`` splits."""
+    """The blocks ``(q0, q1)`` of output tile ``tt``'s ``ceil(GK / PER)`` splits (computed after the step
+    loop: fewer live registers in it)."""
     ksn = (GK + PER - 1) // PER
     return tt * ksn, tt * ksn + ksn - 1

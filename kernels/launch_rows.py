@@ -15,15 +15,14 @@ from . import launch, plan, spmm_rows
 
 
 def launch_rows(x: torch.Tensor, w, y: torch.Tensor, *, tokens: int | None = None, splits: int | None = None,
-                stages: int | None = None, regs: int | None = None, blocks: int | None = None) -> None:
-    """y[N, M] = x[N, Kp] @ W^T with spmm_rows; x already padded to Kp columns, contiguous, 16-byte aligned.
-    ``blocks``: stream-K over that many blocks (``kernels/work.py``)."""
+                stages: int | None = None, regs: int | None = None) -> None:
+    """y[N, M] = x[N, Kp] @ W^T with spmm_rows; x already padded to Kp columns, contiguous, 16-byte aligned."""
     n = x.shape[0]
     m, _ = w.shape
     _gm, gk = w.grid
-    p = plan.rows_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, blocks)
+    p = plan.rows_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages)
     vch = launch._weight_views(w)[5][0]      # 16-byte value chunks of the widest strip (cached per weight)
-    kern = spmm_rows.get_kernel(p.nt, p.stages, -(-vch // 32), regs or plan.rows_max_registers(p.nt), p.sk)
+    kern = spmm_rows.get_kernel(p.nt, p.stages, -(-vch // 32), regs or plan.rows_max_registers(p.nt))
     ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
     values = w.values[: w.values.numel() // 8 * 8]     # whole 8-byte words (the kernel never reads the tail)
     if values.data_ptr() % 16:

@@ -61,7 +61,7 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
     the simulator (slow; tests only). ``tuning`` (``splits``, ``cuda_core_max_n``) is for benchmarks;
     ``kernel="rows"`` (or ``SPARSEKIT_KERNEL=rows``) runs spmm_rows (a
     GroupTile row per block, the X slice shared by its 4 warps, K split across blocks), whose knobs are
-    ``tokens`` (8/16/32/64 per block), ``splits``, ``stages``, ``regs``, ``blocks`` (stream-K); ``kernel="default"`` the default
+    ``tokens`` (8/16/32/64 per block), ``splits``, ``stages``, ``regs``; ``kernel="default"`` the default
     plan whatever ``SPARSEKIT_KERNEL`` says.
     """
     from . import launch

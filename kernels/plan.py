@@ -260,10 +260,10 @@ def rows_max_registers(nt: int) -> int:
 
 
 def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None, splits: int | None = None,
-              stages: int | None = None, blocks: int | None = None) -> RowsPlan:
+              stages: int | None = None) -> RowsPlan:
     """The launch plan (``kernels.work.RowsPlan``, one tile row per block) of spmm_rows for
-    ``[n, 64 gk] @ [m, 64 gk]^T``; ``tokens``, ``splits``, ``stages`` force it, ``blocks`` makes it
-    stream-K over that many blocks (ValueError, one line, for a plan that cannot run)."""
+    ``[n, 64 gk] @ [m, 64 gk]^T``; ``tokens``, ``splits``, ``stages`` force it (ValueError, one line, for
+    a plan that cannot run)."""
     if tokens is not None and tokens not in (8, 16, 32, 64):
         raise ValueError(f"spmm_rows tokens={tokens}: 8, 16, 32 or 64")
     if stages is not None and not 2 <= stages <= 8:
@@ -271,11 +271,10 @@ def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None
     nt = tokens or rows_tokens(n)
     rb = -(-m // 64)
     chunks = -(-n // nt)
-    ks, per, nblocks = split_work(rb * chunks, gk, None if splits or blocks else rows_splits(rb * chunks, gk, sms),
-                                  splits, blocks)
+    ks, per, blocks = split_work(rb * chunks, gk, None if splits else rows_splits(rb * chunks, gk, sms), splits)
     st = stages or rows_stages(nt)
     dyn = rows_smem_bytes(nt, st)
     if dyn > ROWS_SMEM_FORCED:
         raise ValueError(f"this spmm_rows plan (tokens {nt}, stages {st}) needs {dyn} bytes of shared memory, "
                          "more than a block may take without opting in (47 KB): fewer stages or tokens")
-    return RowsPlan(nt, st, 1, rb, chunks, ks, per, nblocks, dyn, gk)
+    return RowsPlan(nt, st, 1, rb, chunks, ks, per, blocks, dyn)

@@ -11,14 +11,13 @@ from .io import output_for, padded
 
 def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, kernel: str = "auto",
                 warps: int | None = None, strips: int | None = None, tokens: int | None = None,
-                splits: int | None = None, stages: int | None = None, blocks: int | None = None) -> torch.Tensor:
+                splits: int | None = None, stages: int | None = None) -> torch.Tensor:
     """``y[N, M] = x[N, K] @ W^T`` (fp16 in and out, fp32 accumulate) for W in the 2:4 mosaic layout.
 
     ``kernel``: ``"auto"`` (``sp24_plan.kernel_for``: the one that measured faster for this shape and
     token count), ``"rows"`` (``sp24_rows``: one or two tile rows per block, K split across blocks;
-    ``tokens``, ``splits``, ``stages`` and ``strips`` (tile rows per block) force its plan, ``blocks``
-    spreads the work over that many blocks, stream-K) or ``"warps"`` (``sp24_kernel``: K split over a block's warps;
-    ``warps``, ``strips`` force its plan)."""
+    ``tokens``, ``splits``, ``stages`` and ``strips`` (tile rows per block) force its plan) or ``"warps"``
+    (``sp24_kernel``: K split over a block's warps; ``warps``, ``strips`` force its plan)."""
     from . import launch
     from .common import SIM
 
@@ -39,7 +38,7 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
     if kernel == "auto":
         kernel = sp24_plan.kernel_for(m, k, n)
     if kernel == "rows":
-        _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, blocks)
+        _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips)
         return out
     if kernel != "warps":
         raise ValueError(f"unknown 2:4 kernel {kernel!r}: 'rows' or 'warps'")
@@ -53,17 +52,17 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
     return out
 
 
-def _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, blocks) -> None:
+def _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips) -> None:
     from .sp24_rows import get_kernel
 
     aslot = sp24_plan.SLOTS[0] if layout.dense.numel() == 0 else sp24_plan.SLOTS[1]
-    p = sp24_plan.rows_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, strips, aslot, blocks)
-    # two fp32 partial tiles per block (its first and its last output tile), a counter per output tile
+    p = sp24_plan.rows_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, strips, aslot)
+    # the fp32 workspace for the split-K partials (two tile slots per block), a counter per output tile
     ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
     tensors = (_nonempty(layout.dense), _nonempty(layout.sp), layout.tiles, x.reshape(-1).view(torch.int32),
                out.reshape(-1).view(torch.int16), ws, cnt)
     maxreg = 128 if p.r * p.nt <= 64 else 168
-    launch.launch_tensors(get_kernel(p.nt, p.stages, p.r, aslot, maxreg, p.sk), p.blocks, 128, tensors,
+    launch.launch_tensors(get_kernel(p.nt, p.stages, p.r, aslot, maxreg), p.blocks, 128, tensors,
                           (m, n, gk, kp // 2, p.chunks, p.per), dyn=p.dyn)
 
 

@@ -129,11 +129,9 @@ def rows_stages(nt: int, r: int = 1, aslot: int = 2048) -> int:
 
 
 def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None, splits_: int | None = None,
-              stages_: int | None = None, strips_: int | None = None, aslot: int = 2048,
-              blocks_: int | None = None) -> RowsPlan:
-    """The launch plan (:class:`RowsPlan`). ``splits_`` forces the K split rule's splits (``per`` = the tile
-    columns over the splits), ``blocks_`` forces stream-K over that many blocks (``per`` = the units over
-    them); neither: the split rule of ``rows_splits``."""
+              stages_: int | None = None, strips_: int | None = None, aslot: int = 2048) -> RowsPlan:
+    """The launch plan (:class:`RowsPlan`). ``splits_`` forces the K split's splits (``per`` = the tile
+    columns over the splits); without it the split rule of ``rows_splits``."""
     nt = tokens_ or rows_tokens(n)
     gm = -(-m // 64)
     # two tile rows per block (every B fragment serves two strips): only where the second sweep found
@@ -144,11 +142,10 @@ def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = Non
         nt //= 2
     rb = -(-gm // r)
     chunks = -(-n // nt)
-    ks, per, blocks = split_work(rb * chunks, gk, None if splits_ or blocks_ else rows_splits(rb * chunks, gk, sms, n),
-                                 splits_, blocks_)
+    ks, per, blocks = split_work(rb * chunks, gk, None if splits_ else rows_splits(rb * chunks, gk, sms, n), splits_)
     st = stages_ or rows_stages(nt, r, aslot)
     dyn = rows_smem_bytes(nt, st, r, aslot)
     if dyn > 48 * 1024 - 1024:
         raise ValueError(f"this sp24_rows plan (tokens {nt}, stages {st}, strips {r}) needs {dyn} bytes of shared "
                          "memory, more than a block may take without opting in (47 KB): fewer stages or tokens")
-    return RowsPlan(nt, st, r, rb, chunks, ks, per, blocks, dyn, gk)
+    return RowsPlan(nt, st, r, rb, chunks, ks, per, blocks, dyn)

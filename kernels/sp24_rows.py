@@ -6,27 +6,23 @@ slice for one strip: at N tokens a 1 KB strip costs N x 128 bytes of X, which ov
 from N = 16 on. Here:
 
 - **Block** = 4 warps x ``R`` tile rows (64R outputs; warp ``w`` takes strip ``w`` of each: ``R`` strips
-  per warp share every B fragment) and ``NT`` tokens (8, 16, 32 or 64) per output tile, and a
-  **stream-K** share of the work: the units (output tile, tile column), output tiles in order (row
-  block, then token chunk) and the columns of each in order, are cut into contiguous ranges of ``PER``
-  units, one per block. A block runs its range as segments, one per output tile it touches (at most
-  the first and the last of them partial). ``PER`` = the tile columns gives one whole tile per block;
-  ``PER`` = the columns over ``KS`` gives the old K split (the splits of one tile are neighbours); a
-  ``PER`` from the number of resident blocks spreads any shape evenly over the SMs.
+  per warp share every B fragment) and ``NT`` tokens (8, 16, 32 or 64) per output tile, and one **K
+  split** of that output tile: ``PER`` tile columns (the last split fewer; ``PER`` = the tile columns:
+  the whole tile), the splits of one tile neighbours in the grid (``kernels/work.py``).
 - **Step** (one tile column, shared by the 4 warps: one tile, one kind): a ``STAGES``-deep ring of
   16-byte ``cp.async`` copies, one commit group per step: the X slice ``[NT, 64]`` (copied by all 128
   threads; rows past N are written as zeros by the copies themselves) and each warp's strips (2:4: 1152
   bytes with its metadata, dense: 2048; a strip's slot is ``ASLOT`` bytes: 1152 when the weight has no
   dense tile), so ``STAGES - 1`` steps of weights are in flight per warp.
   The A registers then come from shared memory in fragment order (16-byte loads, conflict-free). One
-  block barrier per step. Blocks start their range at ``rb mod steps`` (different row blocks do not
+  block barrier per step. Blocks start their split at ``rb mod steps`` (different row blocks do not
   ask L2 for the same X slice at once).
 - **Multiply**: per 32 columns and 8 tokens one ``ldmatrix.x4`` and one ``mma.sp`` (2:4 tile) or two
   ``mma.sync`` (dense tile), as ``sp24_kernel``.
-- **End of a segment**: the 4 warps' fp32 tile ``[NT, 64R]`` goes through shared memory; a whole tile
-  is written as fp16. A partial one goes to the block's workspace slot (two per block: its first
-  segment, and its last), and the last of the tile's blocks to arrive (an atomic counter per tile, reset
-  by that block) sums the slots of all of them, which it knows from ``PER``, and writes fp16.
+- **End** (``block.make_tile_end``): the 4 warps' fp32 tile ``[NT, 64R]`` goes through shared memory; a
+  whole tile is written as fp16. A split's partial goes to the block's workspace slot, and the last of
+  the tile's blocks to arrive (an atomic counter per tile, reset by that block) sums the slots of all of
+  them, which it knows from ``PER``, and writes fp16.
 """
 from __future__ import annotations
 
@@ -37,7 +33,7 @@ from . import kcache
 from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, shfl_idx
 from ._sp_intrinsics import cp16, cp_commit, cp_wait3, cp_wait4, cp_wait5, cp_wait6, ldmatrix_x4, mma_k32, mma_sp
 from ._warp_intrinsics import byte_addr, lds128b, lds32b
-from .block import dynamic_smem, make_tile_end, sk_piece, sk_sharers, split_piece, split_sharers, thread_ids
+from .block import dynamic_smem, make_tile_end, split_piece, split_sharers, thread_ids
 from .sp24_plan import SLOTS, XS, stage_bytes
 from .sp24_plan import rows_smem_bytes as smem_bytes  # noqa: F401 - the kernel's shared layout
 from sparsekit.packed.sp24 import DENSE_STRIP_WORDS, DENSE_TILE_WORDS, SP_STRIP_WORDS, SP_TILE_WORDS, SP_VALUE_WORDS
@@ -51,19 +47,17 @@ def compiled_kernels() -> dict:
     return dict(_KERNELS)
 
 
-def get_kernel(nt: int, stages: int, r: int = 1, aslot: int = 2048, maxreg: int = 128, sk: bool = False):
+def get_kernel(nt: int, stages: int, r: int = 1, aslot: int = 2048, maxreg: int = 128):
     """Kernel for chunks of ``nt`` tokens (8, 16, 32, 64), a ring of ``stages`` (2-8), ``r`` (1, 2) tile
-    rows per block and ``aslot`` (1152: all tiles 2:4, or 2048) bytes per staged strip. ``sk``: stream-K
-    (a block runs its range of units as one or more segments); else every block is one segment, a tile
-    column range of ``per`` (dividing into the tile's columns: a K split) -- the loop-free kernel, whose
-    step loop ptxas compiles tighter (docs/kernels-notes.md "v15")."""
-    key = (nt, stages, r, aslot, maxreg, sk)
+    rows per block and ``aslot`` (1152: all tiles 2:4, or 2048) bytes per staged strip; every block runs
+    one K split of ``per`` tile columns of one output tile."""
+    key = (nt, stages, r, aslot, maxreg)
     if key not in _KERNELS:
-        _KERNELS[key] = kcache.tag(_build(nt, stages, r, aslot, maxreg, sk), "sp24_rows", key)
+        _KERNELS[key] = kcache.tag(_build(nt, stages, r, aslot, maxreg), "sp24_rows", key)
     return _KERNELS[key]
 
 
-def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int, SK: bool):
+def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int):
     assert NT in (8, 16, 32, 64) and 2 <= STAGES <= 8 and R in (1, 2) and ASLOT in SLOTS
     NB = NT // 8
     NACC = 4 * NB
@@ -79,7 +73,7 @@ def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int, SK: bool):
     SPONLY = ASLOT == SLOTS[0]            # every tile 2:4 (the layout has no dense tile): no kind branch
     # all but the newest STAGES - 2 copy groups have landed
     wait = (cp_wait0, cp_wait1, cp_wait2, cp_wait3, cp_wait4, cp_wait5, cp_wait6)[STAGES - 2]
-    tile_end = make_tile_end(TILE, ROWS, THREADS, SK)
+    tile_end = make_tile_end(TILE, ROWS, THREADS)
     u32 = np.uint32
     LO = np.uint64(0xFFFFFFFF)
     HI = np.uint64(32)
@@ -242,22 +236,10 @@ def _build(NT: int, STAGES: int, R: int, ASLOT: int, MAXREG: int, SK: bool):
         xlm = ring + u32((lane & 7) * XS + (lane >> 3) * 16)   # ldmatrix row address: row l%8 of matrix l//8
         aoff = u32(SLOT + warp * R * ASLOT)                     # this warp's strips in a stage
         b = cuda.blockIdx.x
-        if SK:
-            ustart = b * PER
-            u = ustart
-            uend = min(((M + 64 * R - 1) // (64 * R)) * nch * GK, ustart + PER)   # block-uniform
-            while u < uend:
-                tt, k0, nst, rb, n0 = sk_piece(u, uend, GK, nch, NT)
-                segment(dense, sp, tiles, x, df, d64, d32, scr, tid, warp, lane, g, t, ring, xlm, aoff, M, N,
-                        GK, ldx, rb, n0, k0, nst)
-                q0, q1 = sk_sharers(tt, GK, PER)
-                tile_end(df, y, ws, cnt, flag, tid, M, N, rb * ROWS, n0, tt, GK, PER, b, u == ustart, nst, q0, q1)
-                u += nst
-        else:
-            tt, k0, nst, rb, n0 = split_piece(b, GK, PER, nch, NT)
-            segment(dense, sp, tiles, x, df, d64, d32, scr, tid, warp, lane, g, t, ring, xlm, aoff, M, N, GK,
-                    ldx, rb, n0, k0, nst)
-            q0, q1 = split_sharers(tt, GK, PER)
-            tile_end(df, y, ws, cnt, flag, tid, M, N, rb * ROWS, n0, tt, GK, PER, b, True, nst, q0, q1)
+        tt, k0, nst, rb, n0 = split_piece(b, GK, PER, nch, NT)
+        segment(dense, sp, tiles, x, df, d64, d32, scr, tid, warp, lane, g, t, ring, xlm, aoff, M, N, GK,
+                ldx, rb, n0, k0, nst)
+        q0, q1 = split_sharers(tt, GK, PER)
+        tile_end(df, y, ws, cnt, flag, tid, M, N, rb * ROWS, n0, tt, GK, b, nst, q0, q1)
 
     return kernel

@@ -6,9 +6,8 @@ it at 2 blocks per SM. Here the 4 warps of a block share the X slice of one Grou
 
 - **Block** = 4 warps = one GroupTile row (64 outputs; warp ``w`` decodes strip ``w``) and ``NT`` tokens
   (8, 16, 32 or 64) per output tile. Its share of the work (``kernels/work.py``): one K split of one
-  output tile (the splits of a tile are neighbours in the grid), or, in the stream-K variant, a
-  contiguous range of (output tile, column) units run as one segment per tile it touches. A segment
-  starts its range at ``rb mod steps`` (row blocks do not ask L2 for the same X slice at once).
+  output tile (the splits of a tile are neighbours in the grid). A block starts its split at
+  ``rb mod steps`` (row blocks do not ask L2 for the same X slice at once).
 - **Step** (one GroupTile column): one block-wide ``cp.async`` commit group into a ``STAGES``-deep
   ring: the X slice ``[NT, 64]`` (all 128 threads; rows past N are never copied, and zeroed once in
   the last token chunk; 144-byte rows, so ``ldmatrix`` is conflict-free) and each warp's strip: its
@@ -23,9 +22,9 @@ it at 2 blocks per SM. Here the 4 warps of a block share the X slice of one Grou
 - **Multiply**: per 32 columns, the ``NB = NT / 8`` ``ldmatrix.x4`` of the shared X slice into distinct
   registers first (B fragments of both TCTiles), then the ``2 NB`` ``mma.m16n8k16`` back to back (no
   branch between a load and its mma: sp24_rows' lesson).
-- **End of a segment** (``block.make_tile_end``): the 4 warps' fp32 tile ``[NT, 64]`` goes through shared
-  memory; a whole tile is written as fp16, a partial one to the block's workspace slot, and the last of
-  the tile's blocks to arrive (an atomic counter, reset by that block) sums the slots and writes fp16.
+- **End** (``block.make_tile_end``): the 4 warps' fp32 tile ``[NT, 64]`` goes through shared memory; a
+  whole tile is written as fp16, a split's partial to the block's workspace slot, and the last of the
+  tile's blocks to arrive (an atomic counter, reset by that block) sums the slots and writes fp16.
 """
 from __future__ import annotations
 
@@ -37,7 +36,7 @@ from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, mma, 
 from ._sp_intrinsics import cp_wait3, cp_wait4, cp_wait5, cp_wait6, ldmatrix_x4
 from ._rows_intrinsics import make_x_issue
 from ._warp_intrinsics import byte_addr, decode_at, lds32b, lds128b, make_step_issue, scan_counts, sts64b
-from .block import dynamic_smem, make_tile_end, sk_piece, sk_sharers, split_piece, split_sharers, thread_ids
+from .block import dynamic_smem, make_tile_end, split_piece, split_sharers, thread_ids
 from .plan import ROWS_HEADER_BYTES, ROWS_STRIP_BYTES, ROWS_TABLE_BYTES, ROWS_VALUE_BYTES, XROW_BYTES
 from .plan import rows_smem_bytes as smem_bytes  # noqa: F401 - the kernel's shared layout
 from .plan import rows_stage_bytes
@@ -52,17 +51,16 @@ def compiled_kernels() -> dict:
     return dict(_KERNELS)
 
 
-def get_kernel(nt: int, stages: int, cmax: int = 5, maxreg: int = 128, sk: bool = False):
+def get_kernel(nt: int, stages: int, cmax: int = 5, maxreg: int = 128):
     """Kernel for chunks of ``nt`` tokens (8, 16, 32, 64), a ring of ``stages`` (2-8) and ``cmax`` (1-5)
-    16-byte value copies per lane and strip (5: any strip); ``sk``: the stream-K variant (a loop over a
-    block's segments, ``kernels/work.py``), else one segment (a K split) per block."""
-    key = (nt, stages, cmax, maxreg, sk)
+    16-byte value copies per lane and strip (5: any strip); one K split per block (``kernels/work.py``)."""
+    key = (nt, stages, cmax, maxreg)
     if key not in _KERNELS:
-        _KERNELS[key] = kcache.tag(_build(nt, stages, cmax, maxreg, sk), "spmm_rows", key)
+        _KERNELS[key] = kcache.tag(_build(nt, stages, cmax, maxreg), "spmm_rows", key)
     return _KERNELS[key]
 
 
-def _build(NT: int, STAGES: int, CMAX: int, MAXREG: int, SK: bool):
+def _build(NT: int, STAGES: int, CMAX: int, MAXREG: int):
     assert NT in (8, 16, 32, 64) and 2 <= STAGES <= 8 and 1 <= CMAX <= 5
     NB = NT // 8
     NACC = 4 * NB
@@ -76,7 +74,7 @@ def _build(NT: int, STAGES: int, CMAX: int, MAXREG: int, SK: bool):
     wait = (cp_wait0, cp_wait1, cp_wait2, cp_wait3, cp_wait4, cp_wait5, cp_wait6)[STAGES - 2]
     step_issue = make_step_issue(CMAX, 0, 8)   # a strip's values and bitmaps, then the commit
     x_issue = make_x_issue(XIT, THREADS, 16 * XS)
-    tile_end = make_tile_end(TILE, 64, THREADS, SK)
+    tile_end = make_tile_end(TILE, 64, THREADS)
     u32 = np.uint32
     u64 = np.uint64
 
@@ -241,22 +239,9 @@ def _build(NT: int, STAGES: int, CMAX: int, MAXREG: int, SK: bool):
         flag = cuda.shared.array(1, np.int32)
         tid, warp, lane, g, t, _ = thread_ids()
         b = cuda.blockIdx.x
-        if SK:
-            ustart = b * PER
-            u = ustart
-            uend = min(((M + 63) // 64) * nch * GK, ustart + PER)   # block-uniform
-            while u < uend:
-                tt, k0, nst, rb, n0 = sk_piece(u, uend, GK, nch, NT)
-                segment(bm, vals, goff, soff, x, df, d64, d32, scr, tid, warp, lane, g, t, GK, N, ldxb, rb,
-                        n0, k0, nst)
-                q0, q1 = sk_sharers(tt, GK, PER)
-                tile_end(df, y, ws, cnt, flag, tid, M, N, rb * 64, n0, tt, GK, PER, b, u == ustart, nst, q0, q1)
-                u += nst
-        else:
-            tt, k0, nst, rb, n0 = split_piece(b, GK, PER, nch, NT)
-            segment(bm, vals, goff, soff, x, df, d64, d32, scr, tid, warp, lane, g, t, GK, N, ldxb, rb, n0,
-                    k0, nst)
-            q0, q1 = split_sharers(tt, GK, PER)
-            tile_end(df, y, ws, cnt, flag, tid, M, N, rb * 64, n0, tt, GK, PER, b, True, nst, q0, q1)
+        tt, k0, nst, rb, n0 = split_piece(b, GK, PER, nch, NT)
+        segment(bm, vals, goff, soff, x, df, d64, d32, scr, tid, warp, lane, g, t, GK, N, ldxb, rb, n0, k0, nst)
+        q0, q1 = split_sharers(tt, GK, PER)
+        tile_end(df, y, ws, cnt, flag, tid, M, N, rb * 64, n0, tt, GK, b, nst, q0, q1)
 
     return kernel

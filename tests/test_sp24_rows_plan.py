@@ -16,11 +16,12 @@ from sparsekit.kernels.sp24_rows import smem_bytes
 ])
 def test_splits_follow_the_measured_best(m, k, n, splits, strips):
     """docs/kernels-notes.md "v14": the fastest forced plans of the H200 sweep on these shapes (all-2:4)."""
-    p = sp24_plan.rows_plan(m, -(-k // 64), n, sms=132, aslot=SLOTS[0])
+    gk = -(-k // 64)
+    p = sp24_plan.rows_plan(m, gk, n, sms=132, aslot=SLOTS[0])
     assert (p.ks, p.r) == (splits, strips)
-    assert (p.ks - 1) * p.per < p.gk <= p.ks * p.per          # no empty split
+    assert (p.ks - 1) * p.per < gk <= p.ks * p.per            # no empty split
     assert p.blocks <= sp24_plan.ROWS_MAX_BLOCKS_PER_SM * 132 or p.ks == 1
-    assert p.partial == (p.gk % p.per != 0 or p.ks > 1)
+    assert p.partial == (p.ks > 1)
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 33, 64, 65, 128, 4096])
@@ -47,26 +48,3 @@ def test_a_forced_plan_too_big_for_shared_memory_is_one_clear_error():
     with pytest.raises(ValueError, match="shared memory"):
         sp24_plan.rows_plan(4096, 64, 8, stages_=8, aslot=SLOTS[1])
     assert sp24_plan.rows_plan(4096, 64, 8, stages_=8, aslot=SLOTS[0]).stages == 8   # 2:4 only: 46 KB fits
-
-
-@pytest.mark.parametrize("m,gk,n,blocks", [(22016, 64, 1, 528), (4096, 64, 1, 528), (4096, 172, 64, 264),
-                                           (130, 5, 9, 4), (64, 2, 1, 7)])
-def test_stream_k_ranges_cover_every_unit_once(m, gk, n, blocks):
-    """Forced stream-K: ``blocks`` ranges of ``per`` units tile the (output tile, column) units exactly, every
-    block gets work, and a tile is shared by the blocks the kernel's sum reads (q0 .. q1, the first and
-    last blocks that touch it)."""
-    p = sp24_plan.rows_plan(m, gk, n, blocks_=blocks)
-    assert p.ks == 0 and p.blocks <= blocks and (p.blocks - 1) * p.per < p.units <= p.blocks * p.per
-    touch = {}
-    for b in range(p.blocks):
-        for u in range(b * p.per, min(p.units, (b + 1) * p.per)):
-            touch.setdefault(u // gk, set()).add(b)
-    assert sorted(touch) == list(range(p.tiles))
-    for tt, bs in touch.items():
-        q0, q1 = (tt * gk) // p.per, (tt * gk + gk - 1) // p.per
-        assert bs == set(range(q0, q1 + 1))
-        # each block's partial of this tile goes to slot 0 if its range starts in the tile, else slot 1, and
-        # no block has two partial segments in slot 0 or in slot 1
-        for b in bs:
-            first = (b * p.per) // gk
-            assert tt == first or tt == (min(p.units, (b + 1) * p.per) - 1) // gk

@@ -107,10 +107,6 @@ def _swapped_metadata(lay):
     (128, 320, 5, "hybrid", dict(splits=3)),                    # mixed mosaic; uneven splits (2, 2, 1 columns)
     (130, 128, 9, "halves", dict(strips=2, splits=2)),          # 2 tile rows per block, the last block half out
     (16, 64, 70, "2:4", dict(tokens=64, stages=2)),             # two 64-token chunks, rows past N zero-filled
-    (128, 320, 5, "hybrid", dict(blocks=4)),                    # stream-K: 10 units in ranges of 3, block 1
-                                                                # ends tile 0 and starts tile 1 (both partial)
-    (16, 192, 17, "2:4", dict(tokens=8, blocks=5)),             # stream-K over 3 token chunks: ranges of 2
-    (130, 192, 9, "halves", dict(strips=2, blocks=3)),          # stream-K, 2 tile rows per block: 6 units by 2
 ])
 def test_rows_kernel_matches_float64(m, k, n, kind, tuning):
     """sp24_rows (a tile row per block, cp.async ring for X and A, K split across blocks): every case

@@ -14,7 +14,7 @@ SHAPES = [(4096, 4096), (22016, 4096), (4096, 11008), (8192, 28672), (100, 72), 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 16, 17, 33, 64, 65, 128, 4096])
 def test_every_plan_covers_n_fits_shared_memory_and_splits_k_without_empty_splits(m, k, n):
     gk = -(-k // 64)
-    nt, st, _r, rb, chunks, ks, kper, _blocks, dyn, _gk = plan.rows_plan(m, gk, n, sms=132)
+    nt, st, _r, rb, chunks, ks, kper, _blocks, dyn = plan.rows_plan(m, gk, n, sms=132)
     assert nt in (8, 16, 32, 64) and (nt >= n or nt == 64) and (nt == 8 or nt // 2 < n)
     assert (chunks - 1) * nt < n <= chunks * nt
     assert rb * 64 >= m > (rb - 1) * 64
@@ -47,8 +47,6 @@ def test_forced_plans():
     assert (p.nt, p.stages, p.rb, p.chunks) == (8, 4, 64, 13)
     assert plan.rows_plan(4096, 5, 1, splits=3)[5:7] == (3, 2)           # 2 + 2 + 1 columns
     assert plan.rows_plan(4096, 5, 1, splits=9)[5:7] == (5, 1)           # at most one split per column
-    p = plan.rows_plan(4096, 5, 1, blocks=7)                             # stream-K: 64 x 5 units in ranges of 46
-    assert (p.ks, p.per, p.blocks, p.partial) == (0, 46, 7, True)
     assert plan.rows_plan(4096, 64, 1, tokens=32, stages=2)[:2] == (32, 2)
     with pytest.raises(ValueError, match="shared memory"):
         plan.rows_plan(4096, 64, 8, stages=5)                             # 50704 B: dense strip slots

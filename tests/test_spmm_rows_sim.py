@@ -67,9 +67,6 @@ def _rel_err(p, w, x, **knobs):
         (64, 320, 33, "strips", dict(tokens=32, stages=3)),    # zero/dense/50%/2:4/70% strips; ring wraps; 2 chunks
         (48, 136, 64, 1.0, {}),                                # dense strips (the widest value copies)
         (16, 64, 70, 0.5, dict(tokens=64)),                    # 2 chunks of 64, the last one 6 rows
-        (100, 192, 9, "strips", dict(tokens=8, blocks=3)),     # stream-K: 2 row blocks x 2 chunks x 3 columns
-                                                               # in ranges of 4: blocks share tiles, run 2
-                                                               # segments, a full chunk after a partial one
     ],
 )
 def test_rows_kernel_matches_float64(m, k, n, kind, knobs):

@@ -101,12 +101,10 @@ def main() -> None:
                    arr(types.int16), arr(types.float32), arr(types.int32))
     rows = []
     # (label, kernel, scalar count, register cap[, signature])
-    for sk in (False, True):
-        for nt in (8, 16, 32, 64):
-            regs = plan.rows_max_registers(nt)
-            st = plan.rows_stages(nt)
-            rows.append((f"rows{' sk' if sk else ''} NT={nt:3d} stages={st}", spmm_rows.get_kernel(nt, st, 3, regs, sk),
-                         6, regs, rows_arrays))
+    for nt in (8, 16, 32, 64):
+        regs = plan.rows_max_registers(nt)
+        st = plan.rows_stages(nt)
+        rows.append((f"rows NT={nt:3d} stages={st}", spmm_rows.get_kernel(nt, st, 3, regs), 6, regs, rows_arrays))
     rows.append(("rows NT= 64 stages=2 regs=168", spmm_rows.get_kernel(64, 2, 3, 168), 6, 168, rows_arrays))
     for n in (1, 8, 16, 32, 64):
         regs = spmm_warp.max_registers(n, 1)

@@ -7,13 +7,13 @@ command, about 6-9 minutes on an H100 / H200 (most of it numba compiling the var
    all-zero and dense ones, kept -0.0 values), shapes 4096x4096, 22016x4096, 4096x11008, 8192x28672 and
    odd ones (100x72, 1000x333, 130x4160), N from 1 to 128 including odd counts; outputs poisoned with
    NaN; relative error against a float64 reference < 1e-3 (fp16 output rounding is ~2e-4); forced plans
-   (splits 1, 3, 8; tokens; stages; stream-K blocks), each run twice (split-K counters must be reset); CUDA graphs
+   (splits 1, 3, 8; tokens; stages), each run twice (split-K counters must be reset); CUDA graphs
    replayed on new inputs, with one weight first seen inside the capture. Registers and local memory of
    every compiled variant. Exits 1 on any failure, before timing.
 2. **Timing** (us per call, median of CUDA-graph replays rotating over weight copies that together
    exceed the L2): cuBLAS on the dense weight, the default TCA-BME kernel (spmm_warp) and spmm_rows, at
    50% and 70%, N in 1, 8, 16, 32, 64, 128; ``x`` = cuBLAS time / ours.
-3. ``--sweep``: forced spmm_rows plans (splits 1-8, tokens, stages, stream-K blocks) at 50% on SWEEP_SHAPES x SWEEP_NS,
+3. ``--sweep``: forced spmm_rows plans (splits 1-8, tokens, stages) at 50% on SWEEP_SHAPES x SWEEP_NS,
    the best four per case.
 
 Writes gpu_rows.json under ``--out`` (default ``$OUT``). Under ``NUMBA_ENABLE_CUDASIM=1`` the
@@ -43,13 +43,11 @@ CHECK_NS = [1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 100, 127, 128]
 KINDS = [0.5, 0.7, "2:4", "strips"]
 WIDE = {(22016, 4096), (4096, 11008), (8192, 28672)}      # 50% and 70% only (time)
 FORCED = [dict(splits=1), dict(splits=3), dict(splits=8), dict(tokens=8), dict(tokens=16, stages=2),
-          dict(tokens=32, stages=2), dict(tokens=64), dict(stages=2), dict(stages=3),
-          dict(blocks=528), dict(blocks=7), dict(tokens=8, blocks=300)]             # stream-K
+          dict(tokens=32, stages=2), dict(tokens=64), dict(stages=2), dict(stages=3)]
 BENCH_SHAPES = [(4096, 4096), (22016, 4096), (4096, 11008), (8192, 28672)]
 BENCH_NS = [1, 8, 16, 32, 64, 128]
 SWEEP = ([dict(splits=s) for s in (1, 2, 3, 4, 6, 8)] + [dict(tokens=t) for t in (8, 16, 32, 64)]
-         + [dict(stages=s) for s in (2, 3, 4)] + [dict(tokens=16, splits=2), dict(tokens=32, splits=2)]
-         + [dict(blocks=132 * b) for b in (1, 2, 3, 4)])            # stream-K
+         + [dict(stages=s) for s in (2, 3, 4)] + [dict(tokens=16, splits=2), dict(tokens=32, splits=2)])
 SWEEP_SHAPES = [(22016, 4096), (4096, 11008), (8192, 28672)]
 SWEEP_NS = (1, 16, 64, 128)
 TOL = 1e-3
@@ -87,7 +85,7 @@ def check(shapes, ns, kinds) -> int:
 
     def run(tag, x, p, ref, m, **kw):
         nonlocal bad, cases, worst
-        for rep in range(2 if kw.get("splits", 0) > 1 or "blocks" in kw else 1):   # twice: counters reset
+        for rep in range(2 if kw.get("splits", 0) > 1 else 1):     # twice: the split-K counters reset
             out = torch.full((x.shape[0], m), float("nan"), device=DEV, dtype=torch.float16)
             cases += 1
             try:

@@ -37,11 +37,9 @@ BENCH_SHAPES = [(22016, 4096), (4096, 11008), (8192, 28672)]
 BENCH_NS = [1, 16, 32, 64, 128, 512]
 # forced sp24_rows plans: checked for correctness at a few N; --sweep times SWEEP_ROWS
 FORCED_ROWS = [dict(splits=1), dict(splits=3), dict(tokens=8), dict(tokens=64, stages=2), dict(stages=2),
-               dict(strips=2), dict(strips=1), dict(strips=2, splits=3),
-               dict(blocks=528), dict(blocks=7), dict(strips=2, blocks=264)]      # stream-K
+               dict(strips=2), dict(strips=1), dict(strips=2, splits=3)]
 SWEEP_ROWS = [dict(splits=s) for s in (1, 2, 3, 4, 6, 8)] + [dict(strips=2, splits=s) for s in (1, 2, 4)] + \
-    [dict(tokens=t) for t in (8, 16, 32)] + [dict(stages=s) for s in (2, 3, 4, 6)] + \
-    [dict(blocks=132 * b) for b in (1, 2, 3, 4, 5)] + [dict(strips=2, blocks=132 * b) for b in (2, 4)]
+    [dict(tokens=t) for t in (8, 16, 32)] + [dict(stages=s) for s in (2, 3, 4, 6)]
 # NUMBA_ENABLE_CUDASIM=1 (a dry run of the checks on CPU tensors, tiny shapes only: --check-shapes)
 DEV = "cpu" if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else "cuda"
 

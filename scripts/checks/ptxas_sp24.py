@@ -36,11 +36,11 @@ VARIANTS = [(8, 4), (8, 2), (8, 1), (16, 2), (16, 1), (32, 1), (64, 1)]   # (tok
 ROWS_VARIANTS = [(8, 4), (16, 4), (32, 3), (64, 2)]             # sp24_rows: (tokens per block, stages)
 
 
-def ptx_of(nt: int, r: int, maxreg: int, kernel: str = "warps", sk: bool = False) -> str:
+def ptx_of(nt: int, r: int, maxreg: int, kernel: str = "warps") -> str:
     arr32 = types.Array(types.int32, 1, "C")
     arr16 = types.Array(types.int16, 1, "C")
     if kernel == "rows":
-        kern = sp24_rows.get_kernel(nt, r, maxreg=maxreg, sk=sk)
+        kern = sp24_rows.get_kernel(nt, r, maxreg=maxreg)
         sig = (arr32, arr32, arr32, arr32, arr16, types.Array(types.float32, 1, "C"), arr32) + (types.int64,) * 6
     else:
         kern = sp24_kernel.get_kernel(nt, r, maxreg)
@@ -65,8 +65,8 @@ def assemble(p: Path, cubin: Path, maxreg: int) -> str:
 
 
 def main_loop(sass: str) -> tuple[int, int]:
-    """(instructions, HMMA) of the step loop: the backward branch span holding the most 16-byte loads and
-    HMMA, the shortest of those (stream-K's segment loop holds the step loop)."""
+    """(instructions, HMMA) of the step loop: of the backward branch spans with 16-byte loads, the one
+    holding the most HMMA, the shortest of those."""
     insts: list[str] = []
     labels: dict[str, int] = {}
     for line in sass.splitlines():
@@ -100,15 +100,14 @@ def main() -> int:
     ap.add_argument("--keep", help="directory to keep the .ptx / .cubin / .sass files in")
     ap.add_argument("--kernel", choices=("warps", "rows"), default="warps",
                     help="sp24_kernel (warps split K; R = strip rows) or sp24_rows (R = stages)")
-    ap.add_argument("--sk", action="store_true", help="sp24_rows: the stream-K variant (a loop over segments)")
     args = ap.parse_args()
     out = Path(args.keep or tempfile.mkdtemp())
     out.mkdir(parents=True, exist_ok=True)
     print("| NT | R | registers | spill stores/loads | local bytes | PTX mma.sp | PTX mma.sync | SASS HMMA.SP | SASS HMMA | SASS total | step loop (SASS, HMMA) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for nt, r in (ROWS_VARIANTS if args.kernel == "rows" else VARIANTS):
-        ptx = ptx_of(nt, r, args.maxreg, args.kernel, args.sk)
-        p = out / f"sp24_{args.kernel}{'_sk' if args.sk else ''}_n{nt}_r{r}.ptx"
+        ptx = ptx_of(nt, r, args.maxreg, args.kernel)
+        p = out / f"sp24_{args.kernel}_n{nt}_r{r}.ptx"
         p.write_text(ptx)
         cubin = p.with_suffix(".cubin")
         info = assemble(p, cubin, args.maxreg)
