@@ -53,7 +53,7 @@ def child() -> dict:
     first_s = time.time() - t0
     same = bool(torch.equal(dense.view(torch.int16), w.view(torch.int16)))
     kernels = [*spmm_warp.compiled_kernels().values(), *spmm_rows.compiled_kernels().values(),
-               *sp24_rows.compiled_kernels().values(), *decode._KERNEL]
+               *sp24_rows.compiled_kernels().values(), decode.get_kernel()]
     compiled = sum(len(k.overloads) for k in kernels)
     return {"first_launch_s": first_s, "errors": errs, "decode_bit_exact": same, "kernels": len(kernels),
             "numba_compiles": compiled}
