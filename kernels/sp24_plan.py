@@ -69,7 +69,8 @@ ROWS_MIN_STEPS = 16        # ... or a split would cover fewer tile columns than 
 ROWS_MIN_WEIGHTS = 2**24   # kernel "auto" (kernel_for): sp24_rows above this many weights, or from
 ROWS_AUTO_N = 64           # this many tokens on; else sp24_kernel
 ROWS_MIN_M = 8192          # rows_plan: two tile rows per block from ROWS_MIN_N tokens on, on this many
-ROWS_MIN_N = 128           # output rows or more (all-2:4 weights)
+ROWS_MIN_N = 128           # output rows or more (all-2:4 weights); from ROWS_FEW_BLOCKS_N tokens on
+ROWS_DEEP_GK = 256         # where K has this many tile columns or more
 
 
 SLOTS = (1152, 2048)       # bytes of one staged strip: 2:4 only (values + metadata), or room for a dense one
@@ -134,10 +135,13 @@ def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = Non
     columns over the splits); without it the split rule of ``rows_splits``."""
     nt = tokens_ or rows_tokens(n)
     gm = -(-m // 64)
-    # two tile rows per block (every B fragment serves two strips): only where the second sweep found
-    # it faster, ROWS_MIN_N tokens or more on ROWS_MIN_M rows or more of an all-2:4 weight (22016x4096
-    # N = 128: 106 us against 168; mixed mosaics were not timed with it)
-    r = strips_ or (2 if n >= ROWS_MIN_N and m >= ROWS_MIN_M and aslot == SLOTS[0] else 1)
+    # two tile rows per block (every B fragment serves two strips): only where the sweeps found it faster,
+    # on ROWS_MIN_M rows or more of an all-2:4 weight from ROWS_MIN_N tokens on (H200, 22016x4096 N = 128:
+    # 106 us against 168), and from ROWS_FEW_BLOCKS_N tokens on where K is deep (H100, 8192x28672: 1.47 /
+    # 1.36 / 0.97x cuBLAS at N = 16 / 32 / 64 against 1.43 / 1.22 / 0.91x; on 22016x4096, K = 4096, one
+    # tile row stays faster below 128 tokens; mixed mosaics were not timed with it)
+    tall = m >= ROWS_MIN_M and aslot == SLOTS[0]
+    r = strips_ or (2 if tall and (n >= ROWS_MIN_N or (n >= ROWS_FEW_BLOCKS_N and gk >= ROWS_DEEP_GK)) else 1)
     while rows_smem_bytes(nt, 2, r, aslot) > SMEM_MAX and nt > 8:
         nt //= 2
     rb = -(-gm // r)

@@ -13,9 +13,12 @@ from sparsekit.kernels.sp24_rows import smem_bytes
     (4096, 4096, 1, 4, 1), (22016, 4096, 1, 1, 1), (4096, 11008, 1, 8, 1), (8192, 28672, 1, 4, 1),
     (4096, 11008, 16, 4, 1), (4096, 11008, 64, 4, 1), (4096, 4096, 16, 4, 1), (22016, 4096, 64, 1, 1),
     (22016, 4096, 128, 1, 2), (8192, 28672, 128, 2, 2),
+    (8192, 28672, 16, 4, 2), (8192, 28672, 32, 4, 2), (8192, 28672, 64, 4, 2),   # H100 sweep, session 12
+    (22016, 4096, 16, 1, 1), (22016, 4096, 32, 1, 1),                            # K = 4096: one tile row
 ])
 def test_splits_follow_the_measured_best(m, k, n, splits, strips):
-    """docs/kernels-notes.md "v14": the fastest forced plans of the H200 sweep on these shapes (all-2:4)."""
+    """docs/kernels-notes.md "v14" and "v15 outcome": the fastest forced plans of the H200 and H100 sweeps
+    on these shapes (all-2:4)."""
     gk = -(-k // 64)
     p = sp24_plan.rows_plan(m, gk, n, sms=132, aslot=SLOTS[0])
     assert (p.ks, p.r) == (splits, strips)
