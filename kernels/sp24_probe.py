@@ -53,17 +53,24 @@ def _i32(v: int) -> int:
     return v - (1 << 32) if v >= 1 << 31 else v
 
 
-def random_operands(seed: int):
-    """Random 2:4 A [16, 32], B [32, 8], C [16, 8] and every lane's registers as the notes give them."""
-    g = torch.Generator().manual_seed(seed)
-    a = torch.zeros(16, 32, dtype=torch.float16)
-    comp = torch.randn(16, 16, generator=g).half()
-    idx = torch.zeros(16, 8, 2, dtype=torch.int64)
-    for r in range(16):
+def random_2to4(rows: int, g: torch.Generator):
+    """A random 2:4 fp16 ``a [rows, 32]``, its kept values ``comp [rows, 16]`` (two per group of 4, in
+    order) and their positions in each group ``idx [rows, 8, 2]``."""
+    a = torch.zeros(rows, 32, dtype=torch.float16)
+    comp = torch.randn(rows, 16, generator=g).half()
+    idx = torch.zeros(rows, 8, 2, dtype=torch.int64)
+    for r in range(rows):
         for j in range(8):
             i0, i1 = sorted(torch.randperm(4, generator=g)[:2].tolist())
             idx[r, j] = torch.tensor([i0, i1])
             a[r, 4 * j + i0], a[r, 4 * j + i1] = comp[r, 2 * j], comp[r, 2 * j + 1]
+    return a, comp, idx
+
+
+def random_operands(seed: int):
+    """Random 2:4 A [16, 32], B [32, 8], C [16, 8] and every lane's registers as the notes give them."""
+    g = torch.Generator().manual_seed(seed)
+    a, comp, idx = random_2to4(16, g)
     b = torch.randn(32, 8, generator=g).half()
     c = torch.randn(16, 8, generator=g)
     ar, br, cr, meta = [], [], [], []

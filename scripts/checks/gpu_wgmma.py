@@ -44,15 +44,10 @@ def _i32(v: int) -> int:
 
 def operands(seed: int):
     """Random 2:4 A [64, 32] with its compressed values [64, 16] and kept indices, B, C."""
+    from sparsekit.kernels.sp24_probe import random_2to4
+
     g = torch.Generator().manual_seed(seed)
-    comp = torch.randn(64, 16, generator=g).half()
-    idx = torch.zeros(64, 8, 2, dtype=torch.int64)
-    a = torch.zeros(64, 32, dtype=torch.float16)
-    for r in range(64):
-        for j in range(8):
-            i0, i1 = sorted(torch.randperm(4, generator=g)[:2].tolist())
-            idx[r, j] = torch.tensor([i0, i1])
-            a[r, 4 * j + i0], a[r, 4 * j + i1] = comp[r, 2 * j], comp[r, 2 * j + 1]
+    a, comp, idx = random_2to4(64, g)
     b = torch.randn(32, 8, generator=g).half()
     c = torch.randn(64, 8, generator=g)
     return a, comp, idx, b, c
