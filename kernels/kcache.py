@@ -53,6 +53,9 @@ def enabled() -> bool:
     if raw not in ("", "0", "1"):
         raise SparsekitError(f"SPARSEKIT_KERNEL_CACHE={raw!r}: set it to 0 (numba compiles every kernel in "
                              "every process) or 1 (keep compiled kernels on disk, the default)")
+    if raw == "0":
+        note("SPARSEKIT_KERNEL_CACHE=0: the on-disk kernel cache is off; numba compiles every kernel variant in "
+             "every process")
     return raw != "0"
 
 

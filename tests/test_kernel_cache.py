@@ -109,8 +109,16 @@ def test_unwritable_folder_is_reported_not_raised(root):
 
 @pytest.mark.parametrize("raw, on", [("", True), ("1", True), ("0", False)])
 def test_switch(monkeypatch, raw, on):
+    import warnings
+
     monkeypatch.setenv("SPARSEKIT_KERNEL_CACHE", raw)
-    assert kcache.enabled() is on
+    monkeypatch.setattr(kcache, "_said", set())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert kcache.enabled() is on
+        kcache.enabled()
+    said = [str(w.message) for w in seen if "SPARSEKIT_KERNEL_CACHE" in str(w.message)]
+    assert len(said) == (0 if on else 1)          # turning it off is said, once
 
 
 def test_switch_refuses_other_values(monkeypatch):
