@@ -18,6 +18,7 @@ every variant, as before).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -27,7 +28,6 @@ from pathlib import Path
 
 VERSION = 1
 _TAG = "_sparsekit_tag"
-_source_hash: list = []
 
 
 def tag(kern, name: str, key) -> object:
@@ -45,6 +45,11 @@ def tag(kern, name: str, key) -> object:
     return kern
 
 
+def tag_of(kern) -> str | None:
+    """What ``tag`` recorded on ``kern`` (None: untagged, never cached)."""
+    return getattr(kern, _TAG, None)
+
+
 def enabled() -> bool:
     """``SPARSEKIT_KERNEL_CACHE``: on unless ``0`` (``1`` or empty: on; anything else one error line)."""
     from sparsekit.errors import SparsekitError
@@ -59,15 +64,15 @@ def enabled() -> bool:
     return raw != "0"
 
 
+@functools.lru_cache(maxsize=1)
 def source_hash() -> str:
-    """A short hash of the bundled kernels' sources (a changed kernel never reuses a cached result)."""
-    if not _source_hash:
-        h = hashlib.sha256()
-        for f in sorted(Path(__file__).parent.glob("*.py")):
-            h.update(f.name.encode())
-            h.update(f.read_bytes())
-        _source_hash.append(h.hexdigest()[:16])
-    return _source_hash[0]
+    """A short hash of the bundled kernels' sources (a changed kernel never reuses a cached result);
+    computed once per process (``source_hash.cache_clear()`` forgets it)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def arg_signature(args) -> list:
@@ -79,7 +84,7 @@ def arg_signature(args) -> list:
 def key_of(kern, args, cc) -> str | None:
     """The cache file stem of ``kern`` launched with ``args`` on a GPU of compute capability ``cc``;
     None for an untagged kernel."""
-    t = getattr(kern, _TAG, None)
+    t = tag_of(kern)
     if t is None:
         return None
     import numba
