@@ -19,11 +19,21 @@ def test_descriptor_bit_fields():
 
 
 def test_b_image_places_core_matrices():
-    b = torch.arange(256, dtype=torch.float32).reshape(32, 8).half()
-    for kstep in (128, 256):
-        img = gpu_wgmma.b_image(b, kstep).view(torch.float16)
-        for k, n in ((0, 0), (7, 3), (8, 0), (31, 7)):
-            assert img[((k // 8) * kstep + n * 16 + (k % 8) * 2) // 2] == b[k, n]
+    b = torch.arange(512, dtype=torch.float32).reshape(32, 16).half()
+    for kstep, nstep in ((128, 512), (256, 128)):
+        img = gpu_wgmma.b_image(b, kstep, nstep).view(torch.float16)
+        for k, n in ((0, 0), (7, 3), (8, 0), (31, 7), (0, 8), (17, 15)):
+            assert img[((k // 8) * kstep + (n // 8) * nstep + (n % 8) * 16 + (k % 8) * 2) // 2] == b[k, n]
+        assert sorted(img.float().tolist())[-512:] == sorted(b.float().reshape(-1).tolist())  # each value once
+
+
+def test_candidates_never_overlap_core_matrices_and_try_both_roles():
+    for n in (8, 16):
+        cands = list(gpu_wgmma.candidates(n))
+        assert cands and all(gpu_wgmma._disjoint(k, ns, n) for _, k, ns, _, _ in cands)
+    cands = list(gpu_wgmma.candidates(16))
+    assert {(lbo, sbo) for _, k, ns, lbo, sbo in cands if (k, ns) == (128, 512)} == {(128, 512), (512, 128)}
+    assert not gpu_wgmma._disjoint(128, 256, 16)          # the second N block would land on K block 2
 
 
 def test_first_metadata_candidate_is_mma_sp_per_warp():
@@ -41,8 +51,10 @@ def test_first_metadata_candidate_is_mma_sp_per_warp():
                         i0, i1 = idx[16 * w + g + 8 * rh, 4 * t + jj].tolist()
                         word |= (i0 | i1 << 2) << (16 * rh + 4 * jj)
                 assert meta[32 * w + ln].item() & 0xFFFFFFFF == word
-    # A and D round trip: the D layout read back from C's registers is C itself
+    # A and D round trip: the D layout read back from C's registers is C itself (N = 8 and 16)
     assert torch.equal(gpu_wgmma.d_matrix(gpu_wgmma.c_regs(c)), c.double())
+    c16 = gpu_wgmma.operands(1, 16)[4]
+    assert c16.shape == (64, 16) and torch.equal(gpu_wgmma.d_matrix(gpu_wgmma.c_regs(c16)), c16.double())
     # the A registers hold every compressed value once
     vals = regs.view(torch.int16).view(torch.float16).reshape(-1)
     assert sorted(vals.float().tolist()) == sorted(comp.float().reshape(-1).tolist())
