@@ -51,28 +51,21 @@ def _asm(n: int) -> tuple[str, str]:
     return text, constraints
 
 
-def _codegen(n: int):
-    r = n // 2
-    text, constraints = _asm(n)
+@intrinsic
+def _wgmma_sp(typingctx, a0, a1, a2, a3, desc, meta, one, acc):
+    """``acc`` (a tuple of N/2 fp32 accumulators) gives N; returns the N/2 results."""
+    r = acc.count
+    text, constraints = _asm(2 * r)
+    u, f = types.uint32, types.float32
+    sig = types.UniTuple(f, r)(u, u, u, u, types.uint64, u, u, types.UniTuple(f, r))
 
     def codegen(context, builder, sig, args):
         fnty = ir.FunctionType(ir.LiteralStructType([_f32] * r), [_i32] * 4 + [_i64] + [_i32] * 2 + [_f32] * r)
-        res = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), args)
+        ins = list(args[:7]) + [builder.extract_value(args[7], i) for i in range(r)]
+        res = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), ins)
         return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(r)])
 
-    return codegen
-
-
-@intrinsic
-def _wgmma_sp8(typingctx, a0, a1, a2, a3, desc, meta, one, c0, c1, c2, c3):
-    u, f = types.uint32, types.float32
-    return types.UniTuple(f, 4)(u, u, u, u, types.uint64, u, u, *[f] * 4), _codegen(8)
-
-
-@intrinsic
-def _wgmma_sp16(typingctx, a0, a1, a2, a3, desc, meta, one, c0, c1, c2, c3, c4, c5, c6, c7):
-    u, f = types.uint32, types.float32
-    return types.UniTuple(f, 8)(u, u, u, u, types.uint64, u, u, *[f] * 8), _codegen(16)
+    return sig, codegen
 
 
 _KERNELS: dict = {}
@@ -90,35 +83,33 @@ def _stage(bimg, desc, nwords):
     return np.uint64(desc[0]) | ((addr & np.uint64(0x3FFFF)) >> np.uint64(4))
 
 
+def _acc4(c, t):
+    return (np.float32(c[4 * t]), np.float32(c[4 * t + 1]), np.float32(c[4 * t + 2]), np.float32(c[4 * t + 3]))
+
+
+def _acc8(c, t):
+    return (np.float32(c[8 * t]), np.float32(c[8 * t + 1]), np.float32(c[8 * t + 2]), np.float32(c[8 * t + 3]),
+            np.float32(c[8 * t + 4]), np.float32(c[8 * t + 5]), np.float32(c[8 * t + 6]), np.float32(c[8 * t + 7]))
+
+
 def get_kernel(n: int = 8):
     """The probe kernel for ``n`` tokens (8 or 16): one warpgroup, one product."""
     if n not in NS:
         raise ValueError(f"the wgmma.sp probe is built for N in {NS}, not {n}")
     if n not in _KERNELS:
-        stage = cuda.jit(device=True, inline=True)(_stage)
-        if n == 8:
-            @cuda.jit
-            def k(a, meta, bimg, desc, c, d, nwords):
-                dsc = stage(bimg, desc, nwords)
-                t = cuda.threadIdx.x
-                r = _wgmma_sp8(np.uint32(a[4 * t]), np.uint32(a[4 * t + 1]), np.uint32(a[4 * t + 2]),
-                               np.uint32(a[4 * t + 3]), dsc, np.uint32(meta[t]), np.uint32(1),
-                               np.float32(c[4 * t]), np.float32(c[4 * t + 1]), np.float32(c[4 * t + 2]),
-                               np.float32(c[4 * t + 3]))
-                for i in range(4):
-                    d[4 * t + i] = r[i]
-        else:
-            @cuda.jit
-            def k(a, meta, bimg, desc, c, d, nwords):
-                dsc = stage(bimg, desc, nwords)
-                t = cuda.threadIdx.x
-                r = _wgmma_sp16(np.uint32(a[4 * t]), np.uint32(a[4 * t + 1]), np.uint32(a[4 * t + 2]),
-                                np.uint32(a[4 * t + 3]), dsc, np.uint32(meta[t]), np.uint32(1),
-                                np.float32(c[8 * t]), np.float32(c[8 * t + 1]), np.float32(c[8 * t + 2]),
-                                np.float32(c[8 * t + 3]), np.float32(c[8 * t + 4]), np.float32(c[8 * t + 5]),
-                                np.float32(c[8 * t + 6]), np.float32(c[8 * t + 7]))
-                for i in range(8):
-                    d[8 * t + i] = r[i]
+        device = cuda.jit(device=True, inline=True)
+        stage, acc = device(_stage), device(_acc4 if n == 8 else _acc8)
+        R = n // 2
+
+        @cuda.jit
+        def k(a, meta, bimg, desc, c, d, nwords):
+            dsc = stage(bimg, desc, nwords)
+            t = cuda.threadIdx.x
+            r = _wgmma_sp(np.uint32(a[4 * t]), np.uint32(a[4 * t + 1]), np.uint32(a[4 * t + 2]),
+                          np.uint32(a[4 * t + 3]), dsc, np.uint32(meta[t]), np.uint32(1), acc(c, t))
+            for i in range(R):
+                d[R * t + i] = r[i]
+
         _KERNELS[n] = k
     return _KERNELS[n]
 
