@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 VERSION = 1
@@ -141,19 +140,13 @@ def write(stem: str, cubin: bytes, entry: str) -> str | None:
     """Store ``cubin`` (and its entry name) under ``stem``, each file atomically; the record is written
     last and names the cubin's hash, so a reader never takes a half-written pair. Returns why it could
     not, else None."""
+    from sparsekit.host.atomic import replace_file
+
     d = folder()
     meta = {"version": VERSION, "entry": entry, "bytes": len(cubin), "sha256": hashlib.sha256(cubin).hexdigest()}
     try:
-        d.mkdir(parents=True, exist_ok=True)
-        for suffix, payload in ((".cubin", cubin), (".json", json.dumps(meta).encode())):
-            fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{stem}.", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(payload)
-                os.replace(tmp, d / f"{stem}{suffix}")
-            except BaseException:
-                Path(tmp).unlink(missing_ok=True)
-                raise
+        replace_file(d / f"{stem}.cubin", cubin)
+        replace_file(d / f"{stem}.json", json.dumps(meta).encode())
     except OSError as e:
         return f"{type(e).__name__}: {e}"
     return None

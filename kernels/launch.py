@@ -120,16 +120,22 @@ def _allow_smem(kern, args, dyn: int) -> bool:
     return False
 
 
+def _stem(kern, args, device: torch.device) -> str | None:
+    """``kern``'s kernel cache file stem for ``args`` on ``device`` (None: the cache is off or the kernel
+    untagged)."""
+    if SIM or not kcache.enabled():
+        return None
+    if device.index not in _cc:
+        _cc[device.index] = torch.cuda.get_device_capability(device)
+    return kcache.key_of(kern, args, _cc[device.index])
+
+
 def _disk_kernel(kern, args, device: torch.device, dyn: int = 0):
     """``kern`` compiled for ``args`` (arrays or tensors, then int scalars) and loaded from the kernel
     cache (``kcache``) without numba, opted in to ``dyn`` bytes of shared memory; None where it is not
     cached (or the cache is off): numba compiles it at its launch, and ``_keep`` stores it."""
     global _SMEM_OPTIN_OK
-    if SIM or not kcache.enabled():
-        return None
-    if device.index not in _cc:
-        _cc[device.index] = torch.cuda.get_device_capability(device)
-    stem = kcache.key_of(kern, args, _cc[device.index])
+    stem = _stem(kern, args, device)
     if stem is None or stem in _unusable:
         return None
     try:
@@ -151,11 +157,7 @@ def _disk_kernel(kern, args, device: torch.device, dyn: int = 0):
 
 def _keep(kern, args, device: torch.device) -> None:
     """Store ``kern`` as numba just compiled it for ``args`` in the kernel cache, for later processes."""
-    if SIM or not kcache.enabled():
-        return
-    if device.index not in _cc:
-        _cc[device.index] = torch.cuda.get_device_capability(device)
-    stem = kcache.key_of(kern, args, _cc[device.index])
+    stem = _stem(kern, args, device)
     if stem is None or (stem not in _unusable and (kcache.folder() / f"{stem}.json").exists()):
         return
     try:

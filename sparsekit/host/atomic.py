@@ -50,6 +50,21 @@ _held: dict[str, "OutputClaim"] = {}   # target path -> the claim this process h
 _held_lock = threading.Lock()
 
 
+def replace_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (a cache file: a temporary file beside it, then a rename, so a
+    reader sees the old file or the new one, never part of one). Raises ``OSError``; the temporary file
+    is removed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 class OutputWriteError(SparsekitError, OSError):
     """Writing the output failed (no space, no permission, ...): one line for the user; still an OSError."""
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
 from sparsekit.hf.models import cache_root
+from sparsekit.host.atomic import replace_file
 
 VERSION = 1
 
@@ -68,15 +67,8 @@ def load(path: Path) -> tuple[dict, str | None]:
 def write(path: Path, entries: dict) -> str | None:
     """Replace ``path`` with ``entries``, atomically. Returns why it could not (the caller reports it:
     the plan is still right, only the next load measures again), else None."""
-    tmp = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump({"version": VERSION, "entries": entries}, f)
-        os.replace(tmp, path)
+        replace_file(path, json.dumps({"version": VERSION, "entries": entries}).encode())
         return None
     except OSError as e:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
         return f"{type(e).__name__}: {e}"
