@@ -9,6 +9,11 @@ from torch import nn
 from sparsekit.torch_compat import module_tensors, set_module_tensor
 
 
+def tensor_bytes(tensors) -> int:
+    """Bytes the tensors hold."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class ResidentLayers:
     """Device copies of decoder layers that a read-only pass (OWL's outlier scan) leaves on the device
     for the pass after it, up to ``budget`` bytes: that pass then takes them instead of copying the
@@ -22,7 +27,7 @@ class ResidentLayers:
         self.refused = 0
 
     def keep(self, idx: int, tensors: list[torch.Tensor]) -> bool:
-        size = sum(t.numel() * t.element_size() for t in tensors)
+        size = tensor_bytes(tensors)
         if self.refused or self.used + size > self.budget:   # in order: once one is refused, keep no later one
             self.refused += 1
             return False
@@ -35,7 +40,7 @@ class ResidentLayers:
         got = self.kept.pop(idx, None)
         if got is None:
             return None
-        self.used -= sum(t.numel() * t.element_size() for t in got)
+        self.used -= tensor_bytes(got)
         if len(got) != len(like) or any(g.shape != t.shape or g.dtype != t.dtype for g, t in zip(got, like)):
             return None
         return got

@@ -17,7 +17,7 @@ from sparsekit.progress import Progress, report
 from sparsekit.pruning.capture import capture_inputs, default_batch_size
 from sparsekit.pruning.linears import prune_linears
 from sparsekit.pruning.methods.wanda import wanda_scores
-from sparsekit.pruning.offload import LayerMover, ResidentLayers
+from sparsekit.pruning.offload import LayerMover, ResidentLayers, tensor_bytes
 from sparsekit.pruning.owl import Allotment, outlier_ratio, owl_sparsities
 from sparsekit.pruning.patterns import HYBRID_MAX_SPARSITY, Pattern
 from sparsekit.pruning.stats import collect_stats
@@ -57,7 +57,7 @@ def resident_for(model: nn.Module, calib: torch.Tensor, device: torch.device, ov
     if device.type != "cuda" or layer_mover is not None or not overlap:
         return None
     _, layers = L.find_decoder_layers(model)
-    layer_bytes = max((sum(t.numel() * t.element_size() for t in lay.parameters()) for lay in layers), default=0)
+    layer_bytes = max((tensor_bytes(lay.parameters()) for lay in layers), default=0)
     widest = max((p.shape[-1] for lay in layers for p in lay.parameters() if p.dim() == 2), default=0)
     hidden = getattr(getattr(model, "config", None), "hidden_size", 0) or 0
     act_bytes = 2 * calib.numel() * hidden * 4
