@@ -87,16 +87,20 @@ class Sp24Layout:
         return Sp24Layout(self.dense.to(device), self.sp.to(device), self.tiles.to(device), self.shape, self.dtype)
 
 
+def _tiled(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """The 2-D ``t`` zero-padded to whole tiles, as [GM * GK, 64, 64] tiles in row-major order; GM, GK."""
+    m, k = t.shape
+    gm, gk = -(-m // TILE), -(-k // TILE)
+    if (gm * TILE, gk * TILE) != (m, k):
+        pad = torch.zeros((gm * TILE, gk * TILE), dtype=t.dtype, device=t.device)
+        pad[:m, :k] = t
+        t = pad
+    return t.reshape(gm, TILE, gk, TILE).permute(0, 2, 1, 3).reshape(gm * gk, TILE, TILE), gm, gk
+
+
 def _tiles_of(w: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """int16 bit patterns [GM * GK, 64, 64] of the zero-padded weight, tiles in row-major order."""
-    m, k = w.shape
-    gm, gk = -(-m // TILE), -(-k // TILE)
-    raw = w.contiguous().view(torch.int16)
-    if (gm * TILE, gk * TILE) != (m, k):
-        pad = torch.zeros((gm * TILE, gk * TILE), dtype=torch.int16, device=w.device)
-        pad[:m, :k] = raw
-        raw = pad
-    return raw.reshape(gm, TILE, gk, TILE).permute(0, 2, 1, 3).reshape(gm * gk, TILE, TILE), gm, gk
+    return _tiled(w.contiguous().view(torch.int16))
 
 
 def _classes(nz: torch.Tensor, m: int, k: int, gm: int, gk: int):
@@ -115,10 +119,7 @@ def tile_census(weight: torch.Tensor) -> dict[str, int]:
     2:4). ``encode`` records it per layer, so the loader knows which layers the 2:4 layout can take
     without scanning their weights: those with no "other" tile."""
     m, k = (int(s) for s in weight.shape)
-    gm, gk = -(-m // TILE), -(-k // TILE)
-    nz = torch.zeros((gm * TILE, gk * TILE), dtype=torch.bool, device=weight.device)
-    nz[:m, :k] = weight != 0
-    nz = nz.reshape(gm, TILE, gk, TILE).permute(0, 2, 1, 3).reshape(gm * gk, TILE, TILE)
+    nz, gm, gk = _tiled(weight != 0)
     sp_ok, bad, _, _ = _classes(nz, m, k, gm, gk)
     n_sp, n_bad = int(sp_ok.sum()), int(bad.sum())
     return {"2:4": n_sp, "dense": gm * gk - n_sp - n_bad, "other": n_bad}
