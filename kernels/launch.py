@@ -101,6 +101,13 @@ def sm_count(device: torch.device) -> int:
     return _sms[key]
 
 
+def hopper(device: torch.device) -> bool:
+    """Whether ``device`` is a Hopper GPU (compute capability 9.0: the sparse warpgroup MMA of sp24_wg)."""
+    if device.index not in _cc:
+        _cc[device.index] = torch.cuda.get_device_capability(device)
+    return _cc[device.index] == (9, 0)
+
+
 def smem_limit() -> int:
     """The dynamic shared memory an spmm_warp block may take here: WARP_SMEM_MAX unless this numba
     could not opt a kernel in past 48 KB (then DYN_SMEM_MAX)."""
@@ -108,11 +115,12 @@ def smem_limit() -> int:
 
 
 def _allow_smem(kern, args, dyn: int) -> bool:
-    """Let the kernel take up to WARP_SMEM_MAX of dynamic shared memory (past the default 48 KB)."""
+    """Let the kernel take up to WARP_SMEM_MAX (or ``dyn``, if more: a sp24_wg variant's fixed ring) of
+    dynamic shared memory, past the default 48 KB."""
     global _SMEM_OPTIN_OK
     if dyn <= 48 * 1024 or id(kern) in _optin_done:
         return True
-    if compat_numba.opt_in_smem(kern, args, plan.WARP_SMEM_MAX):
+    if compat_numba.opt_in_smem(kern, args, max(plan.WARP_SMEM_MAX, dyn)):
         _optin_done.add(id(kern))
         _SMEM_OPTIN_OK = True
         return True
@@ -148,7 +156,7 @@ def _disk_kernel(kern, args, device: torch.device, dyn: int = 0):
         kcache.note(f"kernel cache file {stem} could not be used ({type(e).__name__}: {e}); compiling it again")
         return None
     if dyn > 48 * 1024 and id(kern) not in _optin_done:
-        if not compat_numba.set_max_dyn_smem(ck, plan.WARP_SMEM_MAX, device.index):
+        if not compat_numba.set_max_dyn_smem(ck, max(plan.WARP_SMEM_MAX, dyn), device.index):
             return None
         _optin_done.add(id(kern))
         _SMEM_OPTIN_OK = True
@@ -177,7 +185,7 @@ def _keep(kern, args, device: torch.device) -> None:
 def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int = 0) -> None:
     """Launch ``kern[blocks, threads]`` on torch's current stream with 1-D contiguous tensors (as
     numba arrays) then int64 scalars, directly once numba's packing of them is checked; ``dyn``
-    bytes of dynamic shared memory (at most 48 KB: no opt-in)."""
+    bytes of dynamic shared memory (past 48 KB: opted in first)."""
     device = tensors[0].device
     if SIM:
         kern[blocks, threads, 0, dyn](*[_as_numba(t) for t in tensors], *scalars)
@@ -193,6 +201,8 @@ def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int =
         compat_numba.launch_direct(ck, blocks, threads, dyn, _stream(device), flat, scalars)
         return
     args = tuple(_as_numba(t) for t in tensors) + tuple(scalars)
+    if dyn > 48 * 1024 and not _allow_smem(kern, args, dyn):
+        raise RuntimeError(f"this numba cannot let a kernel take {dyn} bytes of shared memory (48 KB without opt-in)")
     kern[blocks, threads, _stream(device), dyn](*args)
     if fkey not in _fast:
         _fast[fkey] = compat_numba.fast_entry(kern, args)

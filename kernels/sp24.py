@@ -11,13 +11,17 @@ from .io import output_for, padded
 
 def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, kernel: str = "auto",
                 warps: int | None = None, strips: int | None = None, tokens: int | None = None,
-                splits: int | None = None, stages: int | None = None) -> torch.Tensor:
+                splits: int | None = None, stages: int | None = None, groups: int | None = None,
+                kstep: int | None = None) -> torch.Tensor:
     """``y[N, M] = x[N, K] @ W^T`` (fp16 in and out, fp32 accumulate) for W in the 2:4 mosaic layout.
 
     ``kernel``: ``"auto"`` (``sp24_plan.kernel_for``: the one that measured faster for this shape and
-    token count), ``"rows"`` (``sp24_rows``: one or two tile rows per block, K split across blocks;
+    token count; "wg" is among them on a Hopper GPU for a weight whose tiles are all 2:4), ``"rows"`` (``sp24_rows``: one or two tile rows per block, K split across blocks;
     ``tokens``, ``splits``, ``stages`` and ``strips`` (tile rows per block) force its plan) or ``"warps"``
-    (``sp24_kernel``: K split over a block's warps; ``warps``, ``strips`` force its plan)."""
+    (``sp24_kernel``: K split over a block's warps; ``warps``, ``strips`` force its plan) or ``"wg"`` (``sp24_wg``:
+    Hopper's sparse warpgroup MMA, sm_90a, all-2:4 weights; ``tokens``, ``splits``, ``stages``, ``strips``
+    (tile rows per warpgroup), ``groups`` (warpgroups per block) and ``kstep`` (tile columns per step) force its
+    plan)."""
     from . import launch
     from .common import SIM
 
@@ -36,12 +40,15 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
     kp = gk * 64
     x = padded(x, kp)
     if kernel == "auto":
-        kernel = sp24_plan.kernel_for(m, k, n)
+        kernel = sp24_plan.kernel_for(m, k, n, not SIM and layout.dense.numel() == 0 and launch.hopper(x.device))
     if kernel == "rows":
         _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips)
         return out
+    if kernel == "wg":
+        _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups, kstep)
+        return out
     if kernel != "warps":
-        raise ValueError(f"unknown 2:4 kernel {kernel!r}: 'rows' or 'warps'")
+        raise ValueError(f"unknown 2:4 kernel {kernel!r}: 'rows', 'warps' or 'wg'")
     from .sp24_kernel import get_kernel
 
     nt, r, nw, rb, chunks, dyn = sp24_plan.plan(m, gk, n, launch.sm_count(x.device), warps, strips)
@@ -63,6 +70,19 @@ def _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, s
                out.reshape(-1).view(torch.int16), ws, cnt)
     maxreg = 128 if p.r * p.nt <= 64 else 168
     launch.launch_tensors(get_kernel(p.nt, p.stages, p.r, aslot, maxreg), p.blocks, 128, tensors,
+                          (m, n, gk, kp // 2, p.chunks, p.per), dyn=p.dyn)
+
+
+def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups, kstep) -> None:
+    from .sp24_wg import get_kernel
+
+    if layout.dense.numel():
+        raise ValueError("the warpgroup 2:4 kernel (kernel='wg') takes weights whose tiles are all 2:4; this one "
+                         "has dense tiles (kernel='rows' takes them)")
+    p, r, wg, ks = sp24_plan.wg_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, strips, groups, kstep)
+    ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
+    tensors = (layout.sp, layout.tiles, x.reshape(-1).view(torch.int32), out.reshape(-1).view(torch.int16), ws, cnt)
+    launch.launch_tensors(get_kernel(p.nt, p.stages, r, wg, ks), p.blocks, 128 * wg, tensors,
                           (m, n, gk, kp // 2, p.chunks, p.per), dyn=p.dyn)
 
 

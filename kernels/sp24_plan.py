@@ -86,12 +86,22 @@ def rows_smem_bytes(nt: int, stages: int, r: int = 1, aslot: int = 2048) -> int:
     return max(stages * stage_bytes(nt, r, aslot), nt * 64 * r * 4)
 
 
-def kernel_for(m: int, k: int, n: int = 1) -> str:
+def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False) -> str:
     """The 2:4 kernel ``sp24_matmul(kernel="auto")`` runs for ``[n, k] @ [m, k]^T``: "rows" (sp24_rows) for
     weights of more than ROWS_MIN_WEIGHTS and from ROWS_AUTO_N tokens on, else "warps" (sp24_kernel).
     From the H200 sweep after v14's B-fragment batching (docs/kernels-notes.md "v14"): rows won at every
     N on 22016x4096, 8192x28672 and 4096x11008 (with the split rule above); on 4096x4096 warps won by
-    5-10% at 8-32 tokens, rows from 64 on."""
+    5-10% at 8-32 tokens, rows from 64 on.
+
+    ``wg_ok`` (a Hopper GPU and a weight whose tiles are all 2:4): "wg" (sp24_wg) on tall weights (WG_MIN_M
+    rows or more) from WG_MIN_N to 64 tokens, and from 1 to WG_MAX_N tokens where K is deep too
+    (WG_DEEP_K). H100, `gpu_sp24 --kernels auto,rows,wg` (docs/kernels-notes.md "v17 outcome"), x cuBLAS,
+    wg against rows: 22016x4096 1.53 / 1.39 / 1.24 / 1.04 / 0.64 against 1.61 / 1.39 / 1.19 / 0.92 / 0.67
+    at 1 / 16 / 32 / 64 / 128 tokens; 28672x8192 1.95 / 1.58 / 1.46 / 1.20 / 0.79 / 0.45 against 1.86 /
+    1.40 / 1.20 / 0.93 / 0.47 / 0.34 at 1 / 16 / 32 / 64 / 128 / 256; on 8192x28672 and 4096x11008 rows
+    stayed faster from 16 tokens on."""
+    if wg_ok and m >= WG_MIN_M and ((k >= WG_DEEP_K and n <= WG_MAX_N) or WG_MIN_N <= n <= 64):
+        return "wg"
     if n >= ROWS_AUTO_N:
         return "rows"
     return "rows" if m * k > ROWS_MIN_WEIGHTS else "warps"
@@ -153,3 +163,53 @@ def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = Non
         raise ValueError(f"this sp24_rows plan (tokens {nt}, stages {st}, strips {r}) needs {dyn} bytes of shared "
                          "memory, more than a block may take without opting in (47 KB): fewer stages or tokens")
     return RowsPlan(nt, st, r, rb, chunks, ks, per, blocks, dyn)
+
+
+# ---- sp24_wg (Hopper sparse warpgroup MMA: WG warpgroups x R tile rows per block, all-2:4 weights)
+WG_NTS = (8, 16, 32, 64, 128)   # tokens per output tile; more run as further chunks of the same launch
+WG_SMEM_MAX = 160 * 1024        # dynamic shared bytes per block the default plan may take (one block per SM)
+WG_SMEM_OPTIN = 200 * 1024      # the most a forced plan may take (Hopper's opt-in limit is 227 KB)
+WG_STAGES = 4                   # ring depth (6 and 8 measured no faster on the H100)
+WG_MIN_M = 16384                # kernel_for: tall weights ...
+WG_MIN_N = 32                   # ... from this many tokens ...
+WG_MAX_N = 256                  # ... up to this many where K has WG_DEEP_K columns or more (else 64)
+WG_DEEP_K = 8192
+
+
+def wg_tokens(n: int) -> int:
+    """Tokens per output tile: the smallest of WG_NTS that covers ``n`` (the widest past that)."""
+    for nt in WG_NTS:
+        if nt >= n:
+            return nt
+    return WG_NTS[-1]
+
+
+def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None, splits_: int | None = None,
+            stages_: int | None = None, strips_: int | None = None, groups_: int | None = None,
+            kstep_: int | None = None):
+    """``(RowsPlan, R, WG, KS)`` of one sp24_wg launch: the plan's ``r`` counts the block's tile rows (R x WG);
+    KS tile columns per step. On tall weights (WG_MIN_M rows or more) two warpgroups of two tile rows each
+    (256 rows share one X slice) and whole tiles (no K split), which the H100 sweep found fastest on
+    22016x4096 and 28672x8192 from 16 to 256 tokens (86 and 112 blocks: fewer than the SMs, but a split
+    costs more); elsewhere one tile row per warpgroup, two warpgroups from 64 tokens on, and the K split
+    of ``rows_splits``. The ring: WG_STAGES deep, shallower where WG_SMEM_MAX needs it."""
+    from .sp24_wg import smem_bytes
+
+    nt = tokens_ or wg_tokens(n)
+    tall = m >= WG_MIN_M
+    r = strips_ or (2 if tall else 1)
+    wg = groups_ or (2 if (tall or nt >= 64) and m > 64 * r else 1)
+    gm = -(-m // 64)
+    rb = -(-gm // (r * wg))
+    chunks = -(-n // nt)
+    rule = (1, gk) if tall else rows_splits(rb * chunks, gk, sms, n)
+    ks, per, blocks = split_work(rb * chunks, gk, None if splits_ else rule, splits_)
+    ksz = kstep_ or 1
+    st = stages_ or WG_STAGES
+    while not stages_ and st > 3 and smem_bytes(nt, st, r, wg, ksz) > WG_SMEM_MAX:
+        st -= 1
+    dyn = smem_bytes(nt, st, r, wg, ksz)
+    if dyn > WG_SMEM_OPTIN:
+        raise ValueError(f"this sp24_wg plan (tokens {nt}, stages {st}, tile rows {r} x {wg}) needs {dyn} bytes "
+                         "of shared memory: fewer stages or tokens")
+    return RowsPlan(nt, st, r * wg, rb, chunks, ks, per, blocks, dyn), r, wg, ksz

@@ -129,10 +129,3 @@ def wgmma_sp_once(a: torch.Tensor, meta: torch.Tensor, bimg: torch.Tensor, desc:
           d.reshape(-1)]
     launch_tensors(get_kernel(n), 1, 128, ts, (bimg.numel(),))
     return d
-
-
-def descriptor(lbo: int, sbo: int, swizzle: int = 0, base: int = 0) -> int:
-    """A shared-memory matrix descriptor without its start address: leading byte offset (bits 16-29)
-    and stride byte offset (bits 32-45), each >> 4; base offset (bits 49-51); swizzle (bits 62-63:
-    0 none, 1 128 B, 2 64 B, 3 32 B)."""
-    return ((lbo >> 4) & 0x3FFF) << 16 | ((sbo >> 4) & 0x3FFF) << 32 | (base & 7) << 49 | (swizzle & 3) << 62

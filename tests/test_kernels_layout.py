@@ -9,7 +9,8 @@ import pytest
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 PAIRS = [("_intrinsics_sim.py", "_intrinsics_ptx.py"), ("_warp_intrinsics_sim.py", "_warp_intrinsics_ptx.py"),
-         ("_rows_intrinsics_sim.py", "_rows_intrinsics_ptx.py"), ("_sp_intrinsics_sim.py", "_sp_intrinsics_ptx.py")]
+         ("_rows_intrinsics_sim.py", "_rows_intrinsics_ptx.py"), ("_sp_intrinsics_sim.py", "_sp_intrinsics_ptx.py"),
+         ("_wg_intrinsics_sim.py", "_wg_intrinsics_ptx.py")]
 
 
 def exported(path: Path) -> tuple[set, set, set]:
@@ -59,12 +60,14 @@ def test_check_catches_a_name_in_one_half(tmp_path):
 
 
 def test_active_half_matches_the_chooser():
-    """``_intrinsics`` / ``_warp_intrinsics`` / ``_rows_intrinsics`` / ``_sp_intrinsics`` re-export the whole active half."""
+    """``_intrinsics`` / ``_warp_intrinsics`` / ``_rows_intrinsics`` / ``_sp_intrinsics`` / ``_wg_intrinsics``
+    re-export the whole active half."""
     import importlib
 
     from sparsekit.kernels.common import SIM
 
-    for chooser, (sim, ptx) in zip(("_intrinsics", "_warp_intrinsics", "_rows_intrinsics", "_sp_intrinsics"), PAIRS, strict=True):
+    choosers = ("_intrinsics", "_warp_intrinsics", "_rows_intrinsics", "_sp_intrinsics", "_wg_intrinsics")
+    for chooser, (sim, ptx) in zip(choosers, PAIRS, strict=True):
         mod = importlib.import_module(f"sparsekit.kernels.{chooser}")
         half = importlib.import_module(f"sparsekit.kernels.{(sim if SIM else ptx)[:-3]}")
         assert all(getattr(mod, n) is getattr(half, n) for n in half.__all__)

@@ -51,3 +51,33 @@ def test_a_forced_plan_too_big_for_shared_memory_is_one_clear_error():
     with pytest.raises(ValueError, match="shared memory"):
         sp24_plan.rows_plan(4096, 64, 8, stages_=8, aslot=SLOTS[1])
     assert sp24_plan.rows_plan(4096, 64, 8, stages_=8, aslot=SLOTS[0]).stages == 8   # 2:4 only: 46 KB fits
+
+
+@pytest.mark.parametrize("m,k,n,kernel", [
+    (22016, 4096, 16, "rows"), (22016, 4096, 32, "wg"), (22016, 4096, 64, "wg"), (22016, 4096, 128, "rows"),
+    (22016, 4096, 1, "rows"), (28672, 8192, 1, "wg"), (28672, 8192, 16, "wg"),
+    (28672, 8192, 128, "wg"), (28672, 8192, 256, "wg"), (28672, 8192, 512, "rows"),
+    (8192, 28672, 64, "rows"), (4096, 11008, 64, "rows"), (4096, 4096, 16, "warps"),
+])
+def test_auto_takes_the_warpgroup_kernel_only_where_it_measured_faster(m, k, n, kernel):
+    assert sp24_plan.kernel_for(m, k, n, wg_ok=True) == kernel
+    assert sp24_plan.kernel_for(m, k, n, wg_ok=False) != "wg"      # not Hopper, or a dense tile: never
+
+
+@pytest.mark.parametrize("m", [64, 4096, 22016])
+@pytest.mark.parametrize("n", [1, 9, 33, 64, 100, 128, 300])
+def test_every_wg_plan_fits_and_covers_n(m, n):
+    from sparsekit.kernels.sp24_wg import smem_bytes
+
+    gk = 64
+    p, r, wg, ks = sp24_plan.wg_plan(m, gk, n)
+    assert p.nt in sp24_plan.WG_NTS and 3 <= p.stages <= sp24_plan.WG_STAGES and p.r == r * wg
+    assert p.dyn == smem_bytes(p.nt, p.stages, r, wg, ks) <= sp24_plan.WG_SMEM_MAX
+    assert (p.chunks - 1) * p.nt < n <= p.chunks * p.nt
+    assert p.rb * p.r * 64 >= m > (p.rb - 1) * p.r * 64        # every tile row in exactly one row block
+    assert p.blocks == p.tiles * p.ks and (p.ks - 1) * p.per < gk <= p.ks * p.per
+
+
+def test_a_forced_wg_plan_too_big_is_one_clear_error():
+    with pytest.raises(ValueError, match="shared memory"):
+        sp24_plan.wg_plan(22016, 64, 128, tokens_=128, stages_=8, strips_=2, groups_=2)

@@ -118,3 +118,38 @@ def test_rows_kernel_matches_float64(m, k, n, kind, tuning):
     for _ in range(2):
         assert _rel_err(lay, w, x, kernel="rows", **tuning) < 1e-3
 
+
+
+@pytest.mark.parametrize("m,k,n,tuning", [
+    (64, 128, 1, {}),                                            # one warpgroup, 8 tokens, 2 steps
+    (128, 128, 5, dict(groups=2, tokens=16)),                    # two warpgroups share the X slice
+    (130, 192, 9, dict(strips=2, splits=2, tokens=8)),           # 2 tile rows per warpgroup, the last block's
+                                                                 # second row past the weight; split-K + fixup
+    (64, 320, 17, dict(tokens=32, kstep=2, splits=2, stages=3)),  # 2 tile columns per step, an odd split (3, 2)
+    (16, 64, 20, dict(tokens=8)),                                # three 8-token chunks, rows past N zero-filled
+])
+def test_wg_kernel_matches_float64(m, k, n, tuning):
+    """sp24_wg (Hopper's sparse warpgroup MMA; its simulator twin reads B through the descriptor): every
+    case twice, so a split-K arrival counter left set fails the second call."""
+    g = torch.Generator().manual_seed(m * 3 + n)
+    w = _weight(m, k, "2:4", g)
+    x = torch.randn(n, k, generator=g).half()
+    lay = sp24.transcode(w)
+    for _ in range(2):
+        assert _rel_err(lay, w, x, kernel="wg", **tuning) < 1e-3
+
+
+def test_wg_kernel_catches_a_planted_metadata_bug():
+    g = torch.Generator().manual_seed(13)
+    w = _weight(64, 128, "2:4", g)
+    x = torch.randn(3, 128, generator=g).half()
+    lay = sp24.transcode(w)
+    assert _rel_err(lay, w, x, kernel="wg") < 1e-3
+    assert _rel_err(_swapped_metadata(lay), w, x, kernel="wg") > 0.1
+
+
+def test_wg_kernel_refuses_dense_tiles():
+    g = torch.Generator().manual_seed(14)
+    lay = sp24.transcode(_weight(64, 128, "halves", g))
+    with pytest.raises(ValueError, match="all 2:4"):
+        sp24_matmul(torch.zeros(2, 128, dtype=torch.float16, device=DEV), lay.to(DEV), kernel="wg")

@@ -9,7 +9,7 @@ from scripts.checks import gpu_wgmma
 
 
 def test_descriptor_bit_fields():
-    from sparsekit.kernels.wgmma_probe import descriptor
+    from sparsekit.kernels.wgmma import descriptor
 
     d = descriptor(128, 256, swizzle=1, base=3)
     assert d & 0x3FFF == 0                                  # start address: added by the kernel

@@ -38,6 +38,9 @@ BENCH_NS = [1, 16, 32, 64, 128, 512]
 # forced sp24_rows plans: checked for correctness at a few N; --sweep times SWEEP_ROWS
 FORCED_ROWS = [dict(splits=1), dict(splits=3), dict(tokens=8), dict(tokens=64, stages=2), dict(stages=2),
                dict(strips=2), dict(strips=1), dict(strips=2, splits=3)]
+# forced sp24_wg plans (Hopper: all-2:4 weights), checked at a few N
+FORCED_WG = [dict(tokens=t, groups=g, strips=r) for t in (8, 32, 128) for g in (1, 2) for r in (1, 2)] + \
+    [dict(splits=3), dict(stages=3), dict(kstep=2, splits=3), dict(tokens=64, groups=2, strips=2, stages=4, splits=1)]
 SWEEP_ROWS = [dict(splits=s) for s in (1, 2, 3, 4, 6, 8)] + [dict(strips=2, splits=s) for s in (1, 2, 4)] + \
     [dict(tokens=t) for t in (8, 16, 32)] + [dict(stages=s) for s in (2, 3, 4, 6)]
 # NUMBA_ENABLE_CUDASIM=1 (a dry run of the checks on CPU tensors, tiny shapes only: --check-shapes)
@@ -96,9 +99,12 @@ def check(shapes, ns, quick: bool, kernels=("auto", "rows", "warps")) -> int:
                     continue
                 x = torch.randn(n, k, device=DEV, generator=gen).half()
                 ref = x.double() @ w.double().t()
-                variants = [dict(kernel=kn) for kn in kernels]
+                # the warpgroup kernel takes all-2:4 weights only
+                variants = [dict(kernel=kn) for kn in kernels if kn != "wg" or name == "2:4"]
                 if "rows" in kernels and n in (1, 17, 64) and m * k <= 2**24:
                     variants += [dict(kernel="rows", **kw) for kw in FORCED_ROWS]
+                if "wg" in kernels and name == "2:4" and n in (1, 17, 64, 129) and m * k <= 2**24:
+                    variants += [dict(kernel="wg", **kw) for kw in FORCED_WG]
                 for kw in variants:
                     out = torch.full((n, m), float("nan"), dtype=torch.float16, device=DEV)
                     sp24_matmul(x, lay, out=out, **kw)
@@ -114,7 +120,7 @@ def check(shapes, ns, quick: bool, kernels=("auto", "rows", "warps")) -> int:
         return bad
     # CUDA graph: capture once, replay with new inputs (split-K counters must reset between replays)
     for kn, (m, k) in [(kn, mk) for kn in kernels for mk in ((1000, 333), (4096, 4096))]:
-        w = mosaic(m, k, 0.5, gen)
+        w = mosaic(m, k, 1.0 if kn == "wg" else 0.5, gen)
         lay = transcode(w)
         x = torch.randn(9, k, device=DEV, generator=gen).half()
         y = sp24_matmul(x, lay, kernel=kn)
@@ -203,7 +209,8 @@ def main() -> int:
     ap.add_argument("--check-ns", default=None, help="correctness token counts")
     ap.add_argument("--check-shapes", default=None, help="correctness shapes MxK")
     ap.add_argument("--hybrid", default="0.35", help="hybrid sparsities to time (share of 2:4 tiles = s / 0.5)")
-    ap.add_argument("--kernels", default="auto,rows,warps", help="2:4 kernels to check and time: auto, rows, warps")
+    ap.add_argument("--kernels", default="auto,rows,warps", help="2:4 kernels to check and time: auto, rows, warps, "
+                    "wg (Hopper only)")
     ap.add_argument("--sweep", action="store_true", help="also time forced sp24_rows plans (splits, tokens, stages)")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'CUDA simulator'}, torch {torch.__version__}")

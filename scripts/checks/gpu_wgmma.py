@@ -149,7 +149,8 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, default=3)
     args = ap.parse_args()
     cuda_or_exit("gpu_wgmma")
-    from sparsekit.kernels.wgmma_probe import NS, descriptor, wgmma_sp_once
+    from sparsekit.kernels.wgmma import descriptor
+    from sparsekit.kernels.wgmma_probe import NS, wgmma_sp_once
 
     results: dict = {}
     for n in NS:

@@ -1,0 +1,115 @@
+"""The warpgroup kernel's device primitives (``_wg_intrinsics``) for the GPU (sm_90a): Hopper's sparse
+warpgroup MMA through inline PTX, with the operand contract ``scripts/checks/gpu_wgmma.py`` pinned down on
+an H100 (docs/kernels-notes.md "v16 outcome"): A from registers in ``mma.sp``'s per-warp fragment and
+metadata layouts (warp w of the warpgroup: rows 16w .. 16w+15), B from shared memory through a
+descriptor whose leading byte offset is the step between 8x8 core matrices along K and whose stride byte
+offset is the step along N, D in ``mma``'s per-warp C layout for each 8-token block.
+
+- ``wg_mma2(scr, tid, a, m0, m1, desc0, desc1, acc)``: ``wgmma.fence``, then two ``wgmma.mma_async.sp``
+  m64nNk32 (A registers ``a[0:4]`` with metadata ``m0`` and B at ``desc0``, then ``a[4:8]``, ``m1``,
+  ``desc1``) accumulating into ``acc`` (N / 2 fp32 per thread; N from the tuple's length). The products
+  run asynchronously: ``acc`` may only feed another ``wg_mma2`` until a ``wg_wait*`` returns it.
+  (``scr``, ``tid``: the simulator twin's exchange; unused here.)
+- ``lds_a8(d64, addr)``: the 8 A registers of a staged strip, 16 bytes at ``addr`` and 16 at ``addr +
+  512``, as two ``ld.shared.v4.u32`` straight into 32-bit registers (no 64-bit halves to split: ptxas
+  turned those into register copies that mixed up the A operands of the second tile column's products).
+- ``wg_commit()``: ``wgmma.commit_group`` (the products issued since the last one form a group).
+- ``wg_wait0(acc)`` / ``wg_wait1(acc)``: ``wgmma.wait_group`` 0 / 1 (all groups / all but the newest
+  done), returning ``acc`` through the wait so that nothing reads it earlier.
+- ``wg_hold(acc)``: no instruction; ``acc`` passes through an empty asm statement (a second tuple
+  waited for by the same ``wg_wait*``).
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import cuda
+from numba.cuda.extending import intrinsic
+
+from ._intrinsics_ptx import _asm_stmt
+from .compat_numba import cuda_typing
+
+__all__ = ["lds_a8", "wg_commit", "wg_hold", "wg_mma2", "wg_wait0", "wg_wait1"]
+
+types, _ = cuda_typing()
+_i32, _i64, _f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+
+
+def _mma2_asm(n: int) -> tuple[str, str]:
+    r = n // 2
+    d = ",".join(f"${i}" for i in range(r))
+    a0 = ",".join(f"${r + i}" for i in range(4))
+    a1 = ",".join(f"${r + 4 + i}" for i in range(4))
+    m0, m1, b0, b1 = r + 8, r + 9, r + 10, r + 11
+    op = f"wgmma.mma_async.sp.sync.aligned.m64n{n}k32.f32.f16.f16"
+    text = ("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.fence.sync.aligned;\n"
+            f"{op} {{{d}}}, {{{a0}}}, ${b0}, ${m0}, 0, p, 1, 1, 0;\n"
+            f"{op} {{{d}}}, {{{a1}}}, ${b1}, ${m1}, 0, p, 1, 1, 0;\n}}")
+    cons = ",".join(["=f"] * r + ["r"] * 10 + ["l", "l"] + [str(i) for i in range(r)] + ["~{memory}"])
+    return text, cons
+
+
+@intrinsic
+def _wg_mma2(typingctx, a, m0, m1, desc0, desc1, acc):
+    r = acc.count
+    text, cons = _mma2_asm(2 * r)
+    u, f = types.uint32, types.float32
+    sig = types.UniTuple(f, r)(types.UniTuple(u, 8), u, u, types.uint64, types.uint64, types.UniTuple(f, r))
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.LiteralStructType([_f32] * r), [_i32] * 10 + [_i64] * 2 + [_f32] * r)
+        ins = [builder.extract_value(args[0], i) for i in range(8)] + list(args[1:5]) + \
+            [builder.extract_value(args[5], i) for i in range(r)]
+        res = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True), ins)
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(r)])
+
+    return sig, codegen
+
+
+def _tied(text: str):
+    """An intrinsic running ``text`` with a tuple of fp32 registers tied in and out."""
+    @intrinsic
+    def _fn(typingctx, acc):
+        r = acc.count
+        sig = types.UniTuple(types.float32, r)(types.UniTuple(types.float32, r))
+
+        def codegen(context, builder, sig, args):
+            cons = ",".join(["=f"] * r + [str(i) for i in range(r)] + ["~{memory}"])
+            fnty = ir.FunctionType(ir.LiteralStructType([_f32] * r), [_f32] * r)
+            res = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True),
+                               [builder.extract_value(args[0], i) for i in range(r)])
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(r)])
+
+        return sig, codegen
+
+    return _fn
+
+
+@intrinsic
+def _lds_a8(typingctx, addr):
+    sig = types.UniTuple(types.uint32, 8)(types.uint32)
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.LiteralStructType([_i32] * 8), [_i32])
+        asm = ir.InlineAsm(fnty, "ld.shared.v4.u32 {$0,$1,$2,$3}, [$8];\nld.shared.v4.u32 {$4,$5,$6,$7}, [$8+512];",
+                           "=r,=r,=r,=r,=r,=r,=r,=r,r,~{memory}", side_effect=True)
+        res = builder.call(asm, args)
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(8)])
+
+    return sig, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def lds_a8(d64, addr):
+    return _lds_a8(np.uint32(addr))
+
+
+@cuda.jit(device=True, inline=True)
+def wg_mma2(scr, tid, a, m0, m1, desc0, desc1, acc):
+    return _wg_mma2(a, m0, m1, desc0, desc1, acc)
+
+
+wg_commit = _asm_stmt("wgmma.commit_group.sync.aligned;")
+wg_wait0 = _tied("wgmma.wait_group.sync.aligned 0;")
+wg_wait1 = _tied("wgmma.wait_group.sync.aligned 1;")
+wg_hold = _tied("")

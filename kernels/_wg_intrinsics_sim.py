@@ -1,0 +1,82 @@
+"""The warpgroup kernel's device primitives (``_wg_intrinsics``) as plain Python, for numba's simulator.
+
+``wg_mma2`` computes the contract the GPU probe pinned down (``_wg_intrinsics_ptx``): the 128 threads of
+a warpgroup publish their A registers and metadata words in the block's scratch array, then each computes
+its own accumulators from everyone's, reading B through the descriptor (start address, leading byte
+offset = step between core matrices along K, stride byte offset = step along N) from the block's dynamic
+shared memory. Shared "addresses" are byte offsets into that array, as in ``_warp_intrinsics_sim``. The
+products complete at once: the waits return their operand.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._sp_intrinsics_sim import _a_sp
+from .compat_numba import sim_kernel, sim_syncthreads
+
+__all__ = ["lds_a8", "wg_commit", "wg_hold", "wg_mma2", "wg_wait0", "wg_wait1"]
+
+_W = 10   # scratch words per thread: 8 A registers, 2 metadata words
+
+
+def lds_a8(d64, addr):
+    """The 8 words at shared byte addresses ``addr`` .. +15 and ``addr + 512`` .. +15."""
+    d32 = d64.view(np.uint32)
+    i, j = int(addr) >> 2, (int(addr) + 512) >> 2
+    return tuple(np.uint32(d32[i + q]) for q in range(4)) + tuple(np.uint32(d32[j + q]) for q in range(4))
+
+
+def _b_reader(desc: int):
+    start = (desc & 0x3FFF) << 4
+    lbo = ((desc >> 16) & 0x3FFF) << 4
+    sbo = ((desc >> 32) & 0x3FFF) << 4
+    h = sim_kernel().shared.array(0, np.dtype(np.uint16)).view(np.float16)
+
+    def b(k: int, col: int) -> float:
+        return float(h[(start + (k >> 3) * lbo + (col >> 3) * sbo + (col & 7) * 16 + (k & 7) * 2) >> 1])
+
+    return b
+
+
+def wg_mma2(scr, tid, a, m0, m1, desc0, desc1, acc):
+    """acc += A[:, 0:32] B0 + A[:, 32:64] B1 for this thread's rows and tokens (see the module docstring)."""
+    tid = int(tid)
+    sim_syncthreads()
+    for j in range(8):
+        scr[tid * _W + j] = int(a[j]) & 0xFFFFFFFF
+    scr[tid * _W + 8] = int(m0) & 0xFFFFFFFF
+    scr[tid * _W + 9] = int(m1) & 0xFFFFFFFF
+    sim_syncthreads()
+    wbase = tid & ~31
+    lane = tid & 31
+    g, t = lane >> 2, lane & 3
+    out = [float(v) for v in acc]
+    for half, desc in ((0, desc0), (1, desc1)):
+        b = _b_reader(int(desc))
+
+        def reg(ln, j, half=half):
+            word = scr[(wbase + ln) * _W + (8 + half if j == 12 else 4 * half + j)]
+            return int(word)
+
+        for e in range(len(out)):
+            jb, oi = e >> 2, e & 3
+            row, col = g + 8 * (oi >> 1), 8 * jb + 2 * t + (oi & 1)
+            s = 0.0
+            for k in range(32):
+                av = _a_sp(reg, row, k)
+                if av:
+                    s += av * b(k, col)
+            out[e] = float(np.float32(out[e]) + np.float32(s))
+    sim_syncthreads()
+    return tuple(np.float32(v) for v in out)
+
+
+def wg_commit():
+    """Close a group of products (the simulator computes them at once)."""
+
+
+def wg_wait0(acc):
+    return acc
+
+
+wg_wait1 = wg_hold = wg_wait0
