@@ -160,7 +160,7 @@ def test_2of4_layers_get_the_2of4_kernel_where_it_beats_tcabme(monkeypatch):
     ref = {k: m.dense_weight(torch.float32) for k, m in model.items()}
     fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0), (8, 1.5, 2.0), (16, 1.8, 2.0), (32, 3.0, 2.0)],
                                (128, 64): [(1, 1.0, 2.0), (8, 1.5, 2.0), (16, 3.0, 2.0), (32, 3.0, 2.0)]})
-    sp24_ms = {(64, 128): {1: 0.5, 8: 1.2, 16: 1.9, 32: 2.5}, (128, 64): {1: 1.1, 8: 1.0, 16: 3.0, 32: 3.0}}
+    sp24_ms = {(64, 128): {1: 0.5, 8: 1.2, 16: 1.9, 32: 2.5}, (128, 64): {1: 1.1, 8: 1.6, 16: 3.0, 32: 3.0}}
     timed = []
     monkeypatch.setattr(dispatch, "time_sp24", lambda mods, n: timed.append(n) or
                         sp24_ms[(mods[0].out_features, mods[0].in_features)][n])   # a pass, like time_group
@@ -218,14 +218,30 @@ def test_a_2of4_kernel_that_fails_its_self_test_is_one_note_and_tcabme_stays(mon
 
 
 def test_the_crossover_counts_the_kernel_each_token_count_really_runs(monkeypatch):
-    """2:4 wins at N=1 only; at N=16 it would beat dense but TCA-BME, which the layer runs there, does not:
-    the layer goes dense above N=8, not above 16."""
+    """2:4 wins at N=1, TCA-BME at N=8; at N=16 only the 2:4 kernel beats dense: the layer runs 2:4 up to 1,
+    TCA-BME up to 8, 2:4 again from 16 (the warpgroup kernel's shape), and dense only above 16. Had the 2:4
+    kernel lost to dense at 16 too, the layer would go dense above 8."""
+    model = sp24_model()
+    fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0), (8, 1.5, 2.0), (16, 2.5, 2.0), (32, 3.0, 2.0)],
+                               (128, 64): [(1, 3.0, 2.0), (8, 3.0, 2.0), (16, 3.0, 2.0), (32, 3.0, 2.0)]})
+    sp = {1: 0.5, 8: 1.8, 16: 1.9, 32: 2.5}
+    monkeypatch.setattr(dispatch, "time_sp24", lambda mods, n: sp[n])
+    rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1, 8, 16, 32), cache=False, sp24=True)
+    ab = next(g for g in rep["groups"] if g["layers"] == 2)
+    assert (ab["sp24_max_n"], ab["sp24_from_n"], ab["sparse_max_n"]) == (1, 16, 16)
+    assert ab["form"] == "2:4 kernel up to N=1, TCA-BME up to N=8, 2:4 kernel from N=16 up to N=16, dense copy above"
+    a = model["a"]
+    assert (a.sp24_max_n, a.sp24_from_n, a.dense_above) == (1, 16, 16)
+    assert [n for n in (1, 2, 8, 12, 16, 17, 32) if a.sp24_at(n)] == [1, 16]
+
+
+def test_a_2of4_kernel_that_never_beats_dense_past_tcabme_adds_no_upper_range(monkeypatch):
     model = sp24_model()
     fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0), (8, 1.5, 2.0), (16, 2.5, 2.0)],
                                (128, 64): [(1, 3.0, 2.0), (8, 3.0, 2.0), (16, 3.0, 2.0)]})
-    sp = {1: 0.5, 8: 1.8, 16: 1.9}
+    sp = {1: 0.5, 8: 1.8, 16: 2.1}
     monkeypatch.setattr(dispatch, "time_sp24", lambda mods, n: sp[n])
     rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1, 8, 16), cache=False, sp24=True)
     ab = next(g for g in rep["groups"] if g["layers"] == 2)
-    assert (ab["sp24_max_n"], ab["sparse_max_n"]) == (1, 8)
-    assert model["a"].sp24_max_n == 1 and model["a"].dense_above == 8
+    assert (ab["sp24_max_n"], ab["sp24_from_n"], ab["sparse_max_n"]) == (1, 0, 8)
+    assert model["a"].sp24_max_n == 1 and model["a"].sp24_from_n == 0 and model["a"].dense_above == 8

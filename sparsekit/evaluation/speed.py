@@ -202,9 +202,9 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
                      f"{dispatch['dense_copy_bytes'] / GIB:.3f} GiB (--prefer memory keeps none)")
     if dispatch.get("sp24_note"):
         notes.append(dispatch["sp24_note"])
-    n24 = sum(g["layers"] for g in dispatch["groups"] if g.get("sp24_max_n"))
+    n24 = sum(g["layers"] for g in dispatch["groups"] if g.get("sp24_max_n") or g.get("sp24_from_n"))
     if n24:
-        notes.append(f"{n24} of {n_sparse} sparse layers run the 2:4 kernel at small token counts (2:4 layouts: "
+        notes.append(f"{n24} of {n_sparse} sparse layers run the 2:4 kernel at some token counts (2:4 layouts: "
                      f"{dispatch['sp24_layout_bytes'] / GIB:.3f} GiB beside the packed weights; --json: per shape)")
     tick("loaded")
     kw = dict(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, compile=compile)

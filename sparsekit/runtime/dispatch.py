@@ -17,9 +17,10 @@ a layer decodes its weight with one kernel and runs cuBLAS): the report still sh
 (``packed.sp24.tile_census``) says every 64x64 tile is 2:4 or dense also gets its 2:4 tile-mosaic layout
 (``runtime.sp24``), and its group is timed on that kernel too. It runs the 2:4 kernel up to the largest
 token count where that beats the TCA-BME kernel at that count and every smaller one, TCA-BME above it
-while that wins, dense above. A group where the 2:4 kernel never wins gives its layouts back. The
-report says per group which kernel runs up to which token count (``form``, ``sp24_max_n``) and the
-bytes the layouts take. ``prefer="memory"`` makes no layout (it would add ~1.1 bytes per weight).
+while that wins, the 2:4 kernel again from the count on which it wins at every count up to the
+crossover (Hopper's warpgroup kernel, from 32 tokens on tall weights), dense above. A group where the
+2:4 kernel never wins gives its layouts back. The report says per group which kernel runs up to which
+token count (``form``, ``sp24_max_n``, ``sp24_from_n``) and the bytes the layouts take. ``prefer="memory"`` makes no layout (it would add ~1.1 bytes per weight).
 """
 from __future__ import annotations
 
@@ -78,6 +79,22 @@ def sp24_prefix(rows: list[dict]) -> int:
     return best
 
 
+def sp24_suffix(rows: list[dict], prefix: int) -> int:
+    """The smallest token count above ``prefix`` from which the 2:4 kernel beats the TCA-BME kernel at every
+    measured count up to where the faster of the two stops beating dense (0: none). Hopper's warpgroup
+    2:4 kernel (``kernels/sp24_wg.py``) loses to TCA-BME at some small counts and wins from 32 tokens on."""
+    last = crossover(_best_rows(rows))
+    start = 0
+    for r in rows:
+        if r["n"] <= prefix or r["n"] > last:
+            continue
+        if r.get("sp24_ms") is not None and r["sp24_ms"] < r["sparse_ms"]:
+            start = start or r["n"]
+        else:
+            start = 0
+    return start
+
+
 def _best_rows(rows: list[dict]) -> list[dict]:
     """``rows`` with ``sparse_ms`` the faster of the two sparse kernels (when to stop timing: once dense
     beats both; what a layer then runs is ``_run_rows``)."""
@@ -85,10 +102,10 @@ def _best_rows(rows: list[dict]) -> list[dict]:
             for r in rows]
 
 
-def _run_rows(rows: list[dict], sp24_n: int) -> list[dict]:
+def _run_rows(rows: list[dict], sp24_n: int, sp24_from: int = 0) -> list[dict]:
     """``rows`` with ``sparse_ms`` the time of the kernel a layer runs at each count: the 2:4 kernel up to
-    ``sp24_n``, TCA-BME above."""
-    return [dict(r, sparse_ms=r["sp24_ms"]) if r["n"] <= sp24_n else r for r in rows]
+    ``sp24_n`` and from ``sp24_from`` (when nonzero) on, TCA-BME between."""
+    return [dict(r, sparse_ms=r["sp24_ms"]) if r["n"] <= sp24_n or 0 < sp24_from <= r["n"] else r for r in rows]
 
 
 def sp24_wanted() -> bool:
@@ -180,18 +197,22 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
         else:
             hits += 1
         sp24_n = sp24_prefix(rows) if key[4] else 0
-        max_n = crossover(_run_rows(rows, sp24_n))     # against dense: the kernel each count really runs
+        sp24_from = sp24_suffix(rows, sp24_n) if key[4] else 0
+        max_n = crossover(_run_rows(rows, sp24_n, sp24_from))     # against dense: the kernel each count really runs
         sp24_n = min(sp24_n, max_n)
+        sp24_from = sp24_from if 0 < sp24_from <= max_n else 0
         entry = {"shape": [key[0], key[1]], "sparsity": key[2], "layers": len(members), "sparse_max_n": max_n,
                  "timings": rows}
         if key[4]:
             entry["sp24_max_n"] = sp24_n
+            entry["sp24_from_n"] = sp24_from
             for m in mods:
-                if sp24_n:
+                if sp24_n or sp24_from:
                     m.sp24_max_n = sp24_n
+                    m.sp24_from_n = sp24_from
                     out["sp24_layout_bytes"] += m.sp24_bytes()
                 else:
-                    m.use_sp24(None)     # the TCA-BME kernel wins at the smallest count: give the layout back
+                    m.use_sp24(None)     # the TCA-BME kernel wins at every count: give the layout back
         if max_n == 0 and prefer == "speed":
             entry["form"] = "dense"
             first = _run_rows(rows, sp24_n)[0]
@@ -201,9 +222,8 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
                 set_submodule(model, name, names[name].to_linear(torch.float16))
                 out["dense_layers"][name] = why
         elif prefer == "speed":
-            if sp24_n:
-                entry["form"] = (f"2:4 kernel up to N={sp24_n}, " + (f"TCA-BME up to N={max_n}, " if max_n > sp24_n else "")
-                                 + "dense copy above")
+            if sp24_n or sp24_from:
+                entry["form"] = _sp24_form(rows, sp24_n, sp24_from, max_n)
             else:
                 entry["form"] = f"sparse up to N={max_n}, dense copy above"
             for m in mods:
@@ -222,6 +242,17 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
                 out["cache"]["error"] = f"the timings could not be cached ({error}): the next load measures again"
     torch.cuda.empty_cache()
     return out
+
+
+def _sp24_form(rows: list[dict], sp24_n: int, sp24_from: int, max_n: int) -> str:
+    """The report's ``form`` of a group that runs the 2:4 kernel at some counts."""
+    tca_end = max((r["n"] for r in rows if r["n"] < sp24_from), default=0) if sp24_from else max_n
+    parts = [f"2:4 kernel up to N={sp24_n}"] if sp24_n else []
+    if tca_end > sp24_n:
+        parts.append(f"TCA-BME up to N={tca_end}")
+    if sp24_from:
+        parts.append(f"2:4 kernel from N={sp24_from} up to N={max_n}")
+    return ", ".join(parts + ["dense copy above"])
 
 
 def _measure_group(timed: list[SparseLinear], counts: list[int], sp24: bool = False) -> list[dict]:

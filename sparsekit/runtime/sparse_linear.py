@@ -5,8 +5,8 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
 * CUDA, fp16, ``N <= SparseLinear.dense_above`` -> the bundled kernel
   ``sparsekit.kernels.tcabme_matmul`` (decode steps; launched on torch's current stream, so a
   CUDA graph can capture it); or, for a layer given its 2:4 layout (``runtime.sp24.enable_sp24``; the
-  dispatch plan gives it where it measures faster, under ``SPARSEKIT_SP24=1``) and ``N <= sp24_max_n``, the
-  2:4 tile-mosaic kernel ``sparsekit.kernels.sp24.sp24_matmul``.
+  dispatch plan gives it where it measures faster, under ``SPARSEKIT_SP24=1``) and ``N <= sp24_max_n`` or
+  ``sp24_from_n <= N`` (when nonzero), the 2:4 tile-mosaic kernel ``sparsekit.kernels.sp24.sp24_matmul``.
 * CUDA, ``N > dense_above`` with a kept dense copy (``runtime.dispatch``, ``prefer="speed"``) ->
   ``F.linear`` on that copy.
 * CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (the
@@ -149,6 +149,7 @@ class SparseLinear(nn.Module):
     # the 2:4 kernel (when enabled) up to this many tokens, the TCA-BME kernel above: its first design
     # re-reads X per 16-64 rows, which the prediction (docs/kernels-notes.md "v13-sp") says loses from 32 on
     sp24_max_n: int = 16
+    sp24_from_n: int = 0          # nonzero: the 2:4 kernel also from this many tokens up to dense_above
 
     def __init__(self, packed: TcaBme, bias: torch.Tensor | None = None, *, transposed: bool = False):
         super().__init__()
@@ -304,6 +305,12 @@ class SparseLinear(nn.Module):
                 f"bias={self.bias is not None}, sparsity={self.sparsity:.3f}, dtype={self.values.dtype}"
                 + (", form=sp24" if self.form == "sp24" else ""))
 
+    def sp24_at(self, n: int) -> bool:
+        """Whether ``n`` tokens (fp16, on a GPU) run the 2:4 kernel: the layer has its 2:4 layout and ``n`` is
+        at most ``sp24_max_n``, or from ``sp24_from_n`` (when nonzero) up to ``dense_above``."""
+        return (self.sp24_tiles is not None and n <= self.dense_above
+                and (n <= self.sp24_max_n or 0 < self.sp24_from_n <= n))
+
     # forward --------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dc = self.dense_copy
@@ -318,8 +325,7 @@ class SparseLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         n = x2.shape[0]
         if x2.is_cuda:
-            if (n <= min(self.dense_above, self.sp24_max_n) and x2.dtype == torch.float16
-                    and self.sp24_tiles is not None and kernels_ready()):
+            if self.sp24_at(n) and x2.dtype == torch.float16 and kernels_ready():
                 from sparsekit.runtime.sp24 import sp24_mm
 
                 y = sp24_mm(x2.contiguous(), self.sp24_dense, self.sp24_sp, self.sp24_tiles, self.out_features)
