@@ -77,6 +77,26 @@ def _smem_addr(builder, ptr):
     return builder.ptrtoint(sp, _i32)
 
 
+def _asm_tuple(text: str, bits: int, n: int, constraints: str):
+    """An intrinsic running ``text`` on one uint32 operand (a shared address) that returns ``n`` unsigned
+    results of ``bits`` (32 or 64) bits as a tuple (the shared-memory loads of the kernels)."""
+    out = ir.IntType(bits)
+    nb = types.uint32 if bits == 32 else types.uint64
+
+    @intrinsic
+    def _fn(typingctx, addr):
+        sig = types.UniTuple(nb, n)(types.uint32)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.LiteralStructType([out] * n), [ir.IntType(32)])
+            res = builder.call(ir.InlineAsm(fnty, text, constraints, side_effect=True), args)
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(n)])
+
+        return sig, codegen
+
+    return _fn
+
+
 def _asm_stmt(text):
     @intrinsic
     def _stmt(typingctx):

@@ -13,7 +13,7 @@ from llvmlite import ir
 from numba import cuda
 from numba.cuda.extending import intrinsic
 
-from ._intrinsics_ptx import _asm_stmt, mma
+from ._intrinsics_ptx import _asm_stmt, _asm_tuple, mma
 from .compat_numba import cuda_typing
 
 __all__ = ["cp16", "cp_commit", "cp_wait3", "cp_wait4", "cp_wait5", "cp_wait6", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
@@ -39,18 +39,8 @@ def _mma_sp(typingctx, a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, meta):
     return sig, codegen
 
 
-@intrinsic
-def _ldmatrix_x4(typingctx, addr):
-    sig = types.UniTuple(types.uint32, 4)(types.uint32)
-
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.LiteralStructType([_i32] * 4), [_i32])
-        asm = ir.InlineAsm(fnty, "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3}, [$4];",
-                           "=r,=r,=r,=r,r,~{memory}", side_effect=True)
-        res = builder.call(asm, args)
-        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
-
-    return sig, codegen
+_ldmatrix_x4 = _asm_tuple("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0,$1,$2,$3}, [$4];", 32, 4,
+                          "=r,=r,=r,=r,r,~{memory}")
 
 
 @intrinsic

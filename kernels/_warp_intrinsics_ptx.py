@@ -11,7 +11,7 @@ from llvmlite import ir
 from numba import cuda
 from numba.cuda.extending import intrinsic
 
-from ._intrinsics_ptx import smem_base
+from ._intrinsics_ptx import _asm_tuple, smem_base
 from .plan import XROW_BYTES
 from .compat_numba import cuda_typing
 
@@ -62,17 +62,7 @@ def sts64b(d64, addr, val):
     _sts64b(np.uint32(addr), np.uint64(val))
 
 
-@intrinsic
-def _lds128b(typingctx, addr):
-    sig = types.UniTuple(types.uint64, 2)(types.uint32)
-
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.LiteralStructType([_i64, _i64]), [_i32])
-        asm = ir.InlineAsm(fnty, "ld.shared.v2.u64 {$0, $1}, [$2];", "=l,=l,r", side_effect=True)
-        res = builder.call(asm, args)
-        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(2)])
-
-    return sig, codegen
+_lds128b = _asm_tuple("ld.shared.v2.u64 {$0, $1}, [$2];", 64, 2, "=l,=l,r")
 
 
 @cuda.jit(device=True, inline=True)

@@ -26,7 +26,7 @@ from llvmlite import ir
 from numba import cuda
 from numba.cuda.extending import intrinsic
 
-from ._intrinsics_ptx import _asm_stmt
+from ._intrinsics_ptx import _asm_stmt, _asm_tuple
 from .compat_numba import cuda_typing
 
 __all__ = ["lds_a8", "wg_commit", "wg_hold", "wg_mma2", "wg_wait0", "wg_wait1"]
@@ -85,18 +85,8 @@ def _tied(text: str):
     return _fn
 
 
-@intrinsic
-def _lds_a8(typingctx, addr):
-    sig = types.UniTuple(types.uint32, 8)(types.uint32)
-
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.LiteralStructType([_i32] * 8), [_i32])
-        asm = ir.InlineAsm(fnty, "ld.shared.v4.u32 {$0,$1,$2,$3}, [$8];\nld.shared.v4.u32 {$4,$5,$6,$7}, [$8+512];",
-                           "=r,=r,=r,=r,=r,=r,=r,=r,r,~{memory}", side_effect=True)
-        res = builder.call(asm, args)
-        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(8)])
-
-    return sig, codegen
+_lds_a8 = _asm_tuple("ld.shared.v4.u32 {$0,$1,$2,$3}, [$8];\nld.shared.v4.u32 {$4,$5,$6,$7}, [$8+512];", 32, 8,
+                     "=r,=r,=r,=r,=r,=r,=r,=r,r,~{memory}")
 
 
 @cuda.jit(device=True, inline=True)
