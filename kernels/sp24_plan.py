@@ -95,7 +95,7 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False) -> str:
 
     ``wg_ok`` (a Hopper GPU and a weight whose tiles are all 2:4): "wg" (sp24_wg) on tall weights (WG_MIN_M
     rows or more) from WG_MIN_N to 64 tokens, and from 1 to WG_MAX_N tokens where K is deep too
-    (WG_DEEP_K). H100, `gpu_sp24 --kernels auto,rows,wg` (docs/kernels-notes.md "v17 outcome"), x cuBLAS,
+    (WG_DEEP_K). H100, scripts/checks/gpu_sp24.py timing all three (docs/kernels-notes.md "v17"), x cuBLAS,
     wg against rows: 22016x4096 1.53 / 1.39 / 1.24 / 1.04 / 0.64 against 1.61 / 1.39 / 1.19 / 0.92 / 0.67
     at 1 / 16 / 32 / 64 / 128 tokens; 28672x8192 1.95 / 1.58 / 1.46 / 1.20 / 0.79 / 0.45 against 1.86 /
     1.40 / 1.20 / 0.93 / 0.47 / 0.34 at 1 / 16 / 32 / 64 / 128 / 256; on 8192x28672 and 4096x11008 rows
