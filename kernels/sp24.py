@@ -81,7 +81,8 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
                          "has dense tiles (kernel='rows' takes them)")
     p, r, wg, ks = sp24_plan.wg_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, strips, groups, kstep)
     ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
-    tensors = (layout.sp, layout.tiles, x.reshape(-1).view(torch.int32), out.reshape(-1).view(torch.int16), ws, cnt)
+    # no tile map: every tile is 2:4, so tile t is slot t of ``sp``
+    tensors = (layout.sp, x.reshape(-1).view(torch.int32), out.reshape(-1).view(torch.int16), ws, cnt)
     launch.launch_tensors(get_kernel(p.nt, p.stages, r, wg, ks), p.blocks, 128 * wg, tensors,
                           (m, n, gk, kp // 2, p.chunks, p.per), dyn=p.dyn)
 

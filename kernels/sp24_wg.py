@@ -17,8 +17,9 @@ GPU only: the simulator runs a Python twin of the instruction (``_wg_intrinsics_
   ^ 2 keeps it), then one ``wg_mma2`` = two m64nNk32 products (columns 0-31, 32-63) on the X slice in
   place; one commit group per step, whose products run on through the next step's barrier and copies
   (``wgmma.wait_group 0`` before its loads: the A registers of a product in flight must not be
-  overwritten, and ptxas gives every step's A the same registers). A warpgroup past the weight's last tile row multiplies stale shared memory into rows that
-  are never written (no divergent warpgroup-wide instruction).
+  overwritten, and ptxas gives every step's A the same registers). A warpgroup past the weight's last
+  tile row multiplies stale shared memory into rows that are never written (no divergent
+  warpgroup-wide instruction).
 - **End** (``block.make_tile_end``): the fp32 tile ``[NT, 64 R WG]`` through shared memory, fp16 out or
   a split's partial summed by the last block to arrive.
 """
@@ -133,7 +134,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int, KS: int):
         return DESC | ((np.uint64(addr) & AMASK) >> FOUR)
 
     @cuda.jit(**({} if SIM else {"max_registers": 232 if R * NT >= 128 else 168}))
-    def kernel(sp, tiles, x, y, ws, cnt, M, N, GK, ldx, nch, PER):
+    def kernel(sp, x, y, ws, cnt, M, N, GK, ldx, nch, PER):
         d64, d32, df = dynamic_smem()
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
         flag = cuda.shared.array(1, np.int32)
