@@ -18,7 +18,7 @@ from numba.cuda.extending import intrinsic
 from .compat_numba import cuda_typing
 
 __all__ = ["bulk_copy", "cp_wait0", "cp_wait1", "cp_wait2", "decode_pair", "f2h", "fence_proxy_async", "h2f",
-           "lds32", "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up",
+           "lds32", "mbar_arrive", "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up",
            "shfl_xor", "smem_base", "syncwarp"]
 
 types, cgutils = cuda_typing()
@@ -201,6 +201,7 @@ def _asm_fn2(text, constraints, ret=False):
 
 _mbar_init = _asm_fn2("mbarrier.init.shared::cta.b64 [$0], $1;", "r,r,~{memory}")
 _mbar_expect = _asm_fn2("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;", "r,r,~{memory}")
+_mbar_arrive = _asm_fn2("mbarrier.arrive.shared::cta.b64 _, [$0];", "r,r,~{memory}")   # the 2nd operand: unused
 _mbar_try = _asm_fn2("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [$1], $2; "
                      "selp.u32 $0, 1, 0, p; }", "=r,r,r,~{memory}", ret=True)
 fence_proxy_async = _asm_stmt("fence.proxy.async.shared::cta;")
@@ -234,6 +235,11 @@ def mbar_init(mbar, i, count):
 @cuda.jit(device=True, inline=True)
 def mbar_expect(mbar, i, nbytes):
     _mbar_expect(_smem_base(mbar, i), np.uint32(nbytes))
+
+
+@cuda.jit(device=True, inline=True)
+def mbar_arrive(mbar, i):
+    _mbar_arrive(_smem_base(mbar, i), np.uint32(0))
 
 
 @cuda.jit(device=True, inline=True)

@@ -9,12 +9,15 @@ tests/test_kernels_layout.py).
 """
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 
 from .compat_numba import sim_syncthreads
 
 __all__ = ["bulk_copy", "cp_wait0", "cp_wait1", "cp_wait2", "decode_pair", "f2h", "fence_proxy_async", "h2f",
-           "lds32", "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up",
+           "lds32", "mbar_arrive", "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up",
            "shfl_xor", "smem_base", "syncwarp"]
 
 
@@ -36,16 +39,51 @@ def syncwarp():
     sim_syncthreads()
 
 
+# mbarriers, emulated: pending arrivals, pending transaction bytes and the phase bit of each barrier,
+# under one lock (the simulator runs a block's threads as Python threads). A phase completes when its
+# arrivals and its bulk copies' bytes are all in; ``mbar_wait(parity)`` returns once the phase of that
+# parity has completed (the current phase bit differs from ``parity``), as ``mbarrier.try_wait.parity``.
+_MBARS: dict = {}
+_MBAR_LOCK = threading.Lock()
+
+
+def _mbar_state(mbar, i) -> list:
+    return _MBARS[(id(mbar), int(i))]
+
+
+def _mbar_settle(st: list) -> None:
+    if st[0] == 0 and st[1] == 0:
+        st[2] ^= 1
+        st[0] = st[3]
+
+
 def mbar_init(mbar, i, count):
-    pass
+    with _MBAR_LOCK:
+        _MBARS[(id(mbar), int(i))] = [int(count), 0, 0, int(count)]   # pending, tx bytes, phase, count
 
 
 def mbar_expect(mbar, i, nbytes):
-    pass
+    """Arrive, expecting ``nbytes`` more bytes of bulk copies on this phase."""
+    with _MBAR_LOCK:
+        st = _mbar_state(mbar, i)
+        st[1] += int(nbytes)
+        st[0] -= 1
+        _mbar_settle(st)
+
+
+def mbar_arrive(mbar, i):
+    with _MBAR_LOCK:
+        st = _mbar_state(mbar, i)
+        st[0] -= 1
+        _mbar_settle(st)
 
 
 def mbar_wait(mbar, i, parity):
-    pass
+    while True:
+        with _MBAR_LOCK:
+            if _mbar_state(mbar, i)[2] != int(parity):
+                return
+        time.sleep(0)
 
 
 def fence_proxy_async():
@@ -53,9 +91,14 @@ def fence_proxy_async():
 
 
 def bulk_copy(dst, di, src, si, nbytes, mbar, mi):
-    """dst[di:di+nbytes/8] = src[si:...] (uint64 views): one TMA bulk copy on the GPU."""
+    """dst[di:di+nbytes/8] = src[si:...] (uint64 views): one TMA bulk copy on the GPU, whose bytes count
+    toward the transaction of barrier ``mi``'s current phase."""
     for k in range(nbytes // 8):
         dst[di + k] = np.int64(src[si + k]).view(np.uint64)
+    with _MBAR_LOCK:
+        st = _mbar_state(mbar, mi)
+        st[1] -= int(nbytes)
+        _mbar_settle(st)
 
 
 def smem_base(arr, i):

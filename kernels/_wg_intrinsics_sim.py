@@ -11,12 +11,27 @@ from __future__ import annotations
 
 import numpy as np
 
+import threading
+
 from ._sp_intrinsics_sim import _a_sp
-from .compat_numba import sim_kernel, sim_syncthreads
+from .compat_numba import sim_kernel
 
 __all__ = ["lds_a8", "wg_commit", "wg_hold", "wg_mma2", "wg_wait0", "wg_wait1"]
 
 _W = 10   # scratch words per thread: 8 A registers, 2 metadata words
+_BARRIERS: dict = {}
+_LOCK = threading.Lock()
+
+
+def _wg_sync(scr, tid: int) -> None:
+    """A barrier of the 128 threads of ``tid``'s warpgroup (the instruction is warpgroup-wide; a block may
+    hold warps that never issue it, such as sp24_ws's producer)."""
+    key = (id(scr), tid >> 7)
+    with _LOCK:
+        bar = _BARRIERS.get(key)
+        if bar is None:
+            bar = _BARRIERS[key] = threading.Barrier(128)
+    bar.wait()
 
 
 def lds_a8(d64, addr):
@@ -41,12 +56,12 @@ def _b_reader(desc: int):
 def wg_mma2(scr, tid, a, m0, m1, desc0, desc1, acc):
     """acc += A[:, 0:32] B0 + A[:, 32:64] B1 for this thread's rows and tokens (see the module docstring)."""
     tid = int(tid)
-    sim_syncthreads()
+    _wg_sync(scr, tid)
     for j in range(8):
         scr[tid * _W + j] = int(a[j]) & 0xFFFFFFFF
     scr[tid * _W + 8] = int(m0) & 0xFFFFFFFF
     scr[tid * _W + 9] = int(m1) & 0xFFFFFFFF
-    sim_syncthreads()
+    _wg_sync(scr, tid)
     wbase = tid & ~31
     lane = tid & 31
     g, t = lane >> 2, lane & 3
@@ -67,7 +82,7 @@ def wg_mma2(scr, tid, a, m0, m1, desc0, desc1, acc):
                 if av:
                     s += av * b(k, col)
             out[e] = float(np.float32(out[e]) + np.float32(s))
-    sim_syncthreads()
+    _wg_sync(scr, tid)
     return tuple(np.float32(v) for v in out)
 
 

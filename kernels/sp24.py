@@ -21,7 +21,7 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
     (``sp24_kernel``: K split over a block's warps; ``warps``, ``strips`` force its plan) or ``"wg"`` (``sp24_wg``:
     Hopper's sparse warpgroup MMA, sm_90a, all-2:4 weights; ``tokens``, ``splits``, ``stages``, ``strips``
     (tile rows per warpgroup), ``groups`` (warpgroups per block) and ``kstep`` (tile columns per step) force its
-    plan)."""
+    plan) or ``"ws"`` (``sp24_ws``: the same products, warp-specialized; opt-in, not yet run on a GPU)."""
     from . import launch
     from .common import SIM
 
@@ -47,8 +47,11 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
     if kernel == "wg":
         _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups, kstep)
         return out
+    if kernel == "ws":
+        _launch_ws(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups)
+        return out
     if kernel != "warps":
-        raise ValueError(f"unknown 2:4 kernel {kernel!r}: 'rows', 'warps' or 'wg'")
+        raise ValueError(f"unknown 2:4 kernel {kernel!r}: 'rows', 'warps', 'wg' or 'ws'")
     from .sp24_kernel import get_kernel
 
     nt, r, nw, rb, chunks, dyn = sp24_plan.plan(m, gk, n, launch.sm_count(x.device), warps, strips)
@@ -85,6 +88,20 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
     tensors = (layout.sp, x.reshape(-1).view(torch.int32), out.reshape(-1).view(torch.int16), ws, cnt)
     launch.launch_tensors(get_kernel(p.nt, p.stages, r, wg, ks), p.blocks, 128 * wg, tensors,
                           (m, n, gk, kp // 2, p.chunks, p.per), dyn=p.dyn)
+
+
+def _launch_ws(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups) -> None:
+    from .sp24_ws import get_kernel, x_slabs
+
+    if layout.dense.numel():
+        raise ValueError("the warpgroup 2:4 kernels (kernel='ws') take weights whose tiles are all 2:4; this one "
+                         "has dense tiles (kernel='rows' takes them)")
+    p, r, wg, _ = sp24_plan.wg_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, strips, groups,
+                                    specialized=True)
+    ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
+    tensors = (layout.sp.view(torch.int64), x_slabs(x, p.nt), out.reshape(-1).view(torch.int16), ws, cnt)
+    launch.launch_tensors(get_kernel(p.nt, p.stages, r, wg), p.blocks, 32 * (4 * wg + 1), tensors,
+                          (m, n, gk, p.chunks, p.per), dyn=p.dyn)
 
 
 def _nonempty(t: torch.Tensor) -> torch.Tensor:

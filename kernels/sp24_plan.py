@@ -186,14 +186,24 @@ def wg_tokens(n: int) -> int:
 
 def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None, splits_: int | None = None,
             stages_: int | None = None, strips_: int | None = None, groups_: int | None = None,
-            kstep_: int | None = None):
+            kstep_: int | None = None, specialized: bool = False):
     """``(RowsPlan, R, WG, KS)`` of one sp24_wg launch: the plan's ``r`` counts the block's tile rows (R x WG);
     KS tile columns per step. On tall weights (WG_MIN_M rows or more) two warpgroups of two tile rows each
     (256 rows share one X slice) and whole tiles (no K split), which the H100 sweep found fastest on
     22016x4096 and 28672x8192 from 16 to 256 tokens (86 and 112 blocks: fewer than the SMs, but a split
     costs more); elsewhere one tile row per warpgroup, two warpgroups from 64 tokens on, and the K split
-    of ``rows_splits``. The ring: WG_STAGES deep, shallower where WG_SMEM_MAX needs it."""
-    from .sp24_wg import smem_bytes
+    of ``rows_splits``. The ring: WG_STAGES deep, shallower where WG_SMEM_MAX needs it. ``specialized``:
+    the same plan for sp24_ws (its ring holds whole tiles and one X slab per stage; no ``kstep``)."""
+    from . import sp24_wg, sp24_ws
+
+    if specialized:
+        if kstep_ not in (None, 1):
+            raise ValueError("the warp-specialized kernel takes one tile column per step (kstep=1)")
+
+        def smem_bytes(nt, st, r, wg, ks):
+            return sp24_ws.smem_bytes(nt, st, r, wg)
+    else:
+        smem_bytes = sp24_wg.smem_bytes
 
     nt = tokens_ or wg_tokens(n)
     tall = m >= WG_MIN_M

@@ -131,11 +131,12 @@ def test_switch_refuses_other_values(monkeypatch):
 
 def test_every_kernel_factory_tags_its_kernels():
     """A factory that forgets to tag loses the cache without a word: build one kernel of each."""
-    from sparsekit.kernels import cats_down, cats_up, decode, sp24_kernel, sp24_rows, sp24_wg, spmm, spmm_rows, spmm_warp
+    from sparsekit.kernels import (cats_down, cats_up, decode, sp24_kernel, sp24_rows, sp24_wg, sp24_ws, spmm, spmm_rows,
+                                   spmm_warp)
 
     built = {"spmm_warp": spmm_warp.get_kernel(1, 3, 2), "spmm_rows": spmm_rows.get_kernel(8, 3),
              "sp24_rows": sp24_rows.get_kernel(8, 3), "sp24_kernel": sp24_kernel.get_kernel(8, 1),
-             "sp24_wg": sp24_wg.get_kernel(8, 3),
+             "sp24_wg": sp24_wg.get_kernel(8, 3), "sp24_ws": sp24_ws.get_kernel(8, 3),
              "spmm": spmm.get_kernel(8, True, 2), "decode": decode.get_kernel(),
              "cats_up": cats_up.get_up(1, True), "cats_down": cats_down.get_down(1, True)}
     for name, k in built.items():

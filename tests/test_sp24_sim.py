@@ -139,17 +139,54 @@ def test_wg_kernel_matches_float64(m, k, n, tuning):
         assert _rel_err(lay, w, x, kernel="wg", **tuning) < 1e-3
 
 
-def test_wg_kernel_catches_a_planted_metadata_bug():
+@pytest.mark.parametrize("kernel", ["wg", "ws"])
+def test_wg_kernels_catch_a_planted_metadata_bug(kernel):
     g = torch.Generator().manual_seed(13)
     w = _weight(64, 128, "2:4", g)
     x = torch.randn(3, 128, generator=g).half()
     lay = sp24.transcode(w)
-    assert _rel_err(lay, w, x, kernel="wg") < 1e-3
-    assert _rel_err(_swapped_metadata(lay), w, x, kernel="wg") > 0.1
+    kw = dict(groups=1, strips=1) if kernel == "ws" else {}
+    assert _rel_err(lay, w, x, kernel=kernel, **kw) < 1e-3
+    assert _rel_err(_swapped_metadata(lay), w, x, kernel=kernel, **kw) > 0.1
 
 
-def test_wg_kernel_refuses_dense_tiles():
+@pytest.mark.parametrize("kernel", ["wg", "ws"])
+def test_wg_kernels_refuse_dense_tiles(kernel):
     g = torch.Generator().manual_seed(14)
     lay = sp24.transcode(_weight(64, 128, "halves", g))
     with pytest.raises(ValueError, match="all 2:4"):
-        sp24_matmul(torch.zeros(2, 128, dtype=torch.float16, device=DEV), lay.to(DEV), kernel="wg")
+        sp24_matmul(torch.zeros(2, 128, dtype=torch.float16, device=DEV), lay.to(DEV), kernel=kernel)
+
+
+@pytest.mark.parametrize("m,k,n,tuning", [
+    (64, 128, 1, dict(groups=1, strips=1)),                      # one consumer warpgroup and the producer warp
+    (130, 192, 9, dict(strips=2, splits=2, tokens=8, stages=2)),  # a 2-stage ring refilled through "empty";
+                                                                 # the last block's second row past the weight
+    (128, 320, 20, dict(groups=2, strips=1, tokens=8, splits=2)),  # two consumer warpgroups; three 8-token
+                                                                 # chunks (each its own X slab); split 3 + 2
+])
+def test_ws_kernel_matches_float64(m, k, n, tuning):
+    """sp24_ws (warp-specialized: a producer warp's bulk copies on mbarriers, which the simulator emulates
+    with their phases and transaction bytes): every case twice (split-K counters)."""
+    g = torch.Generator().manual_seed(m * 11 + n)
+    w = _weight(m, k, "2:4", g)
+    x = torch.randn(n, k, generator=g).half()
+    lay = sp24.transcode(w)
+    for _ in range(2):
+        assert _rel_err(lay, w, x, kernel="ws", **tuning) < 1e-3
+
+
+def test_x_slabs_put_each_value_where_the_descriptor_reads_it():
+    from sparsekit.kernels.sp24_ws import x_slabs
+
+    n, kp, nt = 11, 128, 8
+    x = torch.arange(n * kp, dtype=torch.float32).reshape(n, kp).half()
+    flat = x_slabs(x, nt).view(torch.float16)
+    for tok, col in ((0, 0), (3, 9), (10, 127), (7, 64)):
+        c, r = divmod(tok, nt)
+        gk, kk = divmod(col, 64)
+        byte = (c * (kp // 64) + gk) * nt * 128 + (kk // 8) * 128 + (r // 8) * 1024 + (r % 8) * 16 + (kk % 8) * 2
+        assert flat[byte // 2] == x[tok, col]
+    assert flat.numel() == 2 * nt * kp
+    slabs = flat.reshape(2, kp // 64, nt // 8, 8, 8, 8)         # [chunk, gk, 8-token block, K part, token, h]
+    assert (slabs[1, :, 0, :, 3:, :] == 0).all() and (slabs[1, :, 0, :, :3, :] != 0).any()   # tokens 11-15: zeros

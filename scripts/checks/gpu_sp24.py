@@ -100,11 +100,12 @@ def check(shapes, ns, quick: bool, kernels=("auto", "rows", "warps")) -> int:
                 x = torch.randn(n, k, device=DEV, generator=gen).half()
                 ref = x.double() @ w.double().t()
                 # the warpgroup kernel takes all-2:4 weights only
-                variants = [dict(kernel=kn) for kn in kernels if kn != "wg" or name == "2:4"]
+                variants = [dict(kernel=kn) for kn in kernels if kn not in ("wg", "ws") or name == "2:4"]
                 if "rows" in kernels and n in (1, 17, 64) and m * k <= 2**24:
                     variants += [dict(kernel="rows", **kw) for kw in FORCED_ROWS]
-                if "wg" in kernels and name == "2:4" and n in (1, 17, 64, 129) and m * k <= 2**24:
-                    variants += [dict(kernel="wg", **kw) for kw in FORCED_WG]
+                for kn in ("wg", "ws"):
+                    if kn in kernels and name == "2:4" and n in (1, 17, 64, 129) and m * k <= 2**24:
+                        variants += [dict(kernel=kn, **kw) for kw in FORCED_WG if kn == "wg" or "kstep" not in kw]
                 for kw in variants:
                     out = torch.full((n, m), float("nan"), dtype=torch.float16, device=DEV)
                     sp24_matmul(x, lay, out=out, **kw)
@@ -120,7 +121,7 @@ def check(shapes, ns, quick: bool, kernels=("auto", "rows", "warps")) -> int:
         return bad
     # CUDA graph: capture once, replay with new inputs (split-K counters must reset between replays)
     for kn, (m, k) in [(kn, mk) for kn in kernels for mk in ((1000, 333), (4096, 4096))]:
-        w = mosaic(m, k, 1.0 if kn == "wg" else 0.5, gen)
+        w = mosaic(m, k, 1.0 if kn in ("wg", "ws") else 0.5, gen)
         lay = transcode(w)
         x = torch.randn(9, k, device=DEV, generator=gen).half()
         y = sp24_matmul(x, lay, kernel=kn)
@@ -210,7 +211,7 @@ def main() -> int:
     ap.add_argument("--check-shapes", default=None, help="correctness shapes MxK")
     ap.add_argument("--hybrid", default="0.35", help="hybrid sparsities to time (share of 2:4 tiles = s / 0.5)")
     ap.add_argument("--kernels", default="auto,rows,warps", help="2:4 kernels to check and time: auto, rows, warps, "
-                    "wg (Hopper only)")
+                    "wg and ws (Hopper only)")
     ap.add_argument("--sweep", action="store_true", help="also time forced sp24_rows plans (splits, tokens, stages)")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'CUDA simulator'}, torch {torch.__version__}")
