@@ -157,6 +157,14 @@ def split_piece(b, GK, PER, nch, NT):
 
 
 @_device
+def step_col(i, rot, nst, k0):
+    """The tile column of step ``i`` of a K split of ``nst`` columns from ``k0``, rotated by ``rot`` (blocks of
+    different row blocks start at different columns, so they do not ask L2 for the same X slice at once)."""
+    jj = i + rot
+    return k0 + (jj - nst if jj >= nst else jj)
+
+
+@_device
 def split_sharers(tt, GK, PER):
     """The blocks ``(q0, q1)`` of output tile ``tt``'s ``ceil(GK / PER)`` splits (computed after the step
     loop: fewer live registers in it)."""

@@ -34,13 +34,80 @@ from ._sp_intrinsics import cp16, cp_commit, cp_wait3, cp_wait4, cp_wait5, cp_wa
 from ._warp_intrinsics import byte_addr, lds32b
 from ._wg_intrinsics import lds_a8, wg_commit, wg_hold, wg_mma2, wg_wait0
 from .wgmma import descriptor
-from .block import dynamic_smem, make_tile_end, split_piece, split_sharers, thread_ids
+from .block import dynamic_smem, make_tile_end, split_piece, split_sharers, step_col, thread_ids
 from sparsekit.packed.sp24 import SP_STRIP_WORDS, SP_TILE_WORDS, SP_VALUE_WORDS
 
 NTS = (8, 16, 32, 64, 128)
 SLOT = 1152                      # bytes of one staged 2:4 strip (values, then metadata)
 K_STEP, N_STEP = 128, 1024       # core matrices: along K, along N (8 tokens), in a staged X slice
 _KERNELS: dict = {}
+
+
+def _device(fn):
+    """A device function for the kernels of this module and sp24_ws (plain Python under the simulator,
+    whose per-call swap of a device function's module globals races between threads)."""
+    return fn if SIM else cuda.jit(device=True, inline="always")(fn)
+
+
+def make_tile_ops(NT: int, R: int, WG: int):
+    """``(piece, strip_offsets, operands, products, acc_store)``, the pieces sp24_wg and sp24_ws share:
+
+    - ``piece(b, M, GK, PER, nch)`` and ``strip_offsets(base, wg, wwarp, lane)``: see their docstrings;
+    - ``operands(d64, d32, so, aoff, moff, moff1)``: a staged strip's 8 A registers and both metadata
+      words (the lane's own, and lane ^ 2's: the second 32 columns'), ``so`` the tile row's strips;
+    - ``products(scr, tid, xaddr, a0, m0, m0b, a1, m1, m1b, acc0, acc1)``: one tile column's products;
+    - ``acc_store(df, acc0, acc1, wg, wwarp, g, t)``: the warp's accumulators of its ``R`` tile rows into
+      the block's fp32 tile ``[NT, 64 R WG]``."""
+    ROWS = 64 * R * WG
+    DESC = np.uint64(descriptor(K_STEP, N_STEP))
+    AMASK = np.uint64(0x3FFFF)
+    FOUR = np.uint64(4)
+
+    @_device
+    def desc(addr):
+        return DESC | ((np.uint64(addr) & AMASK) >> FOUR)
+
+    @_device
+    def operands(d64, d32, so, aoff, moff, moff1):
+        return lds_a8(d64, so + aoff), lds32b(d32, so + moff), lds32b(d32, so + moff1)
+
+    @_device
+    def products(scr, tid, xaddr, a0, m0, m0b, a1, m1, m1b, acc0, acc1):
+        """One tile column's products on the X slice at ``xaddr``: two m64nNk32 per tile row (``a1``, ``m1``,
+        ``m1b``: the second row's operands, unused when R = 1)."""
+        xd = desc(xaddr)
+        xd1 = desc(xaddr + np.uint32(512))
+        acc0 = wg_mma2(scr, tid, a0, m0, m0b, xd, xd1, acc0)
+        if R == 2:
+            acc1 = wg_mma2(scr, tid, a1, m1, m1b, xd, xd1, acc1)
+        return acc0, acc1
+
+    @_device
+    def piece(b, M, GK, PER, nch):
+        """Block ``b``'s work: ``(tt, k0, nst, rb, n0)`` of ``split_piece``, then its first tile row, its tile
+        rows inside the weight and the column rotation."""
+        tt, k0, nst, rb, n0 = split_piece(b, GK, PER, nch, NT)
+        tr0 = rb * (R * WG)
+        return tt, k0, nst, rb, n0, tr0, min(R * WG, (M + 63) // 64 - tr0), rb % nst
+
+    @_device
+    def strip_offsets(base, wg, wwarp, lane):
+        """Byte offsets in a stage of this lane's A registers and of its two metadata words in the warp's
+        strip of the warpgroup's first tile row, whose strips start at ``base``."""
+        so = base + (wg * R * 4 + wwarp) * SLOT
+        return np.uint32(so + lane * 16), np.uint32(so + 1024 + lane * 4), np.uint32(so + 1024 + (lane ^ 2) * 4)
+
+    @_device
+    def acc_store(df, acc0, acc1, wg, wwarp, g, t):
+        c0 = wg * 64 * R + wwarp * 16 + g
+        for jb in range(NT // 8):
+            for oi in range(4):
+                n = 8 * jb + 2 * t + (oi & 1)
+                df[n * ROWS + c0 + 8 * (oi >> 1)] = acc0[4 * jb + oi]
+                if R == 2:
+                    df[n * ROWS + c0 + 64 + 8 * (oi >> 1)] = acc1[4 * jb + oi]
+
+    return piece, strip_offsets, operands, products, acc_store
 
 
 def stage_bytes(nt: int, r: int, wg: int, ks: int = 1) -> int:
@@ -81,11 +148,9 @@ def _build(NT: int, STAGES: int, R: int, WG: int, KS: int):
     # all but the newest STAGES - 3 copy groups have landed (copies run STAGES - 2 steps ahead)
     wait = (cp_wait0, cp_wait1, cp_wait2, cp_wait3, cp_wait4, cp_wait5, cp_wait6)[STAGES - 3]
     tile_end = make_tile_end(TILE, ROWS, THREADS)
-    DESC = np.uint64(descriptor(K_STEP, N_STEP))
+    piece, strip_offsets, operands, products, acc_store = make_tile_ops(NT, R, WG)
     ZERO = (np.float32(0.0),) * NACC
     u32 = np.uint32
-    AMASK = np.uint64(0x3FFFF)
-    FOUR = np.uint64(4)
 
     @cuda.jit(device=True, inline="always")
     def x_issue(d32, x, dst, gk, tid, n0, N, ldx):
@@ -113,11 +178,6 @@ def _build(NT: int, STAGES: int, R: int, WG: int, KS: int):
             cp16(d32, dst + u32(1024 + lane * 16), sp, base + SP_VALUE_WORDS + lane * 4, 16)
 
     @cuda.jit(device=True, inline="always")
-    def step_col(i, rot, nst, k0):
-        jj = i + rot
-        return k0 + (jj - nst if jj >= nst else jj)
-
-    @cuda.jit(device=True, inline="always")
     def issue(d32, sp, x, st, j, rot, nst, k0, tid, wg, wwarp, lane, n0, N, ldx, tr0, nr, GK):
         """Step ``j``'s copies (its KS tile columns that exist) to stage address ``st``."""
         for c in range(KS):
@@ -129,10 +189,6 @@ def _build(NT: int, STAGES: int, R: int, WG: int, KS: int):
                         a_issue(d32, sp, (tr0 + wg * R + r) * GK + gk, wwarp, lane,
                                 st + u32(KS * XBYTES + (c * STRIPS + (wg * R + r) * 4 + wwarp) * SLOT))
 
-    @cuda.jit(device=True, inline="always")
-    def desc(addr):
-        return DESC | ((np.uint64(addr) & AMASK) >> FOUR)
-
     @cuda.jit(**({} if SIM else {"max_registers": 232 if R * NT >= 128 else 168}))
     def kernel(sp, x, y, ws, cnt, M, N, GK, ldx, nch, PER):
         d64, d32, df = dynamic_smem()
@@ -143,10 +199,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int, KS: int):
         wwarp = warp & 3
         ring = byte_addr(d64, 0)
         b = cuda.blockIdx.x
-        tt, k0, nst, rb, n0 = split_piece(b, GK, PER, nch, NT)
-        tr0 = rb * (R * WG)
-        nr = min(R * WG, (M + 63) // 64 - tr0)     # tile rows of this block inside the weight
-        rot = rb % nst
+        tt, k0, nst, rb, n0, tr0, nr, rot = piece(b, M, GK, PER, nch)
         nsteps = (nst + KS - 1) // KS
         for j in range(STAGES - 2):
             if j < nsteps:
@@ -154,9 +207,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int, KS: int):
             cp_commit()
         acc0 = ZERO
         acc1 = ZERO
-        aoff = u32(KS * XBYTES + (wg * R * 4 + wwarp) * SLOT + lane * 16)
-        moff = u32(KS * XBYTES + (wg * R * 4 + wwarp) * SLOT + 1024 + lane * 4)
-        moff1 = u32(KS * XBYTES + (wg * R * 4 + wwarp) * SLOT + 1024 + (lane ^ 2) * 4)
+        aoff, moff, moff1 = strip_offsets(KS * XBYTES, wg, wwarp, lane)
         i = 0
         while i < nsteps:
             wait()                      # this thread's copies of step i have landed ...
@@ -177,34 +228,19 @@ def _build(NT: int, STAGES: int, R: int, WG: int, KS: int):
             two = KS == 2 and i * KS + 1 < nst
             # every A register and metadata word of the step first, then the products: no load writes a
             # register while a product of this step may still read it
-            s0 = sb + aoff
-            a00 = lds_a8(d64, s0)
-            m00 = lds32b(d32, sb + moff)
-            m00b = lds32b(d32, sb + moff1)
+            a00, m00, m00b = operands(d64, d32, sb, aoff, moff, moff1)
+            a01, m01, m01b = a00, m00, m00b
             if R == 2:
-                a01 = lds_a8(d64, s0 + u32(4 * SLOT))
-                m01 = lds32b(d32, sb + moff + u32(4 * SLOT))
-                m01b = lds32b(d32, sb + moff1 + u32(4 * SLOT))
+                a01, m01, m01b = operands(d64, d32, sb + u32(4 * SLOT), aoff, moff, moff1)
             if KS == 2:
-                s1 = u32(STRIPS * SLOT)
-                a10 = lds_a8(d64, s0 + s1)
-                m10 = lds32b(d32, sb + moff + s1)
-                m10b = lds32b(d32, sb + moff1 + s1)
+                s1 = sb + u32(STRIPS * SLOT)
+                a10, m10, m10b = operands(d64, d32, s1, aoff, moff, moff1)
+                a11, m11, m11b = a10, m10, m10b
                 if R == 2:
-                    a11 = lds_a8(d64, s0 + s1 + u32(4 * SLOT))
-                    m11 = lds32b(d32, sb + moff + s1 + u32(4 * SLOT))
-                    m11b = lds32b(d32, sb + moff1 + s1 + u32(4 * SLOT))
-            xd = desc(sb)
-            xd1 = desc(sb + u32(512))
-            acc0 = wg_mma2(scr, tid, a00, m00, m00b, xd, xd1, acc0)
-            if R == 2:
-                acc1 = wg_mma2(scr, tid, a01, m01, m01b, xd, xd1, acc1)
+                    a11, m11, m11b = operands(d64, d32, s1 + u32(4 * SLOT), aoff, moff, moff1)
+            acc0, acc1 = products(scr, tid, sb, a00, m00, m00b, a01, m01, m01b, acc0, acc1)
             if two:
-                xd = desc(sb + u32(XBYTES))
-                xd1 = desc(sb + u32(XBYTES + 512))
-                acc0 = wg_mma2(scr, tid, a10, m10, m10b, xd, xd1, acc0)
-                if R == 2:
-                    acc1 = wg_mma2(scr, tid, a11, m11, m11b, xd, xd1, acc1)
+                acc0, acc1 = products(scr, tid, sb + u32(XBYTES), a10, m10, m10b, a11, m11, m11b, acc0, acc1)
             wg_commit()
             i += 1
         acc0 = wg_wait0(acc0)
@@ -213,13 +249,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int, KS: int):
         # ---- the block's fp32 tile [NT, ROWS] in shared memory (the ring is free once every copy landed)
         cp_wait0()
         cuda.syncthreads()
-        c0 = wg * 64 * R + wwarp * 16 + g
-        for jb in range(NT // 8):
-            for oi in range(4):
-                n = 8 * jb + 2 * t + (oi & 1)
-                df[n * ROWS + c0 + 8 * (oi >> 1)] = acc0[4 * jb + oi]
-                if R == 2:
-                    df[n * ROWS + c0 + 64 + 8 * (oi >> 1)] = acc1[4 * jb + oi]
+        acc_store(df, acc0, acc1, wg, wwarp, g, t)
         cuda.syncthreads()
         q0, q1 = split_sharers(tt, GK, PER)
         tile_end(df, y, ws, cnt, flag, tid, M, N, tr0 * 64, n0, tt, GK, b, nst, q0, q1)

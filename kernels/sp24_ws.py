@@ -24,11 +24,10 @@ from numba import cuda
 
 from . import kcache
 from ._intrinsics import SCRATCH_WORDS, SIM, bulk_copy, mbar_arrive, mbar_expect, mbar_init, mbar_wait
-from ._warp_intrinsics import byte_addr, lds32b
-from ._wg_intrinsics import lds_a8, wg_commit, wg_hold, wg_mma2, wg_wait0
-from .block import dynamic_smem, make_tile_end, split_piece, split_sharers, thread_ids
-from .sp24_wg import K_STEP, N_STEP, NTS, SLOT
-from .wgmma import descriptor
+from ._warp_intrinsics import byte_addr
+from ._wg_intrinsics import wg_commit, wg_hold, wg_wait0
+from .block import dynamic_smem, make_tile_end, split_sharers, step_col, thread_ids
+from .sp24_wg import NTS, SLOT, make_tile_ops
 
 TILE_BYTES = 4 * SLOT            # one 2:4 tile: four strips of values and metadata
 _KERNELS: dict = {}
@@ -75,20 +74,9 @@ def _build(NT: int, STAGES: int, R: int, WG: int):
     ROWS = 64 * R * WG
     TILE = NT * ROWS
     tile_end = make_tile_end(TILE, ROWS, THREADS)
-    DESC = np.uint64(descriptor(K_STEP, N_STEP))
+    piece, strip_offsets, operands, products, acc_store = make_tile_ops(NT, R, WG)
     ZERO = (np.float32(0.0),) * NACC
     u32 = np.uint32
-    AMASK = np.uint64(0x3FFFF)
-    FOUR = np.uint64(4)
-
-    @cuda.jit(device=True, inline="always")
-    def step_col(i, rot, nst, k0):
-        jj = i + rot
-        return k0 + (jj - nst if jj >= nst else jj)
-
-    @cuda.jit(device=True, inline="always")
-    def desc(addr):
-        return DESC | ((np.uint64(addr) & AMASK) >> FOUR)
 
     @cuda.jit(device=True, inline="always")
     def produce(d64, sp, xs, full, empty, chunk, tr0, nr, rot, nst, k0, GK):
@@ -118,11 +106,8 @@ def _build(NT: int, STAGES: int, R: int, WG: int):
         wwarp = warp & 3
         ring = byte_addr(d64, 0)
         b = cuda.blockIdx.x
-        tt, k0, nst, rb, n0 = split_piece(b, GK, PER, nch, NT)
+        tt, k0, nst, rb, n0, tr0, nr, rot = piece(b, M, GK, PER, nch)
         chunk = tt - rb * nch
-        tr0 = rb * (R * WG)
-        nr = min(R * WG, (M + 63) // 64 - tr0)
-        rot = rb % nst
         if tid == 0:
             for s in range(STAGES):
                 mbar_init(full, s, 1)
@@ -134,9 +119,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int):
             if lane == 0:
                 produce(d64, sp, xs, full, empty, chunk, tr0, nr, rot, nst, k0, GK)
         else:
-            aoff = u32((wg * R * 4 + wwarp) * SLOT + lane * 16 + XBYTES)
-            moff = u32((wg * R * 4 + wwarp) * SLOT + 1024 + lane * 4 + XBYTES)
-            moff1 = u32((wg * R * 4 + wwarp) * SLOT + 1024 + (lane ^ 2) * 4 + XBYTES)
+            aoff, moff, moff1 = strip_offsets(XBYTES, wg, wwarp, lane)
             for i in range(nst):
                 s = i % STAGES
                 mbar_wait(full, s, (i // STAGES) & 1)       # step i's copies have landed
@@ -146,31 +129,18 @@ def _build(NT: int, STAGES: int, R: int, WG: int):
                 if i > 0 and lane == 0:
                     mbar_arrive(empty, (i - 1) % STAGES)     # ... so its stage may be refilled
                 sb = ring + u32(s * STAGE)
-                a0 = lds_a8(d64, sb + aoff)
-                m0 = lds32b(d32, sb + moff)
-                m0b = lds32b(d32, sb + moff1)
+                a0, m0, m0b = operands(d64, d32, sb, aoff, moff, moff1)
+                a1, m1, m1b = a0, m0, m0b
                 if R == 2:
-                    a1 = lds_a8(d64, sb + aoff + u32(4 * SLOT))
-                    m1 = lds32b(d32, sb + moff + u32(4 * SLOT))
-                    m1b = lds32b(d32, sb + moff1 + u32(4 * SLOT))
-                xd = desc(sb)
-                xd1 = desc(sb + u32(512))
-                acc0 = wg_mma2(scr, tid, a0, m0, m0b, xd, xd1, acc0)
-                if R == 2:
-                    acc1 = wg_mma2(scr, tid, a1, m1, m1b, xd, xd1, acc1)
+                    a1, m1, m1b = operands(d64, d32, sb + u32(4 * SLOT), aoff, moff, moff1)
+                acc0, acc1 = products(scr, tid, sb, a0, m0, m0b, a1, m1, m1b, acc0, acc1)
                 wg_commit()
             acc0 = wg_wait0(acc0)
             if R == 2:
                 acc1 = wg_hold(acc1)
         cuda.syncthreads()                                   # every copy consumed: the ring is free
         if warp < CW:
-            c0 = wg * 64 * R + wwarp * 16 + g
-            for jb in range(NT // 8):
-                for oi in range(4):
-                    n = 8 * jb + 2 * t + (oi & 1)
-                    df[n * ROWS + c0 + 8 * (oi >> 1)] = acc0[4 * jb + oi]
-                    if R == 2:
-                        df[n * ROWS + c0 + 64 + 8 * (oi >> 1)] = acc1[4 * jb + oi]
+            acc_store(df, acc0, acc1, wg, wwarp, g, t)
         cuda.syncthreads()
         q0, q1 = split_sharers(tt, GK, PER)
         tile_end(df, y, ws, cnt, flag, tid, M, N, tr0 * 64, n0, tt, GK, b, nst, q0, q1)

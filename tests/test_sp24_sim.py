@@ -120,23 +120,30 @@ def test_rows_kernel_matches_float64(m, k, n, kind, tuning):
 
 
 
-@pytest.mark.parametrize("m,k,n,tuning", [
-    (64, 128, 1, {}),                                            # one warpgroup, 8 tokens, 2 steps
-    (128, 128, 5, dict(groups=2, tokens=16)),                    # two warpgroups share the X slice
-    (130, 192, 9, dict(strips=2, splits=2, tokens=8)),           # 2 tile rows per warpgroup, the last block's
-                                                                 # second row past the weight; split-K + fixup
-    (64, 320, 17, dict(tokens=32, kstep=2, splits=2, stages=3)),  # 2 tile columns per step, an odd split (3, 2)
-    (16, 64, 20, dict(tokens=8)),                                # three 8-token chunks, rows past N zero-filled
+@pytest.mark.parametrize("kernel,m,k,n,tuning", [
+    ("wg", 64, 128, 1, {}),                                       # one warpgroup, 8 tokens, 2 steps
+    ("wg", 128, 128, 5, dict(groups=2, tokens=16)),               # two warpgroups share the X slice
+    ("wg", 130, 192, 9, dict(strips=2, splits=2, tokens=8)),      # 2 tile rows per warpgroup, the last block's
+                                                                  # second row past the weight; split-K + fixup
+    ("wg", 64, 320, 17, dict(tokens=32, kstep=2, splits=2, stages=3)),  # 2 tile columns per step, a (3, 2) split
+    ("wg", 16, 64, 20, dict(tokens=8)),                           # three 8-token chunks, rows past N zero-filled
+    ("ws", 64, 128, 1, dict(groups=1, strips=1)),                 # one consumer warpgroup and the producer warp
+    ("ws", 130, 192, 9, dict(strips=2, splits=2, tokens=8, stages=2)),  # a 2-stage ring refilled through "empty";
+                                                                  # the last block's second row past the weight
+    ("ws", 128, 320, 20, dict(groups=2, strips=1, tokens=8, splits=2)),  # two consumer warpgroups; three 8-token
+                                                                  # chunks (each its own X slab); split 3 + 2
 ])
-def test_wg_kernel_matches_float64(m, k, n, tuning):
-    """sp24_wg (Hopper's sparse warpgroup MMA; its simulator twin reads B through the descriptor): every
-    case twice, so a split-K arrival counter left set fails the second call."""
+def test_wg_kernels_match_float64(kernel, m, k, n, tuning):
+    """sp24_wg (Hopper's sparse warpgroup MMA; its simulator twin reads B through the descriptor) and sp24_ws
+    (the same, warp-specialized: a producer warp's bulk copies on mbarriers, which the simulator emulates
+    with their phases and transaction bytes): every case twice, so a split-K arrival counter left set
+    fails the second call."""
     g = torch.Generator().manual_seed(m * 3 + n)
     w = _weight(m, k, "2:4", g)
     x = torch.randn(n, k, generator=g).half()
     lay = sp24.transcode(w)
     for _ in range(2):
-        assert _rel_err(lay, w, x, kernel="wg", **tuning) < 1e-3
+        assert _rel_err(lay, w, x, kernel=kernel, **tuning) < 1e-3
 
 
 @pytest.mark.parametrize("kernel", ["wg", "ws"])
@@ -156,24 +163,6 @@ def test_wg_kernels_refuse_dense_tiles(kernel):
     lay = sp24.transcode(_weight(64, 128, "halves", g))
     with pytest.raises(ValueError, match="all 2:4"):
         sp24_matmul(torch.zeros(2, 128, dtype=torch.float16, device=DEV), lay.to(DEV), kernel=kernel)
-
-
-@pytest.mark.parametrize("m,k,n,tuning", [
-    (64, 128, 1, dict(groups=1, strips=1)),                      # one consumer warpgroup and the producer warp
-    (130, 192, 9, dict(strips=2, splits=2, tokens=8, stages=2)),  # a 2-stage ring refilled through "empty";
-                                                                 # the last block's second row past the weight
-    (128, 320, 20, dict(groups=2, strips=1, tokens=8, splits=2)),  # two consumer warpgroups; three 8-token
-                                                                 # chunks (each its own X slab); split 3 + 2
-])
-def test_ws_kernel_matches_float64(m, k, n, tuning):
-    """sp24_ws (warp-specialized: a producer warp's bulk copies on mbarriers, which the simulator emulates
-    with their phases and transaction bytes): every case twice (split-K counters)."""
-    g = torch.Generator().manual_seed(m * 11 + n)
-    w = _weight(m, k, "2:4", g)
-    x = torch.randn(n, k, generator=g).half()
-    lay = sp24.transcode(w)
-    for _ in range(2):
-        assert _rel_err(lay, w, x, kernel="ws", **tuning) < 1e-3
 
 
 def test_x_slabs_put_each_value_where_the_descriptor_reads_it():
