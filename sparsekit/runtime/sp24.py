@@ -2,12 +2,13 @@
 
 :func:`enable_sp24` transcodes the TCA-BME weight of every ``SparseLinear`` of a model whose tiles are
 all 2:4 or dense (``sparsekit.packed.sp24``) and keeps the layout beside it (non-persistent buffers:
-nothing changes on disk). Those layers then run ``sparsekit.kernels.sp24.sp24_matmul`` (``mma.sp`` on
-2:4 tiles, ``mma.sync`` on dense ones) on a GPU wherever they would run the TCA-BME kernel (fp16, at
-most ``dense_above`` tokens) up to ``SparseLinear.sp24_max_n`` tokens; prefill and the CPU keep their
-paths. The dispatch plan (``runtime.dispatch``, ``prefer="speed"``, under ``SPARSEKIT_SP24=1`` until the
-path has run end to end on a GPU) calls it for the layers whose encode-time tile census fits, times both
-kernels, and keeps each layout only where the 2:4 kernel measures faster (``sp24_max_n`` per layer).
+nothing changes on disk). Those layers then run ``sparsekit.kernels.sp24.sp24_matmul`` (the sparse tensor
+cores on 2:4 tiles, ``mma.sync`` on dense ones; Hopper's warpgroup kernel where it measured faster) on a
+GPU wherever they would run the TCA-BME kernel (fp16, at most ``dense_above`` tokens) at the token counts
+``SparseLinear.sp24_at`` allows (up to ``sp24_max_n``, and from ``sp24_from_n`` when set); prefill and the
+CPU keep their paths. The dispatch plan (``runtime.dispatch``, ``prefer="speed"``, under
+``SPARSEKIT_SP24=1`` until the path is on by default) calls it for the layers whose encode-time tile
+census fits, times both kernels, and keeps each layout only where the 2:4 kernel measures faster.
 """
 from __future__ import annotations
 
