@@ -14,8 +14,10 @@ offset is the step along N, D in ``mma``'s per-warp C layout for each 8-token bl
   512``, as two ``ld.shared.v4.u32`` straight into 32-bit registers (no 64-bit halves to split: ptxas
   turned those into register copies that mixed up the A operands of the second tile column's products).
 - ``wg_commit()``: ``wgmma.commit_group`` (the products issued since the last one form a group).
-- ``wg_wait0(acc)`` / ``wg_wait1(acc)``: ``wgmma.wait_group`` 0 / 1 (all groups / all but the newest
-  done), returning ``acc`` through the wait so that nothing reads it earlier.
+- ``wg_wait0(acc)``: ``wgmma.wait_group 0`` (every product group done), returning ``acc`` through the
+  wait so that nothing reads it earlier. (Waiting for all but the newest group is not offered: ptxas
+  gives every step's A operand the same registers, so the kernels retire a step's products before the
+  next step's loads; docs/kernels-notes.md "v17".)
 - ``wg_hold(acc)``: no instruction; ``acc`` passes through an empty asm statement (a second tuple
   waited for by the same ``wg_wait*``).
 """
@@ -29,7 +31,7 @@ from numba.cuda.extending import intrinsic
 from ._intrinsics_ptx import _asm_stmt, _asm_tuple
 from .compat_numba import cuda_typing
 
-__all__ = ["lds_a8", "wg_commit", "wg_hold", "wg_mma2", "wg_wait0", "wg_wait1"]
+__all__ = ["lds_a8", "wg_commit", "wg_hold", "wg_mma2", "wg_wait0"]
 
 types, _ = cuda_typing()
 _i32, _i64, _f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -101,5 +103,4 @@ def wg_mma2(scr, tid, a, m0, m1, desc0, desc1, acc):
 
 wg_commit = _asm_stmt("wgmma.commit_group.sync.aligned;")
 wg_wait0 = _tied("wgmma.wait_group.sync.aligned 0;")
-wg_wait1 = _tied("wgmma.wait_group.sync.aligned 1;")
 wg_hold = _tied("")

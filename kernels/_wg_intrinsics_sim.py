@@ -16,7 +16,7 @@ import threading
 from ._sp_intrinsics_sim import _a_sp
 from .compat_numba import sim_kernel
 
-__all__ = ["lds_a8", "wg_commit", "wg_hold", "wg_mma2", "wg_wait0", "wg_wait1"]
+__all__ = ["lds_a8", "wg_commit", "wg_hold", "wg_mma2", "wg_wait0"]
 
 _W = 10   # scratch words per thread: 8 A registers, 2 metadata words
 _BARRIERS: dict = {}
@@ -94,4 +94,4 @@ def wg_wait0(acc):
     return acc
 
 
-wg_wait1 = wg_hold = wg_wait0
+wg_hold = wg_wait0

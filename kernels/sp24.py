@@ -15,13 +15,17 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
                 kstep: int | None = None) -> torch.Tensor:
     """``y[N, M] = x[N, K] @ W^T`` (fp16 in and out, fp32 accumulate) for W in the 2:4 mosaic layout.
 
-    ``kernel``: ``"auto"`` (``sp24_plan.kernel_for``: the one that measured faster for this shape and
-    token count; "wg" is among them on a Hopper GPU for a weight whose tiles are all 2:4), ``"rows"`` (``sp24_rows``: one or two tile rows per block, K split across blocks;
-    ``tokens``, ``splits``, ``stages`` and ``strips`` (tile rows per block) force its plan) or ``"warps"``
-    (``sp24_kernel``: K split over a block's warps; ``warps``, ``strips`` force its plan) or ``"wg"`` (``sp24_wg``:
-    Hopper's sparse warpgroup MMA, sm_90a, all-2:4 weights; ``tokens``, ``splits``, ``stages``, ``strips``
-    (tile rows per warpgroup), ``groups`` (warpgroups per block) and ``kstep`` (tile columns per step) force its
-    plan) or ``"ws"`` (``sp24_ws``: the same products, warp-specialized; opt-in, not yet run on a GPU)."""
+    ``kernel``:
+
+    - ``"auto"`` (``sp24_plan.kernel_for``): the one that measured faster for this shape and token count;
+      "wg" is among them on a Hopper GPU for a weight whose tiles are all 2:4;
+    - ``"rows"`` (``sp24_rows``: one or two tile rows per block, K split across blocks; ``tokens``,
+      ``splits``, ``stages`` and ``strips`` (tile rows per block) force its plan);
+    - ``"warps"`` (``sp24_kernel``: K split over a block's warps; ``warps``, ``strips`` force its plan);
+    - ``"wg"`` (``sp24_wg``: Hopper's sparse warpgroup MMA, sm_90a, all-2:4 weights; ``tokens``,
+      ``splits``, ``stages``, ``strips`` (tile rows per warpgroup), ``groups`` (warpgroups per block) and
+      ``kstep`` (tile columns per step) force its plan);
+    - ``"ws"`` (``sp24_ws``: the same products, warp-specialized; opt-in, not yet run on a GPU)."""
     from . import launch
     from .common import SIM
 
@@ -44,11 +48,8 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
     if kernel == "rows":
         _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips)
         return out
-    if kernel == "wg":
-        _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups, kstep)
-        return out
-    if kernel == "ws":
-        _launch_ws(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups)
+    if kernel in ("wg", "ws"):
+        _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups, kstep, kernel == "ws")
         return out
     if kernel != "warps":
         raise ValueError(f"unknown 2:4 kernel {kernel!r}: 'rows', 'warps', 'wg' or 'ws'")
@@ -76,32 +77,29 @@ def _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, s
                           (m, n, gk, kp // 2, p.chunks, p.per), dyn=p.dyn)
 
 
-def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups, kstep) -> None:
-    from .sp24_wg import get_kernel
+def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups, kstep,
+               specialized: bool = False) -> None:
+    """sp24_wg, or with ``specialized`` sp24_ws (its X as core-matrix slabs, one producer warp more)."""
+    from . import sp24_wg, sp24_ws
 
+    kind = "ws" if specialized else "wg"
     if layout.dense.numel():
-        raise ValueError("the warpgroup 2:4 kernel (kernel='wg') takes weights whose tiles are all 2:4; this one "
+        raise ValueError(f"the warpgroup 2:4 kernels (kernel='{kind}') take weights whose tiles are all 2:4; this one "
                          "has dense tiles (kernel='rows' takes them)")
-    p, r, wg, ks = sp24_plan.wg_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, strips, groups, kstep)
+    p, r, wg, ks = sp24_plan.wg_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, strips, groups,
+                                     kstep, specialized=specialized)
     ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
+    y = out.reshape(-1).view(torch.int16)
     # no tile map: every tile is 2:4, so tile t is slot t of ``sp``
-    tensors = (layout.sp, x.reshape(-1).view(torch.int32), out.reshape(-1).view(torch.int16), ws, cnt)
-    launch.launch_tensors(get_kernel(p.nt, p.stages, r, wg, ks), p.blocks, 128 * wg, tensors,
-                          (m, n, gk, kp // 2, p.chunks, p.per), dyn=p.dyn)
-
-
-def _launch_ws(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups) -> None:
-    from .sp24_ws import get_kernel, x_slabs
-
-    if layout.dense.numel():
-        raise ValueError("the warpgroup 2:4 kernels (kernel='ws') take weights whose tiles are all 2:4; this one "
-                         "has dense tiles (kernel='rows' takes them)")
-    p, r, wg, _ = sp24_plan.wg_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, strips, groups,
-                                    specialized=True)
-    ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
-    tensors = (layout.sp.view(torch.int64), x_slabs(x, p.nt), out.reshape(-1).view(torch.int16), ws, cnt)
-    launch.launch_tensors(get_kernel(p.nt, p.stages, r, wg), p.blocks, 32 * (4 * wg + 1), tensors,
-                          (m, n, gk, p.chunks, p.per), dyn=p.dyn)
+    if specialized:
+        tensors = (layout.sp.view(torch.int64), sp24_ws.x_slabs(x, p.nt), y, ws, cnt)
+        kern, threads = sp24_ws.get_kernel(p.nt, p.stages, r, wg), 32 * (4 * wg + 1)
+        scalars = (m, n, gk, p.chunks, p.per)
+    else:
+        tensors = (layout.sp, x.reshape(-1).view(torch.int32), y, ws, cnt)
+        kern, threads = sp24_wg.get_kernel(p.nt, p.stages, r, wg, ks), 128 * wg
+        scalars = (m, n, gk, kp // 2, p.chunks, p.per)
+    launch.launch_tensors(kern, p.blocks, threads, tensors, scalars, dyn=p.dyn)
 
 
 def _nonempty(t: torch.Tensor) -> torch.Tensor:
