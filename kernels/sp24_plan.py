@@ -93,15 +93,23 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False) -> str:
     N on 22016x4096, 8192x28672 and 4096x11008 (with the split rule above); on 4096x4096 warps won by
     5-10% at 8-32 tokens, rows from 64 on.
 
-    ``wg_ok`` (a Hopper GPU and a weight whose tiles are all 2:4): "wg" (sp24_wg) on tall weights (WG_MIN_M
-    rows or more) from WG_MIN_N to 64 tokens, and from 1 to WG_MAX_N tokens where K is deep too
-    (WG_DEEP_K). H100, scripts/checks/gpu_sp24.py timing all three (docs/kernels-notes.md "v17"), x cuBLAS,
-    wg against rows: 22016x4096 1.53 / 1.39 / 1.24 / 1.04 / 0.64 against 1.61 / 1.39 / 1.19 / 0.92 / 0.67
-    at 1 / 16 / 32 / 64 / 128 tokens; 28672x8192 1.95 / 1.58 / 1.46 / 1.20 / 0.79 / 0.45 against 1.86 /
-    1.40 / 1.20 / 0.93 / 0.47 / 0.34 at 1 / 16 / 32 / 64 / 128 / 256; on 8192x28672 and 4096x11008 rows
-    stayed faster from 16 tokens on."""
-    if wg_ok and m >= WG_MIN_M and ((k >= WG_DEEP_K and n <= WG_MAX_N) or WG_MIN_N <= n <= 64):
+    ``wg_ok`` (a Hopper GPU and a weight whose tiles are all 2:4), from the H100 runs of
+    docs/kernels-notes.md "v17" and "v18 outcome" (x cuBLAS, ``gpu_sp24 --bench-only``, each kernel's own
+    plan):
+    - "wg" (sp24_wg) on weights both tall (WG_MIN_M rows or more) and K-deep (WG_DEEP_K columns or more)
+      up to WS_MIN_N tokens: 28672x8192 1.66 / 1.58 at 1 / 16 against sp24_ws's 1.54 / 1.52.
+    - "ws" (sp24_ws, warp-specialized) on tall or K-deep weights from WS_MIN_N to WS_MAX_N tokens, where
+      it beat rows and wg at every measured count but 16 tokens on 4096x11008 (1.17 against 1.20):
+      22016x4096 1.43 / 1.33 / 1.13 / 0.66 / 0.47 at 16 / 32 / 64 / 128 / 256 against rows' 1.37 / 1.17 /
+      0.90 / 0.67 / 0.35; 28672x8192 1.45 / 1.40 / 0.86 / 0.52 at 32 / 64 / 128 / 256 against wg's 1.48 /
+      1.20 / 0.79 / 0.46; 8192x28672 1.55 / 1.48 / 1.24 / 0.73 at 16 / 32 / 64 / 128 against rows' 1.47 /
+      1.36 / 0.97 / 0.58.
+    - Below WS_MIN_N tokens elsewhere, rows (22016x4096 1.59 at one token against wg's 1.50)."""
+    tall, deep = m >= WG_MIN_M, k >= WG_DEEP_K
+    if wg_ok and tall and deep and n <= WS_MIN_N:
         return "wg"
+    if wg_ok and (tall or deep) and WS_MIN_N <= n <= WS_MAX_N:
+        return "ws"
     if n >= ROWS_AUTO_N:
         return "rows"
     return "rows" if m * k > ROWS_MIN_WEIGHTS else "warps"
@@ -170,10 +178,12 @@ WG_NTS = (8, 16, 32, 64, 128)   # tokens per output tile; more run as further ch
 WG_SMEM_MAX = 160 * 1024        # dynamic shared bytes per block the default plan may take (one block per SM)
 WG_SMEM_OPTIN = 200 * 1024      # the most a forced plan may take (Hopper's opt-in limit is 227 KB)
 WG_STAGES = 4                   # ring depth (6 and 8 measured no faster on the H100)
-WG_MIN_M = 16384                # kernel_for: tall weights ...
-WG_MIN_N = 32                   # ... from this many tokens ...
-WG_MAX_N = 256                  # ... up to this many where K has WG_DEEP_K columns or more (else 64)
-WG_DEEP_K = 8192
+WG_MIN_M = 16384                # kernel_for: tall weights (this many rows or more) ...
+WG_DEEP_K = 8192                # ... and K-deep ones (this many columns or more)
+WS_MIN_N = 16                   # sp24_ws from this many tokens (sp24_wg below it, on tall and deep weights) ...
+WS_MAX_N = 256                  # ... up to this many (the widest measured)
+WS_STAGES_FEW, WS_STAGES_MANY = 6, 3   # sp24_ws's ring up to 32 tokens a tile, and from 64 (H100 sweep)
+WS_MIN_SPLIT_COLS = 40          # sp24_ws's K split leaves every split this many tile columns or more
 
 
 def wg_tokens(n: int) -> int:
@@ -182,6 +192,26 @@ def wg_tokens(n: int) -> int:
         if nt >= n:
             return nt
     return WG_NTS[-1]
+
+
+def ws_shape(m: int, nt: int) -> tuple[int, int, int]:
+    """(tile rows per warpgroup, consumer warpgroups, ring depth) of sp24_ws's default plan, from the H100
+    sweep (docs/kernels-notes.md "v18 outcome"): two warpgroups throughout; two tile rows each on tall
+    weights up to 32 tokens a tile, else one; a ring of 6 up to 32 tokens, 3 from 64 (deeper measured
+    slower there)."""
+    r = 2 if m >= WG_MIN_M and nt <= 32 else 1
+    wg = 2 if m > 64 * r else 1
+    return r, wg, WS_STAGES_FEW if nt <= 32 else WS_STAGES_MANY
+
+
+def ws_splits(blocks: int, gk: int, sms: int, nt: int) -> tuple[int, int]:
+    """(splits, tile columns per split) of sp24_ws on weights with few tile rows: about one block per SM up
+    to 32 tokens a tile and two from 64 (two fit an SM there), every split WS_MIN_SPLIT_COLS columns or
+    more. H100: 8192x28672 took 2 splits at 16-32 tokens and 4 at 64, 4096x11008 4 splits."""
+    target = sms * (1 if nt <= 32 else 2)
+    ks = max(1, min(round(target / blocks), gk // WS_MIN_SPLIT_COLS))
+    kper = -(-gk // ks)
+    return -(-gk // kper), kper
 
 
 def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None, splits_: int | None = None,
@@ -193,7 +223,8 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
     22016x4096 and 28672x8192 from 16 to 256 tokens (86 and 112 blocks: fewer than the SMs, but a split
     costs more); elsewhere one tile row per warpgroup, two warpgroups from 64 tokens on, and the K split
     of ``rows_splits``. The ring: WG_STAGES deep, shallower where WG_SMEM_MAX needs it. ``specialized``:
-    the same plan for sp24_ws (its ring holds whole tiles and one X slab per stage; no ``kstep``)."""
+    sp24_ws's plan (its ring holds whole tiles and one X slab per stage; no ``kstep``): the shape of
+    ``ws_shape`` and, on weights that are not tall, the K split of ``ws_splits``."""
     from . import sp24_wg, sp24_ws
 
     if specialized:
@@ -207,15 +238,26 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
 
     nt = tokens_ or wg_tokens(n)
     tall = m >= WG_MIN_M
-    r = strips_ or (2 if tall else 1)
-    wg = groups_ or (2 if (tall or nt >= 64) and m > 64 * r else 1)
     gm = -(-m // 64)
-    rb = -(-gm // (r * wg))
     chunks = -(-n // nt)
-    rule = (1, gk) if tall else rows_splits(rb * chunks, gk, sms, n)
+    if specialized:
+        r, wg, st = ws_shape(m, nt)
+        r, wg = strips_ or r, groups_ or wg
+        if wg == 2 and r * nt >= 256:
+            raise ValueError(f"this sp24_ws plan (tokens {nt}, tile rows {r} x {wg}) does not launch on the H100 "
+                             "(out of resources, though its 185 registers x 288 threads fit): one tile row or "
+                             "one warpgroup at 128 tokens")
+        rb = -(-gm // (r * wg))
+        rule = (1, gk) if tall else ws_splits(rb * chunks, gk, sms, nt)
+        st = stages_ or st
+    else:
+        r = strips_ or (2 if tall else 1)
+        wg = groups_ or (2 if (tall or nt >= 64) and m > 64 * r else 1)
+        rb = -(-gm // (r * wg))
+        rule = (1, gk) if tall else rows_splits(rb * chunks, gk, sms, n)
+        st = stages_ or WG_STAGES
     ks, per, blocks = split_work(rb * chunks, gk, None if splits_ else rule, splits_)
     ksz = kstep_ or 1
-    st = stages_ or WG_STAGES
     while not stages_ and st > 3 and smem_bytes(nt, st, r, wg, ksz) > WG_SMEM_MAX:
         st -= 1
     dyn = smem_bytes(nt, st, r, wg, ksz)

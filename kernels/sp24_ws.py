@@ -55,6 +55,13 @@ def smem_bytes(nt: int, stages: int, r: int, wg: int) -> int:
     return max(stages * stage_bytes(nt, r, wg), nt * 64 * r * wg * 4)
 
 
+def max_registers(nt: int, r: int, wg: int) -> int:
+    """The register cap: what the consumers want (as sp24_wg), but no more than 64K registers shared by the
+    block's 4 x wg + 1 warps allow (232 x 288 threads does not fit: the launch fails for want of resources)."""
+    want = 232 if r * nt >= 128 else 168
+    return min(want, (65536 // (32 * (4 * wg + 1))) & ~7)
+
+
 def get_kernel(nt: int, stages: int, r: int = 2, wg: int = 2):
     """Kernel for ``nt`` tokens per output tile (8 .. 128), a ring of ``stages`` (2-8), ``r`` tile rows
     per warpgroup (1, 2) and ``wg`` consumer warpgroups (1, 2)."""
@@ -94,7 +101,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int):
                     bulk_copy(d64, w0 + ((XBYTES + r * TILE_BYTES) >> 3), sp, ((tr0 + r) * GK + gk) * (TILE_BYTES >> 3),
                               TILE_BYTES, full, s)
 
-    @cuda.jit(**({} if SIM else {"max_registers": 232 if R * NT >= 128 else 168}))
+    @cuda.jit(**({} if SIM else {"max_registers": max_registers(NT, R, WG)}))
     def kernel(sp, xs, y, ws, cnt, M, N, GK, nch, PER):
         d64, d32, df = dynamic_smem()
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)

@@ -54,14 +54,16 @@ def test_a_forced_plan_too_big_for_shared_memory_is_one_clear_error():
 
 
 @pytest.mark.parametrize("m,k,n,kernel", [
-    (22016, 4096, 16, "rows"), (22016, 4096, 32, "wg"), (22016, 4096, 64, "wg"), (22016, 4096, 128, "rows"),
-    (22016, 4096, 1, "rows"), (28672, 8192, 1, "wg"), (28672, 8192, 16, "wg"),
-    (28672, 8192, 128, "wg"), (28672, 8192, 256, "wg"), (28672, 8192, 512, "rows"),
-    (8192, 28672, 64, "rows"), (4096, 11008, 64, "rows"), (4096, 4096, 16, "warps"),
+    (22016, 4096, 1, "rows"), (22016, 4096, 15, "rows"), (22016, 4096, 16, "ws"), (22016, 4096, 64, "ws"),
+    (22016, 4096, 256, "ws"), (22016, 4096, 257, "rows"),
+    (28672, 8192, 1, "wg"), (28672, 8192, 16, "wg"), (28672, 8192, 17, "ws"), (28672, 8192, 256, "ws"),
+    (28672, 8192, 512, "rows"),
+    (8192, 28672, 8, "rows"), (8192, 28672, 16, "ws"), (8192, 28672, 128, "ws"), (4096, 11008, 64, "ws"),
+    (4096, 4096, 16, "warps"), (4096, 4096, 64, "rows"), (12288, 4096, 64, "rows"),
 ])
-def test_auto_takes_the_warpgroup_kernel_only_where_it_measured_faster(m, k, n, kernel):
+def test_auto_takes_the_warpgroup_kernels_only_where_they_measured_faster(m, k, n, kernel):
     assert sp24_plan.kernel_for(m, k, n, wg_ok=True) == kernel
-    assert sp24_plan.kernel_for(m, k, n, wg_ok=False) != "wg"      # not Hopper, or a dense tile: never
+    assert sp24_plan.kernel_for(m, k, n, wg_ok=False) not in ("wg", "ws")   # not Hopper, or a dense tile: never
 
 
 @pytest.mark.parametrize("m", [64, 4096, 22016])
@@ -81,3 +83,26 @@ def test_every_wg_plan_fits_and_covers_n(m, n):
 def test_a_forced_wg_plan_too_big_is_one_clear_error():
     with pytest.raises(ValueError, match="shared memory"):
         sp24_plan.wg_plan(22016, 64, 128, tokens_=128, stages_=8, strips_=2, groups_=2)
+
+
+@pytest.mark.parametrize("m,gk,n,splits", [
+    (22016, 64, 32, 1), (22016, 64, 64, 1), (22016, 64, 128, 1), (28672, 128, 100, 1),   # tall: no K split
+    (8192, 448, 16, 2), (8192, 448, 64, 4), (4096, 172, 32, 4), (4096, 172, 64, 4),     # the H100 sweep's picks
+    (64, 4, 9, 1), (200, 3, 300, 1),
+])
+def test_every_ws_plan_fits_covers_n_and_splits_as_measured(m, gk, n, splits):
+    from sparsekit.kernels.sp24_ws import smem_bytes
+
+    p, r, wg, ks = sp24_plan.wg_plan(m, gk, n, specialized=True)
+    assert ks == 1 and p.r == r * wg and p.ks == splits
+    assert p.dyn == smem_bytes(p.nt, p.stages, r, wg) <= sp24_plan.WG_SMEM_MAX
+    assert not (wg == 2 and r * p.nt >= 256)                     # the plan that does not launch
+    assert (p.chunks - 1) * p.nt < n <= p.chunks * p.nt
+    assert p.rb * p.r * 64 >= m > (p.rb - 1) * p.r * 64
+    assert p.blocks == p.tiles * p.ks and (p.ks - 1) * p.per < gk <= p.ks * p.per
+
+
+def test_a_forced_ws_plan_that_cannot_launch_is_one_clear_error():
+    with pytest.raises(ValueError, match="does not launch"):
+        sp24_plan.wg_plan(22016, 64, 128, tokens_=128, strips_=2, groups_=2, specialized=True)
+    assert sp24_plan.wg_plan(22016, 64, 128, tokens_=128, strips_=2, groups_=1, specialized=True)[0].nt == 128
