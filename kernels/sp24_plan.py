@@ -98,17 +98,19 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False) -> str:
     plan):
     - "wg" (sp24_wg) on weights both tall (WG_MIN_M rows or more) and K-deep (WG_DEEP_K columns or more)
       up to WS_MIN_N tokens: 28672x8192 1.66 / 1.58 at 1 / 16 against sp24_ws's 1.54 / 1.52.
-    - "ws" (sp24_ws, warp-specialized) on tall or K-deep weights from WS_MIN_N to WS_MAX_N tokens, where
+    - "ws" (sp24_ws, warp-specialized) on weights of WS_MIN_M rows or more, or K-deep ones, from WS_MIN_N to WS_MAX_N tokens, where
       it beat rows and wg at every measured count but 16 tokens on 4096x11008 (1.17 against 1.20):
       22016x4096 1.43 / 1.33 / 1.13 / 0.66 / 0.47 at 16 / 32 / 64 / 128 / 256 against rows' 1.37 / 1.17 /
       0.90 / 0.67 / 0.35; 28672x8192 1.45 / 1.40 / 0.86 / 0.52 at 32 / 64 / 128 / 256 against wg's 1.48 /
       1.20 / 0.79 / 0.46; 8192x28672 1.55 / 1.48 / 1.24 / 0.73 at 16 / 32 / 64 / 128 against rows' 1.47 /
-      1.36 / 0.97 / 0.58.
+      1.36 / 0.97 / 0.58; 12288x4096 (WS_MIN_M rows) 1.21 / 1.23 / 0.85 / 0.67 at 16 / 32 / 64 / 128
+      against 1.16 / 1.07 / 0.78 / 0.47. Not on 4096x4096, where it lost up to 32 tokens (0.93 against
+      rows' 0.99 at 16).
     - Below WS_MIN_N tokens elsewhere, rows (22016x4096 1.59 at one token against wg's 1.50)."""
     tall, deep = m >= WG_MIN_M, k >= WG_DEEP_K
     if wg_ok and tall and deep and n <= WS_MIN_N:
         return "wg"
-    if wg_ok and (tall or deep) and WS_MIN_N <= n <= WS_MAX_N:
+    if wg_ok and (m >= WS_MIN_M or deep) and WS_MIN_N <= n <= WS_MAX_N:
         return "ws"
     if n >= ROWS_AUTO_N:
         return "rows"
@@ -180,7 +182,8 @@ WG_SMEM_OPTIN = 200 * 1024      # the most a forced plan may take (Hopper's opt-
 WG_STAGES = 4                   # ring depth (6 and 8 measured no faster on the H100)
 WG_MIN_M = 16384                # kernel_for: tall weights (this many rows or more) ...
 WG_DEEP_K = 8192                # ... and K-deep ones (this many columns or more)
-WS_MIN_N = 16                   # sp24_ws from this many tokens (sp24_wg below it, on tall and deep weights) ...
+WS_MIN_M = 12288                # sp24_ws on weights of this many rows or more (or K-deep ones) ...
+WS_MIN_N = 16                   # ... from this many tokens (sp24_wg below it, on tall and deep weights) ...
 WS_MAX_N = 256                  # ... up to this many (the widest measured)
 WS_STAGES_FEW, WS_STAGES_MANY = 6, 3   # sp24_ws's ring up to 32 tokens a tile, and from 64 (H100 sweep)
 WS_MIN_SPLIT_COLS = 40          # sp24_ws's K split leaves every split this many tile columns or more
@@ -194,13 +197,13 @@ def wg_tokens(n: int) -> int:
     return WG_NTS[-1]
 
 
-def ws_shape(m: int, nt: int) -> tuple[int, int, int]:
+def ws_shape(m: int, k: int, nt: int) -> tuple[int, int, int]:
     """(tile rows per warpgroup, consumer warpgroups, ring depth) of sp24_ws's default plan, from the H100
-    sweep (docs/kernels-notes.md "v18 outcome"): two warpgroups throughout; two tile rows each on tall
-    weights up to 32 tokens a tile, else one; a ring of 6 up to 32 tokens, 3 from 64 (deeper measured
-    slower there)."""
+    sweeps (docs/kernels-notes.md "v18 outcome"): two warpgroups on tall or K-deep weights, one elsewhere
+    (12288x4096: 1.21 against 1.14 at 16 tokens); two tile rows each on tall weights up to 32 tokens a
+    tile, else one; a ring of 6 up to 32 tokens, 3 from 64 (deeper measured slower there)."""
     r = 2 if m >= WG_MIN_M and nt <= 32 else 1
-    wg = 2 if m > 64 * r else 1
+    wg = 2 if (m >= WG_MIN_M or k >= WG_DEEP_K) and m > 64 * r else 1
     return r, wg, WS_STAGES_FEW if nt <= 32 else WS_STAGES_MANY
 
 
@@ -241,7 +244,7 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
     gm = -(-m // 64)
     chunks = -(-n // nt)
     if specialized:
-        r, wg, st = ws_shape(m, nt)
+        r, wg, st = ws_shape(m, gk * 64, nt)
         r, wg = strips_ or r, groups_ or wg
         if wg == 2 and r * nt >= 256:
             raise ValueError(f"this sp24_ws plan (tokens {nt}, tile rows {r} x {wg}) does not launch on the H100 "

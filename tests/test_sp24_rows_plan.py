@@ -59,7 +59,8 @@ def test_a_forced_plan_too_big_for_shared_memory_is_one_clear_error():
     (28672, 8192, 1, "wg"), (28672, 8192, 16, "wg"), (28672, 8192, 17, "ws"), (28672, 8192, 256, "ws"),
     (28672, 8192, 512, "rows"),
     (8192, 28672, 8, "rows"), (8192, 28672, 16, "ws"), (8192, 28672, 128, "ws"), (4096, 11008, 64, "ws"),
-    (4096, 4096, 16, "warps"), (4096, 4096, 64, "rows"), (12288, 4096, 64, "rows"),
+    (4096, 4096, 16, "warps"), (4096, 4096, 64, "rows"), (12288, 4096, 8, "rows"), (12288, 4096, 64, "ws"),
+    (8192, 4096, 64, "rows"),
 ])
 def test_auto_takes_the_warpgroup_kernels_only_where_they_measured_faster(m, k, n, kernel):
     assert sp24_plan.kernel_for(m, k, n, wg_ok=True) == kernel
@@ -88,13 +89,14 @@ def test_a_forced_wg_plan_too_big_is_one_clear_error():
 @pytest.mark.parametrize("m,gk,n,splits", [
     (22016, 64, 32, 1), (22016, 64, 64, 1), (22016, 64, 128, 1), (28672, 128, 100, 1),   # tall: no K split
     (8192, 448, 16, 2), (8192, 448, 64, 4), (4096, 172, 32, 4), (4096, 172, 64, 4),     # the H100 sweep's picks
-    (64, 4, 9, 1), (200, 3, 300, 1),
+    (12288, 64, 32, 1), (64, 4, 9, 1), (200, 3, 300, 1),
 ])
 def test_every_ws_plan_fits_covers_n_and_splits_as_measured(m, gk, n, splits):
     from sparsekit.kernels.sp24_ws import smem_bytes
 
     p, r, wg, ks = sp24_plan.wg_plan(m, gk, n, specialized=True)
     assert ks == 1 and p.r == r * wg and p.ks == splits
+    assert wg == (2 if (m >= 16384 or gk * 64 >= 8192) and m > 64 * r else 1)   # one warpgroup on 12288x4096
     assert p.dyn == smem_bytes(p.nt, p.stages, r, wg) <= sp24_plan.WG_SMEM_MAX
     assert not (wg == 2 and r * p.nt >= 256)                     # the plan that does not launch
     assert (p.chunks - 1) * p.nt < n <= p.chunks * p.nt
