@@ -10,6 +10,10 @@ offset is the step along N, D in ``mma``'s per-warp C layout for each 8-token bl
   ``desc1``) accumulating into ``acc`` (N / 2 fp32 per thread; N from the tuple's length). The products
   run asynchronously: ``acc`` may only feed another ``wg_mma2`` until a ``wg_wait*`` returns it.
   (``scr``, ``tid``: the simulator twin's exchange; unused here.)
+- ``wg_mmad(scr, tid, a, desc0, desc1, desc2, desc3, acc)``: ``wgmma.fence``, then four dense
+  ``wgmma.mma_async`` m64nNk16 (A registers ``a[4q:4q+4]``, ``mma.sync.m16n8k16``'s per-warp A fragment of
+  the 16 columns ``16q ..``, B at ``desc_q``): one 64x64 dense tile against 64 K of B. Not yet probed
+  on a GPU on its own: the kernels' float64 checks are its test.
 - ``lds_a8(d64, addr)``: the 8 A registers of a staged strip, 16 bytes at ``addr`` and 16 at ``addr +
   512``, as two ``ld.shared.v4.u32`` straight into 32-bit registers (no 64-bit halves to split: ptxas
   turned those into register copies that mixed up the A operands of the second tile column's products).
@@ -31,7 +35,7 @@ from numba.cuda.extending import intrinsic
 from ._intrinsics_ptx import _asm_stmt, _asm_tuple
 from .compat_numba import cuda_typing
 
-__all__ = ["lds_a8", "wg_commit", "wg_hold", "wg_mma2", "wg_wait0"]
+__all__ = ["lds_a8", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0"]
 
 types, _ = cuda_typing()
 _i32, _i64, _f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -61,6 +65,35 @@ def _wg_mma2(typingctx, a, m0, m1, desc0, desc1, acc):
     def codegen(context, builder, sig, args):
         fnty = ir.FunctionType(ir.LiteralStructType([_f32] * r), [_i32] * 10 + [_i64] * 2 + [_f32] * r)
         ins = [builder.extract_value(args[0], i) for i in range(8)] + list(args[1:5]) + \
+            [builder.extract_value(args[5], i) for i in range(r)]
+        res = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True), ins)
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(r)])
+
+    return sig, codegen
+
+
+def _mmad_asm(n: int) -> tuple[str, str]:
+    r = n // 2
+    d = ",".join(f"${i}" for i in range(r))
+    op = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16"
+    lines = ["{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.fence.sync.aligned;\n"]
+    for q in range(4):
+        a = ",".join(f"${r + 4 * q + i}" for i in range(4))
+        lines.append(f"{op} {{{d}}}, {{{a}}}, ${r + 16 + q}, p, 1, 1, 0;\n")
+    cons = ",".join(["=f"] * r + ["r"] * 16 + ["l"] * 4 + [str(i) for i in range(r)] + ["~{memory}"])
+    return "".join(lines) + "}", cons
+
+
+@intrinsic
+def _wg_mmad(typingctx, a, desc0, desc1, desc2, desc3, acc):
+    r = acc.count
+    text, cons = _mmad_asm(2 * r)
+    u, f, d = types.uint32, types.float32, types.uint64
+    sig = types.UniTuple(f, r)(types.UniTuple(u, 16), d, d, d, d, types.UniTuple(f, r))
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.LiteralStructType([_f32] * r), [_i32] * 16 + [_i64] * 4 + [_f32] * r)
+        ins = [builder.extract_value(args[0], i) for i in range(16)] + list(args[1:5]) + \
             [builder.extract_value(args[5], i) for i in range(r)]
         res = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True), ins)
         return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(r)])
@@ -99,6 +132,11 @@ def lds_a8(d64, addr):
 @cuda.jit(device=True, inline=True)
 def wg_mma2(scr, tid, a, m0, m1, desc0, desc1, acc):
     return _wg_mma2(a, m0, m1, desc0, desc1, acc)
+
+
+@cuda.jit(device=True, inline=True)
+def wg_mmad(scr, tid, a, desc0, desc1, desc2, desc3, acc):
+    return _wg_mmad(a, desc0, desc1, desc2, desc3, acc)
 
 
 wg_commit = _asm_stmt("wgmma.commit_group.sync.aligned;")

@@ -13,12 +13,14 @@ import numpy as np
 
 import threading
 
-from ._sp_intrinsics_sim import _a_sp
+from ._sp_intrinsics_sim import _a_dense, _a_sp
 from .compat_numba import sim_kernel
 
-__all__ = ["lds_a8", "wg_commit", "wg_hold", "wg_mma2", "wg_wait0"]
+__all__ = ["lds_a8", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0"]
 
-_W = 10   # scratch words per thread: 8 A registers, 2 metadata words
+_W = 16   # scratch words per thread: 8 A registers and 2 metadata words (wg_mma2) or 16 A registers
+          # (wg_mmad); one stride for both, as two warpgroups of a block may run one of each at once
+_WD = _W
 _BARRIERS: dict = {}
 _LOCK = threading.Lock()
 
@@ -81,6 +83,35 @@ def wg_mma2(scr, tid, a, m0, m1, desc0, desc1, acc):
                 av = _a_sp(reg, row, k)
                 if av:
                     s += av * b(k, col)
+            out[e] = float(np.float32(out[e]) + np.float32(s))
+    _wg_sync(scr, tid)
+    return tuple(np.float32(v) for v in out)
+
+
+def wg_mmad(scr, tid, a, desc0, desc1, desc2, desc3, acc):
+    """acc += A[:, 16q:16q+16] B_q over q = 0..3, A dense in ``mma.sync.m16n8k16``'s per-warp fragment
+    (registers 4q .. 4q+3: columns 16q ..), B_q read through ``desc_q``."""
+    tid = int(tid)
+    _wg_sync(scr, tid)
+    for j in range(16):
+        scr[tid * _WD + j] = int(a[j]) & 0xFFFFFFFF
+    _wg_sync(scr, tid)
+    wbase = tid & ~31
+    lane = tid & 31
+    g, t = lane >> 2, lane & 3
+    out = [float(v) for v in acc]
+    for q, desc in enumerate((desc0, desc1, desc2, desc3)):
+        b = _b_reader(int(desc))
+
+        def reg(ln, j, q=q):
+            return int(scr[(wbase + ln) * _WD + 4 * q + j])
+
+        for e in range(len(out)):
+            jb, oi = e >> 2, e & 3
+            row, col = g + 8 * (oi >> 1), 8 * jb + 2 * t + (oi & 1)
+            s = 0.0
+            for k in range(16):
+                s += _a_dense(reg, row, k) * b(k, col)
             out[e] = float(np.float32(out[e]) + np.float32(s))
     _wg_sync(scr, tid)
     return tuple(np.float32(v) for v in out)

@@ -28,6 +28,11 @@ _VIEW_CACHE_MAX = 4096
 _cc: dict = {}
 _unusable: set = set()   # kernel cache files that could not be loaded (rewritten after numba compiles)
 
+# dynamic shared memory from which a launch opts the kernel in first: 48 KB, less a margin for the
+# kernel's static shared arrays (dynamic + static may not pass 48 KB without the opt-in; sp24_ws's hybrid
+# ring of exactly 48 KB failed with CUDA_ERROR_INVALID_VALUE on an H100)
+OPTIN_FROM = 48 * 1024 - 1024
+
 
 def _as_numba(t: torch.Tensor):
     """A numba device array over ``t``'s memory (no copy, no stream sync)."""
@@ -118,7 +123,7 @@ def _allow_smem(kern, args, dyn: int) -> bool:
     """Let the kernel take up to WARP_SMEM_MAX (or ``dyn``, if more: a sp24_wg variant's fixed ring) of
     dynamic shared memory, past the default 48 KB."""
     global _SMEM_OPTIN_OK
-    if dyn <= 48 * 1024 or id(kern) in _optin_done:
+    if dyn <= OPTIN_FROM or id(kern) in _optin_done:
         return True
     if compat_numba.opt_in_smem(kern, args, max(plan.WARP_SMEM_MAX, dyn)):
         _optin_done.add(id(kern))
@@ -155,7 +160,7 @@ def _disk_kernel(kern, args, device: torch.device, dyn: int = 0):
         _unusable.add(stem)
         kcache.note(f"kernel cache file {stem} could not be used ({type(e).__name__}: {e}); compiling it again")
         return None
-    if dyn > 48 * 1024 and id(kern) not in _optin_done:
+    if dyn > OPTIN_FROM and id(kern) not in _optin_done:
         if not compat_numba.set_max_dyn_smem(ck, max(plan.WARP_SMEM_MAX, dyn), device.index):
             return None
         _optin_done.add(id(kern))
@@ -201,7 +206,7 @@ def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int =
         compat_numba.launch_direct(ck, blocks, threads, dyn, _stream(device), flat, scalars)
         return
     args = tuple(_as_numba(t) for t in tensors) + tuple(scalars)
-    if dyn > 48 * 1024 and not _allow_smem(kern, args, dyn):
+    if dyn > OPTIN_FROM and not _allow_smem(kern, args, dyn):
         raise RuntimeError(f"this numba cannot let a kernel take {dyn} bytes of shared memory (48 KB without opt-in)")
     kern[blocks, threads, _stream(device), dyn](*args)
     if fkey not in _fast:
@@ -231,7 +236,7 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, reg
         if ck is not None:
             _fast[fkey] = ck
     # (a block past 48 KB of shared memory needs the kernel's opt-in first: numba's launch path does it)
-    if not SIM and wflat and _fast.get(fkey) is not None and (dyn <= 48 * 1024 or id(kern) in _optin_done):
+    if not SIM and wflat and _fast.get(fkey) is not None and (dyn <= OPTIN_FROM or id(kern) in _optin_done):
         xs, ys = x.numel() // 4, y.numel()     # x as int64 words, y as int16
         compat_numba.launch_direct(
             _fast[fkey], blocks, 32 * nw, dyn, _stream(x.device),

@@ -44,7 +44,7 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
     kp = gk * 64
     x = padded(x, kp)
     if kernel == "auto":
-        kernel = sp24_plan.kernel_for(m, k, n, not SIM and layout.dense.numel() == 0 and launch.hopper(x.device))
+        kernel = sp24_plan.kernel_for(m, k, n, not SIM and launch.hopper(x.device), layout.dense.numel() > 0)
     if kernel == "rows":
         _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips)
         return out
@@ -79,23 +79,24 @@ def _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, s
 
 def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups, kstep,
                specialized: bool = False) -> None:
-    """sp24_wg, or with ``specialized`` sp24_ws (its X as core-matrix slabs, one producer warp more)."""
+    """sp24_wg, or with ``specialized`` sp24_ws (its X as core-matrix slabs, one producer warp more; dense
+    tiles too)."""
     from . import sp24_wg, sp24_ws
 
-    kind = "ws" if specialized else "wg"
-    if layout.dense.numel():
-        raise ValueError(f"the warpgroup 2:4 kernels (kernel='{kind}') take weights whose tiles are all 2:4; this one "
-                         "has dense tiles (kernel='rows' takes them)")
+    hybrid = layout.dense.numel() > 0
+    if hybrid and not specialized:
+        raise ValueError("the warpgroup 2:4 kernel (kernel='wg') takes weights whose tiles are all 2:4; this one "
+                         "has dense tiles (kernel='ws' or 'rows' takes them)")
     p, r, wg, ks = sp24_plan.wg_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, strips, groups,
-                                     kstep, specialized=specialized)
+                                     kstep, specialized=specialized, hybrid=hybrid)
     ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
     y = out.reshape(-1).view(torch.int16)
-    # no tile map: every tile is 2:4, so tile t is slot t of ``sp``
-    if specialized:
-        tensors = (layout.sp.view(torch.int64), sp24_ws.x_slabs(x, p.nt), y, ws, cnt)
-        kern, threads = sp24_ws.get_kernel(p.nt, p.stages, r, wg), 32 * (4 * wg + 1)
+    if specialized:   # all 2:4: tile t is slot t of ``sp`` (the map is read only where tiles may be dense)
+        tensors = (_nonempty(layout.sp).view(torch.int64), _nonempty(layout.dense).view(torch.int64), layout.tiles,
+                   sp24_ws.x_slabs(x, p.nt), y, ws, cnt)
+        kern, threads = sp24_ws.get_kernel(p.nt, p.stages, r, wg, hybrid), 32 * (4 * wg + 1)
         scalars = (m, n, gk, p.chunks, p.per)
-    else:
+    else:             # every tile is 2:4: tile t is slot t of ``sp``, no map
         tensors = (layout.sp, x.reshape(-1).view(torch.int32), y, ws, cnt)
         kern, threads = sp24_wg.get_kernel(p.nt, p.stages, r, wg, ks), 128 * wg
         scalars = (m, n, gk, kp // 2, p.chunks, p.per)

@@ -86,31 +86,35 @@ def rows_smem_bytes(nt: int, stages: int, r: int = 1, aslot: int = 2048) -> int:
     return max(stages * stage_bytes(nt, r, aslot), nt * 64 * r * 4)
 
 
-def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False) -> str:
+def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = False) -> str:
     """The 2:4 kernel ``sp24_matmul(kernel="auto")`` runs for ``[n, k] @ [m, k]^T``: "rows" (sp24_rows) for
     weights of more than ROWS_MIN_WEIGHTS and from ROWS_AUTO_N tokens on, else "warps" (sp24_kernel).
     From the H200 sweep after v14's B-fragment batching (docs/kernels-notes.md "v14"): rows won at every
     N on 22016x4096, 8192x28672 and 4096x11008 (with the split rule above); on 4096x4096 warps won by
     5-10% at 8-32 tokens, rows from 64 on.
 
-    ``wg_ok`` (a Hopper GPU and a weight whose tiles are all 2:4), from the H100 runs of
-    docs/kernels-notes.md "v17" and "v18 outcome" (x cuBLAS, ``gpu_sp24 --bench-only``, each kernel's own
-    plan):
+    ``wg_ok`` (a Hopper GPU; ``hybrid``: the weight has dense tiles too), from the H100 runs of
+    docs/kernels-notes.md "v17" and "v18 outcome" (x cuBLAS, timed by ``scripts/checks/gpu_sp24.py``,
+    each kernel's own plan):
     - "wg" (sp24_wg) on weights both tall (WG_MIN_M rows or more) and K-deep (WG_DEEP_K columns or more)
       up to WS_MIN_N tokens: 28672x8192 1.66 / 1.58 at 1 / 16 against sp24_ws's 1.54 / 1.52.
-    - "ws" (sp24_ws, warp-specialized) on weights of WS_MIN_M rows or more, or K-deep ones, from WS_MIN_N to WS_MAX_N tokens, where
-      it beat rows and wg at every measured count but 16 tokens on 4096x11008 (1.17 against 1.20):
+    - "ws" (sp24_ws, warp-specialized) on weights of WS_MIN_M rows or more, or K-deep ones, from WS_MIN_N
+      to WS_MAX_N tokens, where it beat rows and wg at every measured count but 16 tokens on 4096x11008
+      (1.17 against 1.20):
       22016x4096 1.43 / 1.33 / 1.13 / 0.66 / 0.47 at 16 / 32 / 64 / 128 / 256 against rows' 1.37 / 1.17 /
       0.90 / 0.67 / 0.35; 28672x8192 1.45 / 1.40 / 0.86 / 0.52 at 32 / 64 / 128 / 256 against wg's 1.48 /
       1.20 / 0.79 / 0.46; 8192x28672 1.55 / 1.48 / 1.24 / 0.73 at 16 / 32 / 64 / 128 against rows' 1.47 /
       1.36 / 0.97 / 0.58; 12288x4096 (WS_MIN_M rows) 1.21 / 1.23 / 0.85 / 0.67 at 16 / 32 / 64 / 128
       against 1.16 / 1.07 / 0.78 / 0.47. Not on 4096x4096, where it lost up to 32 tokens (0.93 against
       rows' 0.99 at 16).
-    - Below WS_MIN_N tokens elsewhere, rows (22016x4096 1.59 at one token against wg's 1.50)."""
+    - Below WS_MIN_N tokens elsewhere, rows (22016x4096 1.59 at one token against wg's 1.50).
+    - Weights with dense tiles: rows. sp24_ws takes them (``kernel="ws"``) but measured slower: 22016x4096
+      at 35% (hybrid) 1.05 / 1.08 / 0.67 / 0.77 at 1 / 16 / 32 / 64 tokens against rows' 1.32 / 1.24 /
+      1.06 / 0.78."""
     tall, deep = m >= WG_MIN_M, k >= WG_DEEP_K
-    if wg_ok and tall and deep and n <= WS_MIN_N:
+    if wg_ok and not hybrid and tall and deep and n <= WS_MIN_N:
         return "wg"
-    if wg_ok and (m >= WS_MIN_M or deep) and WS_MIN_N <= n <= WS_MAX_N:
+    if wg_ok and not hybrid and (m >= WS_MIN_M or deep) and WS_MIN_N <= n <= WS_MAX_N:
         return "ws"
     if n >= ROWS_AUTO_N:
         return "rows"
@@ -219,7 +223,7 @@ def ws_splits(blocks: int, gk: int, sms: int, nt: int) -> tuple[int, int]:
 
 def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None, splits_: int | None = None,
             stages_: int | None = None, strips_: int | None = None, groups_: int | None = None,
-            kstep_: int | None = None, specialized: bool = False):
+            kstep_: int | None = None, specialized: bool = False, hybrid: bool = False):
     """``(RowsPlan, R, WG, KS)`` of one sp24_wg launch: the plan's ``r`` counts the block's tile rows (R x WG);
     KS tile columns per step. On tall weights (WG_MIN_M rows or more) two warpgroups of two tile rows each
     (256 rows share one X slice) and whole tiles (no K split), which the H100 sweep found fastest on
@@ -227,7 +231,8 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
     costs more); elsewhere one tile row per warpgroup, two warpgroups from 64 tokens on, and the K split
     of ``rows_splits``. The ring: WG_STAGES deep, shallower where WG_SMEM_MAX needs it. ``specialized``:
     sp24_ws's plan (its ring holds whole tiles and one X slab per stage; no ``kstep``): the shape of
-    ``ws_shape`` and, on weights that are not tall, the K split of ``ws_splits``."""
+    ``ws_shape`` and, on weights that are not tall, the K split of ``ws_splits``; ``hybrid`` (dense tiles
+    too): one tile row per warpgroup, tile slots of a dense tile's size."""
     from . import sp24_wg, sp24_ws
 
     if specialized:
@@ -235,7 +240,7 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
             raise ValueError("the warp-specialized kernel takes one tile column per step (kstep=1)")
 
         def smem_bytes(nt, st, r, wg, ks):
-            return sp24_ws.smem_bytes(nt, st, r, wg)
+            return sp24_ws.smem_bytes(nt, st, r, wg, hybrid)
     else:
         smem_bytes = sp24_wg.smem_bytes
 
@@ -245,7 +250,10 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
     chunks = -(-n // nt)
     if specialized:
         r, wg, st = ws_shape(m, gk * 64, nt)
-        r, wg = strips_ or r, groups_ or wg
+        r, wg = strips_ or (1 if hybrid else r), groups_ or wg
+        if hybrid and r != 1:
+            raise ValueError("the warp-specialized kernel takes weights with dense tiles one tile row per "
+                             "warpgroup (strips=1)")
         if wg == 2 and r * nt >= 256:
             raise ValueError(f"this sp24_ws plan (tokens {nt}, tile rows {r} x {wg}) does not launch on the H100 "
                              "(out of resources, though its 185 registers x 288 threads fit): one tile row or "

@@ -49,6 +49,17 @@ def _device(fn):
     return fn if SIM else cuda.jit(device=True, inline="always")(fn)
 
 
+_DESC = np.uint64(descriptor(K_STEP, N_STEP))
+_AMASK = np.uint64(0x3FFFF)
+_FOUR = np.uint64(4)
+
+
+@_device
+def x_desc(addr):
+    """The descriptor of the staged X slice (or its K part) at shared byte address ``addr``."""
+    return _DESC | ((np.uint64(addr) & _AMASK) >> _FOUR)
+
+
 def make_tile_ops(NT: int, R: int, WG: int):
     """``(piece, strip_offsets, operands, products, acc_store)``, the pieces sp24_wg and sp24_ws share:
 
@@ -59,13 +70,7 @@ def make_tile_ops(NT: int, R: int, WG: int):
     - ``acc_store(df, acc0, acc1, wg, wwarp, g, t)``: the warp's accumulators of its ``R`` tile rows into
       the block's fp32 tile ``[NT, 64 R WG]``."""
     ROWS = 64 * R * WG
-    DESC = np.uint64(descriptor(K_STEP, N_STEP))
-    AMASK = np.uint64(0x3FFFF)
-    FOUR = np.uint64(4)
-
-    @_device
-    def desc(addr):
-        return DESC | ((np.uint64(addr) & AMASK) >> FOUR)
+    desc = x_desc
 
     @_device
     def operands(d64, d32, so, aoff, moff, moff1):

@@ -1,6 +1,6 @@
-"""The warp-specialized warpgroup kernel for 2:4 weights (issue 22, docs/kernels-notes.md "v18"): sp24_wg's
-products with no block-wide barrier in the step. **Opt-in** (``sp24_matmul(kernel="ws")``) until a GPU
-session has checked and timed it; written and checked in the simulator only.
+"""The warp-specialized warpgroup kernel for 2:4 and hybrid weights (issue 22, docs/kernels-notes.md "v18"
+and its outcome): sp24_wg's products with no block-wide barrier in the step. ``kernel="auto"`` takes it on
+Hopper where it measured fastest (``sp24_plan.kernel_for``).
 
 - **Warps**: ``WG`` consumer warpgroups (warps 0 .. 4WG-1, each aligned on four warps as the warpgroup MMA
   needs) and one producer warp (the last).
@@ -8,11 +8,14 @@ session has checked and timed it; written and checked in the simulator only.
   it (its "empty" mbarrier), two kinds of Hopper bulk copies completing on the stage's "full" mbarrier:
   the X slab of this token chunk and tile column (``NT`` x 128 bytes, rewritten on the host into 8x8 core
   matrices, ``x_slabs``) and each tile of the block's ``R`` x ``WG`` tile rows (4608 contiguous bytes:
-  every tile is 2:4, so tile t is slot t of the layout).
+  every tile is 2:4, so tile t is slot t of the layout). **Hybrid** weights (``hybrid``, one tile row per
+  warpgroup): the tile map gives each tile's kind and slot, a dense tile is one 8192-byte copy, and the
+  producer writes the kinds into shared memory before the stage's "full" arrival publishes them.
 - **Consumers**: wait "full", retire their previous products (``wgmma.wait_group 0``: the A registers of
   a product in flight must not be overwritten, docs/kernels-notes.md "v17"), release the previous stage
   (one arrival per warp on its "empty"), load A and both metadata words from the stage, issue one
-  ``wg_mma2`` per tile row (two m64nNk32 products) and commit.
+  ``wg_mma2`` per tile row (two m64nNk32 products) and commit; a dense tile: its 16 A registers, one
+  ``wg_mmad`` (four dense m64nNk16 products).
 - **End** (``block.make_tile_end``, all warps): the fp32 tile ``[NT, 64 R WG]`` through shared memory, fp16
   out or a K split's partial summed by the last block to arrive.
 """
@@ -25,11 +28,14 @@ from numba import cuda
 from . import kcache
 from ._intrinsics import SCRATCH_WORDS, SIM, bulk_copy, mbar_arrive, mbar_expect, mbar_init, mbar_wait
 from ._warp_intrinsics import byte_addr
-from ._wg_intrinsics import wg_commit, wg_hold, wg_wait0
+from ._wg_intrinsics import lds_a8, wg_commit, wg_hold, wg_mmad, wg_wait0
 from .block import dynamic_smem, make_tile_end, split_sharers, step_col, thread_ids
-from .sp24_wg import NTS, SLOT, make_tile_ops
+from .sp24_wg import NTS, SLOT, make_tile_ops, x_desc
+from sparsekit.packed.sp24 import DENSE_STRIP_WORDS, DENSE_TILE_WORDS
 
 TILE_BYTES = 4 * SLOT            # one 2:4 tile: four strips of values and metadata
+DENSE_BYTES = 4 * DENSE_TILE_WORDS   # one dense tile of a hybrid weight: four strips of A fragments
+DENSE_STRIP = 4 * DENSE_STRIP_WORDS
 _KERNELS: dict = {}
 
 
@@ -46,13 +52,14 @@ def x_slabs(x: torch.Tensor, nt: int) -> torch.Tensor:
     return v.permute(0, 3, 1, 4, 2, 5).contiguous().reshape(-1).view(torch.int64)
 
 
-def stage_bytes(nt: int, r: int, wg: int) -> int:
-    return nt * 128 + wg * r * TILE_BYTES
+def stage_bytes(nt: int, r: int, wg: int, hybrid: bool = False) -> int:
+    """One stage: the X slab, then a tile slot per tile row (a dense tile's size where tiles may be dense)."""
+    return nt * 128 + wg * r * (DENSE_BYTES if hybrid else TILE_BYTES)
 
 
-def smem_bytes(nt: int, stages: int, r: int, wg: int) -> int:
+def smem_bytes(nt: int, stages: int, r: int, wg: int, hybrid: bool = False) -> int:
     """Dynamic shared bytes: the ring, reused for the block's fp32 tile at the end."""
-    return max(stages * stage_bytes(nt, r, wg), nt * 64 * r * wg * 4)
+    return max(stages * stage_bytes(nt, r, wg, hybrid), nt * 64 * r * wg * 4)
 
 
 def max_registers(nt: int, r: int, wg: int) -> int:
@@ -62,22 +69,26 @@ def max_registers(nt: int, r: int, wg: int) -> int:
     return min(want, (65536 // (32 * (4 * wg + 1))) & ~7)
 
 
-def get_kernel(nt: int, stages: int, r: int = 2, wg: int = 2):
+def get_kernel(nt: int, stages: int, r: int = 2, wg: int = 2, hybrid: bool = False):
     """Kernel for ``nt`` tokens per output tile (8 .. 128), a ring of ``stages`` (2-8), ``r`` tile rows
-    per warpgroup (1, 2) and ``wg`` consumer warpgroups (1, 2)."""
-    key = (nt, stages, r, wg)
+    per warpgroup (1, 2) and ``wg`` consumer warpgroups (1, 2). ``hybrid``: tiles may be dense too (one
+    tile row per warpgroup)."""
+    key = (nt, stages, r, wg, hybrid)
     if key not in _KERNELS:
-        _KERNELS[key] = kcache.tag(_build(nt, stages, r, wg), "sp24_ws", key)
+        _KERNELS[key] = kcache.tag(_build(nt, stages, r, wg, hybrid), "sp24_ws", key)
     return _KERNELS[key]
 
 
-def _build(NT: int, STAGES: int, R: int, WG: int):
-    assert NT in NTS and 2 <= STAGES <= 8 and R in (1, 2) and WG in (1, 2)
+def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False):
+    assert NT in NTS and 2 <= STAGES <= 8 and R in (1, 2) and WG in (1, 2) and not (HY and R != 1)
     CW = 4 * WG                           # consumer warps; the producer is warp CW
     THREADS = 32 * (CW + 1)
     NACC = NT // 2
     XBYTES = NT * 128
-    STAGE = stage_bytes(NT, R, WG)
+    STAGE = stage_bytes(NT, R, WG, HY)
+    TB = DENSE_BYTES if HY else TILE_BYTES    # a tile slot of the stage
+    RW = R * WG
+    NKINDS = STAGES * RW                  # the tile kinds of every stage (hybrid)
     ROWS = 64 * R * WG
     TILE = NT * ROWS
     tile_end = make_tile_end(TILE, ROWS, THREADS)
@@ -86,28 +97,46 @@ def _build(NT: int, STAGES: int, R: int, WG: int):
     u32 = np.uint32
 
     @cuda.jit(device=True, inline="always")
-    def produce(d64, sp, xs, full, empty, chunk, tr0, nr, rot, nst, k0, GK):
-        """Lane 0 of the producer warp: every step's bulk copies, each stage once the consumers freed it."""
+    def produce(d64, sp, dn, tiles, xs, kinds, full, empty, chunk, tr0, nr, rot, nst, k0, GK):
+        """Lane 0 of the producer warp: every step's bulk copies, each stage once the consumers freed it.
+        Hybrid: each tile's kind goes into ``kinds`` before the stage's "full" arrival publishes it."""
         for i in range(nst):
             s = i % STAGES
             if i >= STAGES:
                 mbar_wait(empty, s, ((i // STAGES) - 1) & 1)
             gk = step_col(i, rot, nst, k0)
             w0 = (s * STAGE) >> 3                  # the stage, in 8-byte words of the dynamic array
-            mbar_expect(full, s, XBYTES + nr * TILE_BYTES)
+            if HY:
+                nbytes = XBYTES
+                for r in range(RW):
+                    if r < nr:
+                        code = tiles[(tr0 + r) * GK + gk]
+                        kinds[s * RW + r] = code & 1
+                        nbytes += TILE_BYTES if code & 1 else DENSE_BYTES
+                mbar_expect(full, s, nbytes)
+            else:
+                mbar_expect(full, s, XBYTES + nr * TILE_BYTES)
             bulk_copy(d64, w0, xs, (chunk * GK + gk) * (XBYTES >> 3), XBYTES, full, s)
-            for r in range(R * WG):
+            for r in range(RW):
                 if r < nr:
-                    bulk_copy(d64, w0 + ((XBYTES + r * TILE_BYTES) >> 3), sp, ((tr0 + r) * GK + gk) * (TILE_BYTES >> 3),
-                              TILE_BYTES, full, s)
+                    dst = w0 + ((XBYTES + r * TB) >> 3)
+                    if HY:
+                        code = tiles[(tr0 + r) * GK + gk]
+                        if code & 1:
+                            bulk_copy(d64, dst, sp, (code >> 1) * (TILE_BYTES >> 3), TILE_BYTES, full, s)
+                        else:
+                            bulk_copy(d64, dst, dn, (code >> 1) * (DENSE_BYTES >> 3), DENSE_BYTES, full, s)
+                    else:
+                        bulk_copy(d64, dst, sp, ((tr0 + r) * GK + gk) * (TILE_BYTES >> 3), TILE_BYTES, full, s)
 
     @cuda.jit(**({} if SIM else {"max_registers": max_registers(NT, R, WG)}))
-    def kernel(sp, xs, y, ws, cnt, M, N, GK, nch, PER):
+    def kernel(sp, dn, tiles, xs, y, ws, cnt, M, N, GK, nch, PER):
         d64, d32, df = dynamic_smem()
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
         flag = cuda.shared.array(1, np.int32)
         full = cuda.shared.array(STAGES, np.uint64)
         empty = cuda.shared.array(STAGES, np.uint64)
+        kinds = cuda.shared.array(NKINDS, np.int32)
         tid, warp, lane, g, t, _ = thread_ids()
         wg = warp >> 2
         wwarp = warp & 3
@@ -124,9 +153,11 @@ def _build(NT: int, STAGES: int, R: int, WG: int):
         acc1 = ZERO
         if warp == CW:
             if lane == 0:
-                produce(d64, sp, xs, full, empty, chunk, tr0, nr, rot, nst, k0, GK)
+                produce(d64, sp, dn, tiles, xs, kinds, full, empty, chunk, tr0, nr, rot, nst, k0, GK)
         else:
-            aoff, moff, moff1 = strip_offsets(XBYTES, wg, wwarp, lane)
+            # hybrid (R = 1): warpgroup wg's tile sits at slot wg, 2:4 strips SLOT apart, dense ones DENSE_STRIP
+            aoff, moff, moff1 = strip_offsets(XBYTES + (wg * (TB - 4 * SLOT) if HY else 0), wg, wwarp, lane)
+            doff = u32(XBYTES + wg * TB + wwarp * DENSE_STRIP + lane * 16)
             for i in range(nst):
                 s = i % STAGES
                 mbar_wait(full, s, (i // STAGES) & 1)       # step i's copies have landed
@@ -136,11 +167,16 @@ def _build(NT: int, STAGES: int, R: int, WG: int):
                 if i > 0 and lane == 0:
                     mbar_arrive(empty, (i - 1) % STAGES)     # ... so its stage may be refilled
                 sb = ring + u32(s * STAGE)
-                a0, m0, m0b = operands(d64, d32, sb, aoff, moff, moff1)
-                a1, m1, m1b = a0, m0, m0b
-                if R == 2:
-                    a1, m1, m1b = operands(d64, d32, sb + u32(4 * SLOT), aoff, moff, moff1)
-                acc0, acc1 = products(scr, tid, sb, a0, m0, m0b, a1, m1, m1b, acc0, acc1)
+                if HY and kinds[s * RW + wg] == 0:           # a dense tile: four m64nNk16 products
+                    da = lds_a8(d64, sb + doff) + lds_a8(d64, sb + doff + u32(1024))
+                    acc0 = wg_mmad(scr, tid, da, x_desc(sb), x_desc(sb + u32(256)), x_desc(sb + u32(512)),
+                                   x_desc(sb + u32(768)), acc0)
+                else:
+                    a0, m0, m0b = operands(d64, d32, sb, aoff, moff, moff1)
+                    a1, m1, m1b = a0, m0, m0b
+                    if R == 2:
+                        a1, m1, m1b = operands(d64, d32, sb + u32(4 * SLOT), aoff, moff, moff1)
+                    acc0, acc1 = products(scr, tid, sb, a0, m0, m0b, a1, m1, m1b, acc0, acc1)
                 wg_commit()
             acc0 = wg_wait0(acc0)
             if R == 2:

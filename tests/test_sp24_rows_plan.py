@@ -64,7 +64,8 @@ def test_a_forced_plan_too_big_for_shared_memory_is_one_clear_error():
 ])
 def test_auto_takes_the_warpgroup_kernels_only_where_they_measured_faster(m, k, n, kernel):
     assert sp24_plan.kernel_for(m, k, n, wg_ok=True) == kernel
-    assert sp24_plan.kernel_for(m, k, n, wg_ok=False) not in ("wg", "ws")   # not Hopper, or a dense tile: never
+    assert sp24_plan.kernel_for(m, k, n, wg_ok=False) not in ("wg", "ws")   # not Hopper: never
+    assert sp24_plan.kernel_for(m, k, n, wg_ok=True, hybrid=True) not in ("wg", "ws")   # dense tiles: rows won
 
 
 @pytest.mark.parametrize("m", [64, 4096, 22016])

@@ -157,12 +157,44 @@ def test_wg_kernels_catch_a_planted_metadata_bug(kernel):
     assert _rel_err(_swapped_metadata(lay), w, x, kernel=kernel, **kw) > 0.1
 
 
-@pytest.mark.parametrize("kernel", ["wg", "ws"])
-def test_wg_kernels_refuse_dense_tiles(kernel):
+def test_wg_kernel_refuses_dense_tiles():
     g = torch.Generator().manual_seed(14)
     lay = sp24.transcode(_weight(64, 128, "halves", g))
     with pytest.raises(ValueError, match="all 2:4"):
-        sp24_matmul(torch.zeros(2, 128, dtype=torch.float16, device=DEV), lay.to(DEV), kernel=kernel)
+        sp24_matmul(torch.zeros(2, 128, dtype=torch.float16, device=DEV), lay.to(DEV), kernel="wg")
+    with pytest.raises(ValueError, match="one tile row per warpgroup"):
+        sp24_matmul(torch.zeros(2, 128, dtype=torch.float16, device=DEV), lay.to(DEV), kernel="ws", strips=2)
+
+
+@pytest.mark.parametrize("m,k,n,kind,tuning", [
+    (64, 192, 3, "halves", dict(groups=1)),                     # tile column 0 dense: the kinds change per step
+    (128, 192, 9, "halves", dict(groups=2, tokens=8, stages=2)),  # two warpgroups; a 2-stage ring refilled
+    (192, 256, 17, "hybrid", dict(groups=2, splits=2)),         # a random mosaic (3 tile rows: the last block's
+                                                                # second warpgroup past the weight); split-K + fixup
+    (64, 128, 20, "dense", dict(groups=1, tokens=8)),           # every tile dense; three 8-token chunks
+])
+def test_ws_kernel_takes_hybrid_weights(m, k, n, kind, tuning):
+    """sp24_ws on weights with dense tiles: the producer reads the tile map and publishes each tile's kind,
+    the consumers run a dense tile as four m64nNk16 products (``wg_mmad``). Twice each (split-K counters)."""
+    g = torch.Generator().manual_seed(m + 7 * n)
+    w = _weight(m, k, kind, g)
+    x = torch.randn(n, k, generator=g).half()
+    lay = sp24.transcode(w)
+    assert lay.dense.numel()
+    for _ in range(2):
+        assert _rel_err(lay, w, x, kernel="ws", **tuning) < 1e-3
+
+
+def test_ws_kernel_catches_a_planted_dense_fragment_bug():
+    """A dense tile's 16-column fragments in the wrong order (q and q ^ 2 swapped) must fail."""
+    g = torch.Generator().manual_seed(15)
+    w = _weight(64, 128, "halves", g)
+    x = torch.randn(3, 128, generator=g).half()
+    lay = sp24.transcode(w)
+    dense = lay.dense.clone().reshape(-1, 2, 2, 32 * 4)[:, [1, 0]].reshape(-1)     # [strip, q, lane, 4]
+    bad = sp24.Sp24Layout(dense=dense, sp=lay.sp, tiles=lay.tiles, shape=lay.shape)
+    assert _rel_err(lay, w, x, kernel="ws", groups=1) < 1e-3
+    assert _rel_err(bad, w, x, kernel="ws", groups=1) > 0.1
 
 
 def test_x_slabs_put_each_value_where_the_descriptor_reads_it():

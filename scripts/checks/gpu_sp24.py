@@ -99,12 +99,12 @@ def check(shapes, ns, quick: bool, kernels=("auto", "rows", "warps")) -> int:
                     continue
                 x = torch.randn(n, k, device=DEV, generator=gen).half()
                 ref = x.double() @ w.double().t()
-                # the warpgroup kernel takes all-2:4 weights only
-                variants = [dict(kernel=kn) for kn in kernels if kn not in ("wg", "ws") or name == "2:4"]
+                # sp24_wg takes all-2:4 weights only (sp24_ws dense tiles too)
+                variants = [dict(kernel=kn) for kn in kernels if kn != "wg" or name == "2:4"]
                 if "rows" in kernels and n in (1, 17, 64) and m * k <= 2**24:
                     variants += [dict(kernel="rows", **kw) for kw in FORCED_ROWS]
                 for kn in ("wg", "ws"):
-                    if kn in kernels and name == "2:4" and n in (1, 17, 64, 129) and m * k <= 2**24:
+                    if kn in kernels and (name == "2:4" or kn == "ws") and n in (1, 17, 64, 129) and m * k <= 2**24:
                         variants += [dict(kernel=kn, **kw) for kw in FORCED_WG if kn == "wg" or "kstep" not in kw]
                 for kw in variants:
                     out = torch.full((n, m), float("nan"), dtype=torch.float16, device=DEV)
