@@ -55,21 +55,25 @@ def _mma2_asm(n: int) -> tuple[str, str]:
     return text, cons
 
 
-@intrinsic
-def _wg_mma2(typingctx, a, m0, m1, desc0, desc1, acc):
-    r = acc.count
-    text, cons = _mma2_asm(2 * r)
-    u, f = types.uint32, types.float32
-    sig = types.UniTuple(f, r)(types.UniTuple(u, 8), u, u, types.uint64, types.uint64, types.UniTuple(f, r))
-
+def _product_codegen(text: str, cons: str, na: int, nwords: int, ndesc: int, r: int):
+    """The codegen of a product intrinsic ``(a, *words, *descs, acc)``: ``na`` A registers (a tuple), then
+    ``nwords`` 32-bit words, ``ndesc`` 64-bit descriptors, and ``r`` fp32 accumulators tied in and out."""
     def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.LiteralStructType([_f32] * r), [_i32] * 10 + [_i64] * 2 + [_f32] * r)
-        ins = [builder.extract_value(args[0], i) for i in range(8)] + list(args[1:5]) + \
-            [builder.extract_value(args[5], i) for i in range(r)]
+        fnty = ir.FunctionType(ir.LiteralStructType([_f32] * r), [_i32] * (na + nwords) + [_i64] * ndesc + [_f32] * r)
+        ins = [builder.extract_value(args[0], i) for i in range(na)] + list(args[1:-1]) + \
+            [builder.extract_value(args[-1], i) for i in range(r)]
         res = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True), ins)
         return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(r)])
 
-    return sig, codegen
+    return codegen
+
+
+@intrinsic
+def _wg_mma2(typingctx, a, m0, m1, desc0, desc1, acc):
+    r = acc.count
+    u, f, d = types.uint32, types.float32, types.uint64
+    sig = types.UniTuple(f, r)(types.UniTuple(u, 8), u, u, d, d, types.UniTuple(f, r))
+    return sig, _product_codegen(*_mma2_asm(2 * r), 8, 2, 2, r)
 
 
 def _mmad_asm(n: int) -> tuple[str, str]:
@@ -87,18 +91,9 @@ def _mmad_asm(n: int) -> tuple[str, str]:
 @intrinsic
 def _wg_mmad(typingctx, a, desc0, desc1, desc2, desc3, acc):
     r = acc.count
-    text, cons = _mmad_asm(2 * r)
     u, f, d = types.uint32, types.float32, types.uint64
     sig = types.UniTuple(f, r)(types.UniTuple(u, 16), d, d, d, d, types.UniTuple(f, r))
-
-    def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.LiteralStructType([_f32] * r), [_i32] * 16 + [_i64] * 4 + [_f32] * r)
-        ins = [builder.extract_value(args[0], i) for i in range(16)] + list(args[1:5]) + \
-            [builder.extract_value(args[5], i) for i in range(r)]
-        res = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True), ins)
-        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(r)])
-
-    return sig, codegen
+    return sig, _product_codegen(*_mmad_asm(2 * r), 16, 0, 4, r)
 
 
 def _tied(text: str):
