@@ -14,6 +14,9 @@ offset is the step along N, D in ``mma``'s per-warp C layout for each 8-token bl
   ``wgmma.mma_async`` m64nNk16 (A registers ``a[4q:4q+4]``, ``mma.sync.m16n8k16``'s per-warp A fragment of
   the 16 columns ``16q ..``, B at ``desc_q``): one 64x64 dense tile against 64 K of B. Not yet probed
   on a GPU on its own: the kernels' float64 checks are its test.
+- ``wshfl_idx(scr, tid, val, src)``, ``wshfl_up(scr, tid, val, delta)``: ``shfl.sync`` of a uint32 within
+  one warp (the simulator twin synchronizes that warp only: warp-specialized kernels have warps that never
+  meet a block barrier); ``popc64(x)``: the bits set in a uint64.
 - ``lds_a8(d64, addr)``: the 8 A registers of a staged strip, 16 bytes at ``addr`` and 16 at ``addr +
   512``, as two ``ld.shared.v4.u32`` straight into 32-bit registers (no 64-bit halves to split: ptxas
   turned those into register copies that mixed up the A operands of the second tile column's products).
@@ -35,7 +38,7 @@ from numba.cuda.extending import intrinsic
 from ._intrinsics_ptx import _asm_stmt, _asm_tuple
 from .compat_numba import cuda_typing
 
-__all__ = ["lds_a8", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0"]
+__all__ = ["lds_a8", "popc64", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0", "wshfl_idx", "wshfl_up"]
 
 types, _ = cuda_typing()
 _i32, _i64, _f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -137,3 +140,18 @@ def wg_mmad(scr, tid, a, desc0, desc1, desc2, desc3, acc):
 wg_commit = _asm_stmt("wgmma.commit_group.sync.aligned;")
 wg_wait0 = _tied("wgmma.wait_group.sync.aligned 0;")
 wg_hold = _tied("")
+
+
+@cuda.jit(device=True, inline=True)
+def wshfl_idx(scr, tid, val, src):
+    return np.uint32(cuda.shfl_sync(0xFFFFFFFF, np.int32(val), np.int32(src)))
+
+
+@cuda.jit(device=True, inline=True)
+def wshfl_up(scr, tid, val, delta):
+    return np.uint32(cuda.shfl_up_sync(0xFFFFFFFF, np.int32(val), np.int32(delta)))
+
+
+@cuda.jit(device=True, inline=True)
+def popc64(x):
+    return np.uint32(cuda.popc(np.uint64(x)))

@@ -16,7 +16,7 @@ import threading
 from ._sp_intrinsics_sim import _a_dense, _a_sp
 from .compat_numba import sim_kernel
 
-__all__ = ["lds_a8", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0"]
+__all__ = ["lds_a8", "popc64", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0", "wshfl_idx", "wshfl_up"]
 
 _W = 16   # scratch words per thread: 8 A registers and 2 metadata words (wg_mma2) or 16 A registers
           # (wg_mmad); one stride for both, as two warpgroups of a block may run one of each at once
@@ -34,6 +34,50 @@ def _wg_sync(scr, tid: int) -> None:
         if bar is None:
             bar = _BARRIERS[key] = threading.Barrier(128)
     bar.wait()
+
+
+_SHFL = 4608   # scratch words from here: two rounds of one word per thread for the warp shuffles (clear of
+               # the products' region); rounds alternate, so one barrier per shuffle suffices
+_ROUND: dict = {}
+
+
+def _warp_sync(scr, tid: int) -> None:
+    key = (id(scr), "warp", tid >> 5)
+    with _LOCK:
+        bar = _BARRIERS.get(key)
+        if bar is None:
+            bar = _BARRIERS[key] = threading.Barrier(32)
+    bar.wait()
+
+
+def _publish(scr, tid: int, val) -> int:
+    """Write ``val`` in this thread's word of the next round and wait for the warp; the round's base. A round's
+    words are rewritten two shuffles later, after every lane has passed the barrier in between."""
+    key = (id(scr), tid)
+    r = _ROUND.get(key, 0)
+    _ROUND[key] = r ^ 1
+    base = _SHFL + r * 288
+    scr[base + tid] = int(val)
+    _warp_sync(scr, tid)
+    return base
+
+
+def wshfl_idx(scr, tid, val, src):
+    """Lane ``src``'s uint32, within ``tid``'s warp only."""
+    tid = int(tid)
+    base = _publish(scr, tid, val)
+    return np.uint32(int(scr[base + (tid & ~31) + int(src)]))
+
+
+def wshfl_up(scr, tid, val, delta):
+    """The uint32 of the lane ``delta`` below (a lane below ``delta`` keeps its own), within the warp."""
+    tid = int(tid)
+    base = _publish(scr, tid, val)
+    return np.uint32(int(scr[base + tid - int(delta)]) if (tid & 31) >= int(delta) else int(val))
+
+
+def popc64(x):
+    return np.uint32(bin(int(x) & 0xFFFFFFFFFFFFFFFF).count("1"))
 
 
 def lds_a8(d64, addr):

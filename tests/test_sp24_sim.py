@@ -181,7 +181,7 @@ def test_ws_kernel_takes_hybrid_weights(m, k, n, kind, tuning):
     x = torch.randn(n, k, generator=g).half()
     lay = sp24.transcode(w)
     assert lay.dense.numel()
-    for _ in range(2):
+    for _ in range(2 if tuning.get("splits") else 1):          # a split-K counter left set fails the second
         assert _rel_err(lay, w, x, kernel="ws", **tuning) < 1e-3
 
 
