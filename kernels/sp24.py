@@ -18,14 +18,15 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
     ``kernel``:
 
     - ``"auto"`` (``sp24_plan.kernel_for``): the one that measured faster for this shape and token count;
-      "wg" is among them on a Hopper GPU for a weight whose tiles are all 2:4;
+      on a Hopper GPU "wg" and "ws" are among them for a weight whose tiles are all 2:4;
     - ``"rows"`` (``sp24_rows``: one or two tile rows per block, K split across blocks; ``tokens``,
       ``splits``, ``stages`` and ``strips`` (tile rows per block) force its plan);
     - ``"warps"`` (``sp24_kernel``: K split over a block's warps; ``warps``, ``strips`` force its plan);
     - ``"wg"`` (``sp24_wg``: Hopper's sparse warpgroup MMA, sm_90a, all-2:4 weights; ``tokens``,
       ``splits``, ``stages``, ``strips`` (tile rows per warpgroup), ``groups`` (warpgroups per block) and
       ``kstep`` (tile columns per step) force its plan);
-    - ``"ws"`` (``sp24_ws``: the same products, warp-specialized; opt-in, not yet run on a GPU)."""
+    - ``"ws"`` (``sp24_ws``: the same products, warp-specialized, Hopper only; dense tiles too, one tile row
+      per warpgroup; ``tokens``, ``splits``, ``stages``, ``strips``, ``groups`` force its plan)."""
     from . import launch
     from .common import SIM
 
