@@ -58,7 +58,7 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
 
     nt, r, nw, rb, chunks, dyn = sp24_plan.plan(m, gk, n, launch.sm_count(x.device), warps, strips)
     kern = get_kernel(nt, r)
-    tensors = (_nonempty(layout.dense), _nonempty(layout.sp), layout.tiles, x.reshape(-1).view(torch.int32),
+    tensors = (*_buffers(layout), layout.tiles, x.reshape(-1).view(torch.int32),
                out.reshape(-1).view(torch.int16))
     launch.launch_tensors(kern, rb * chunks, 32 * nw, tensors, (m, n, gk, kp // 2, chunks), dyn=dyn)
     return out
@@ -71,7 +71,7 @@ def _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, s
     p = sp24_plan.rows_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, strips, aslot)
     # the fp32 workspace for the split-K partials (two tile slots per block), a counter per output tile
     ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
-    tensors = (_nonempty(layout.dense), _nonempty(layout.sp), layout.tiles, x.reshape(-1).view(torch.int32),
+    tensors = (*_buffers(layout), layout.tiles, x.reshape(-1).view(torch.int32),
                out.reshape(-1).view(torch.int16), ws, cnt)
     maxreg = 128 if p.r * p.nt <= 64 else 168
     launch.launch_tensors(get_kernel(p.nt, p.stages, p.r, aslot, maxreg), p.blocks, 128, tensors,
@@ -93,8 +93,8 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
     ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
     y = out.reshape(-1).view(torch.int16)
     if specialized:   # all 2:4: tile t is slot t of ``sp`` (the map is read only where tiles may be dense)
-        tensors = (_nonempty(layout.sp).view(torch.int64), _nonempty(layout.dense).view(torch.int64), layout.tiles,
-                   sp24_ws.x_slabs(x, p.nt), y, ws, cnt)
+        dn, sp = _buffers(layout)
+        tensors = (sp.view(torch.int64), dn.view(torch.int64), layout.tiles, sp24_ws.x_slabs(x, p.nt), y, ws, cnt)
         kern, threads = sp24_ws.get_kernel(p.nt, p.stages, r, wg, hybrid), 32 * (4 * wg + 1)
         scalars = (m, n, gk, p.chunks, p.per)
     else:             # every tile is 2:4: tile t is slot t of ``sp``, no map
@@ -104,6 +104,8 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
     launch.launch_tensors(kern, p.blocks, threads, tensors, scalars, dyn=p.dyn)
 
 
-def _nonempty(t: torch.Tensor) -> torch.Tensor:
-    """A kind's buffer, or one 16-byte word of zeros when the weight has no tile of that kind."""
-    return t if t.numel() else torch.zeros(4, dtype=t.dtype, device=t.device)
+def _buffers(layout) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout's (dense, 2:4) tile buffers; a kind with no tiles is never read, so the other kind's buffer
+    stands in for it (no allocation per call)."""
+    dense, sp = layout.dense, layout.sp
+    return (dense if dense.numel() else sp), (sp if sp.numel() else dense)

@@ -223,7 +223,7 @@ def ws_splits(blocks: int, gk: int, sms: int, nt: int) -> tuple[int, int]:
 
 def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None, splits_: int | None = None,
             stages_: int | None = None, strips_: int | None = None, groups_: int | None = None,
-            kstep_: int | None = None, specialized: bool = False, hybrid: bool = False):
+            kstep_: int | None = None, specialized: bool = False, hybrid: bool = False, smem=None):
     """``(RowsPlan, R, WG, KS)`` of one sp24_wg launch: the plan's ``r`` counts the block's tile rows (R x WG);
     KS tile columns per step. On tall weights (WG_MIN_M rows or more) two warpgroups of two tile rows each
     (256 rows share one X slice) and whole tiles (no K split), which the H100 sweep found fastest on
@@ -232,7 +232,8 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
     of ``rows_splits``. The ring: WG_STAGES deep, shallower where WG_SMEM_MAX needs it. ``specialized``:
     sp24_ws's plan (its ring holds whole tiles and one X slab per stage; no ``kstep``): the shape of
     ``ws_shape`` and, on weights that are not tall, the K split of ``ws_splits``; ``hybrid`` (dense tiles
-    too): one tile row per warpgroup, tile slots of a dense tile's size."""
+    too): one tile row per warpgroup, tile slots of a dense tile's size; ``smem`` (``(nt, stages, r, wg) ->
+    bytes``): another kernel's stage sizes on the same plan (spmm_ws)."""
     from . import sp24_wg, sp24_ws
 
     if specialized:
@@ -240,7 +241,7 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
             raise ValueError("the warp-specialized kernel takes one tile column per step (kstep=1)")
 
         def smem_bytes(nt, st, r, wg, ks):
-            return sp24_ws.smem_bytes(nt, st, r, wg, hybrid)
+            return smem(nt, st, r, wg) if smem else sp24_ws.smem_bytes(nt, st, r, wg, hybrid)
     else:
         smem_bytes = sp24_wg.smem_bytes
 

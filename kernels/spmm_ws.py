@@ -256,24 +256,10 @@ def tcabme_ws_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens
 
 def ws_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None, stages: int | None = None,
             groups: int | None = None, splits: int | None = None):
-    """``(RowsPlan, 1, WG)``: sp24_ws's plan (``sp24_plan.ws_shape``, ``ws_splits``) with one GroupTile row
-    per warpgroup and this kernel's stage size."""
-    from .sp24_plan import WG_MIN_M, WG_SMEM_MAX, WG_SMEM_OPTIN, wg_tokens, ws_shape, ws_splits
-    from .work import RowsPlan, split_work
+    """``(RowsPlan, 1, WG)``: sp24_ws's plan for a weight with dense tiles (one tile row per warpgroup:
+    ``sp24_plan.ws_shape``, ``ws_splits``) with this kernel's stage size."""
+    from .sp24_plan import wg_plan
 
-    nt = tokens or wg_tokens(n)
-    _, wg, st = ws_shape(m, gk * 64, nt)
-    wg = groups or wg
-    gm = -(-m // 64)
-    rb = -(-gm // wg)
-    chunks = -(-n // nt)
-    rule = (1, gk) if m >= WG_MIN_M else ws_splits(rb * chunks, gk, sms, nt)
-    ks, per, blocks = split_work(rb * chunks, gk, None if splits else rule, splits)
-    st = stages or st
-    while not stages and st > 2 and smem_bytes(nt, st, wg) > WG_SMEM_MAX:
-        st -= 1
-    dyn = smem_bytes(nt, st, wg)
-    if dyn > WG_SMEM_OPTIN:
-        raise ValueError(f"this spmm_ws plan (tokens {nt}, stages {st}, warpgroups {wg}) needs {dyn} bytes of "
-                         "shared memory: fewer stages or tokens")
-    return RowsPlan(nt, st, wg, rb, chunks, ks, per, blocks, dyn), 1, wg
+    p, r, wg, _ = wg_plan(m, gk, n, sms, tokens, splits, stages, None, groups, specialized=True, hybrid=True,
+                          smem=lambda nt, st, _r, wg: smem_bytes(nt, st, wg))
+    return p, r, wg
