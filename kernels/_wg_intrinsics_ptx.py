@@ -16,7 +16,15 @@ offset is the step along N, D in ``mma``'s per-warp C layout for each 8-token bl
   on a GPU on its own: the kernels' float64 checks are its test.
 - ``wshfl_idx(scr, tid, val, src)``, ``wshfl_up(scr, tid, val, delta)``: ``shfl.sync`` of a uint32 within
   one warp (the simulator twin synchronizes that warp only: warp-specialized kernels have warps that never
-  meet a block barrier); ``popc64(x)``: the bits set in a uint64.
+  meet a block barrier); ``wscan(scr, tid, c)``: the inclusive prefix sum of a uint32 over the warp's
+  lanes (five ``shfl.sync.up``, warp-scoped the same way); ``popc64(x)``: the bits set in a uint64.
+- ``strip_a16(scr, tid, tab, d32, taddr, lmask, pos)``: the 16 A registers of one warp's 16-row strip of a
+  staged TCA-BME GroupTile (spmm_ws), branch-free, on 32-bit shared addresses. Per BitmapTile j, one
+  8-byte entry at ``taddr + 16 j`` of the warp's table (``tab``): the lane's half-word of the bitmap and the
+  shared address of that half-word's first value; then spmm_warp's decode (popc of the bits below the
+  lane's, two unconditional 16-bit loads, a permute chosen by the lane's two bits). The value region must
+  have 4 readable bytes past its end. ``wsync(scr, tid)``: ``bar.warp.sync`` (the simulator twin waits for
+  the warp only).
 - ``lds_a8(d64, addr)``: the 8 A registers of a staged strip, 16 bytes at ``addr`` and 16 at ``addr +
   512``, as two ``ld.shared.v4.u32`` straight into 32-bit registers (no 64-bit halves to split: ptxas
   turned those into register copies that mixed up the A operands of the second tile column's products).
@@ -38,7 +46,7 @@ from numba.cuda.extending import intrinsic
 from ._intrinsics_ptx import _asm_stmt, _asm_tuple
 from .compat_numba import cuda_typing
 
-__all__ = ["lds_a8", "popc64", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0", "wshfl_idx", "wshfl_up"]
+__all__ = ["lds_a8", "popc64", "strip_a16", "wscan", "wsync", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0", "wshfl_idx", "wshfl_up"]
 
 types, _ = cuda_typing()
 _i32, _i64, _f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -122,6 +130,45 @@ _lds_a8 = _asm_tuple("ld.shared.v4.u32 {$0,$1,$2,$3}, [$8];\nld.shared.v4.u32 {$
                      "=r,=r,=r,=r,=r,=r,=r,=r,r,~{memory}")
 
 
+def _strip_a16_asm() -> str:
+    lines = ["{"]
+    for j in range(16):
+        lines.append(f".reg .u32 w{j}, a{j}, t{j}, f{j}, s{j}, k{j}, q{j};")
+    for j in range(16):       # the loads first, so that their latencies overlap
+        lines.append(f"ld.shared.v2.u32 {{w{j}, a{j}}}, [$16+{16 * j}];")
+    for j in range(16):
+        lines.append(f"and.b32 t{j}, w{j}, $17;\npopc.b32 t{j}, t{j};\nmad.lo.u32 a{j}, t{j}, 2, a{j};\n"
+                     f"ld.shared.u16 f{j}, [a{j}];\nld.shared.u16 s{j}, [a{j}+2];\n"
+                     f"shr.b32 k{j}, w{j}, $18;\nand.b32 k{j}, k{j}, 3;\nmad.lo.u32 k{j}, k{j}, 34, 16;\n"
+                     f"prmt.b32 q{j}, 0x22102222, 0x54101022, k{j};\nprmt.b32 ${j}, f{j}, s{j}, q{j};")
+    return "\n".join(lines) + "\n}"
+
+
+@intrinsic
+def _strip_a16(typingctx, taddr, lmask, pos):
+    u = types.uint32
+    sig = types.UniTuple(u, 16)(u, u, u)
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.LiteralStructType([_i32] * 16), [_i32] * 3)
+        cons = ",".join(["=r"] * 16 + ["r"] * 3 + ["~{memory}"])
+        res = builder.call(ir.InlineAsm(fnty, _strip_a16_asm(), cons, side_effect=True), args)
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(16)])
+
+    return sig, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def strip_a16(scr, tid, tab, d32, taddr, lmask, pos):
+    u = np.uint32
+    return _strip_a16(u(taddr), u(lmask), u(pos))
+
+
+@cuda.jit(device=True, inline=True)
+def wsync(scr, tid):
+    cuda.syncwarp(0xFFFFFFFF)
+
+
 @cuda.jit(device=True, inline=True)
 def lds_a8(d64, addr):
     return _lds_a8(np.uint32(addr))
@@ -150,6 +197,25 @@ def wshfl_idx(scr, tid, val, src):
 @cuda.jit(device=True, inline=True)
 def wshfl_up(scr, tid, val, delta):
     return np.uint32(cuda.shfl_up_sync(0xFFFFFFFF, np.int32(val), np.int32(delta)))
+
+
+_WSCAN_PTX = "{\n.reg .u32 t;\n.reg .pred p;\nmov.b32 $0, $1;\n" + "".join(
+    f"shfl.sync.up.b32 t|p, $0, {d}, 0, -1;\n@p add.u32 $0, $0, t;\n" for d in (1, 2, 4, 8, 16)) + "}"
+
+
+@intrinsic
+def _wscan(typingctx, c):
+    sig = types.uint32(types.uint32)
+
+    def codegen(context, builder, sig, args):
+        return builder.call(ir.InlineAsm(ir.FunctionType(_i32, [_i32]), _WSCAN_PTX, "=&r,r", side_effect=True), args)
+
+    return sig, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def wscan(scr, tid, c):
+    return _wscan(np.uint32(c))
 
 
 @cuda.jit(device=True, inline=True)

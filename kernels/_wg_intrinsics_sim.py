@@ -14,9 +14,10 @@ import numpy as np
 import threading
 
 from ._sp_intrinsics_sim import _a_dense, _a_sp
+from ._warp_intrinsics_sim import decode_at
 from .compat_numba import sim_kernel
 
-__all__ = ["lds_a8", "popc64", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0", "wshfl_idx", "wshfl_up"]
+__all__ = ["lds_a8", "popc64", "strip_a16", "wscan", "wsync", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0", "wshfl_idx", "wshfl_up"]
 
 _W = 16   # scratch words per thread: 8 A registers and 2 metadata words (wg_mma2) or 16 A registers
           # (wg_mmad); one stride for both, as two warpgroups of a block may run one of each at once
@@ -74,6 +75,25 @@ def wshfl_up(scr, tid, val, delta):
     tid = int(tid)
     base = _publish(scr, tid, val)
     return np.uint32(int(scr[base + tid - int(delta)]) if (tid & 31) >= int(delta) else int(val))
+
+
+def wscan(scr, tid, c):
+    """Inclusive prefix sum of the uint32 ``c`` over the lanes of ``tid``'s warp (warp-scoped)."""
+    tid = int(tid)
+    base = _publish(scr, tid, c)
+    w = tid & ~31
+    return np.uint32(sum(int(scr[base + q]) for q in range(w, tid + 1)) & 0xFFFFFFFF)
+
+
+def strip_a16(scr, tid, tab, d32, taddr, lmask, pos):
+    """The 16 A registers of a warp's strip of a staged TCA-BME GroupTile from its table entries at ``taddr``
+    (byte offsets into ``tab``; see ``_wg_intrinsics_ptx``)."""
+    return tuple(decode_at(d32, int(tab[(int(taddr) >> 3) + 2 * j]), lmask, pos) for j in range(16))
+
+
+def wsync(scr, tid):
+    """``bar.warp.sync``: wait for the lanes of ``tid``'s warp."""
+    _warp_sync(scr, int(tid))
 
 
 def popc64(x):

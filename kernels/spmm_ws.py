@@ -3,17 +3,21 @@
 (``tcabme_ws_matmul``) until a GPU session has timed it against spmm_warp and spmm_rows.
 
 - **Warps**: ``WG`` consumer warpgroups, one 64-row GroupTile row each, and one producer warp (the last).
-- **Producer** (the whole warp; lane 0 issues): every ``WINDOW`` (32) steps each lane loads the ``gtile_offsets`` pair
-  of one coming step and tile row, so the step loop never waits on a global load; lane 0 takes each
+- **Producer** (the whole warp; lane 0 issues): each lane loads the ``gtile_offsets`` pair of one step and tile row
+  ``WINDOW`` (32) steps ahead of their use, so the step loop does not wait on a global load; lane 0 takes each
   step's pair by shuffle. Per step, into ring stage ``s`` once freed ("empty"), bulk copies completing on
   "full": the X slab (``sp24_ws.x_slabs``), and per tile row the GroupTile's 64 bitmaps (512 bytes) and
   its values (16-byte aligned and padded by the format; none for an all-zero GroupTile).
 - **Consumers**: wait "full", retire the previous products (``wg_wait0``), release the previous stage,
-  then decode: each lane popcounts two of the GroupTile's bitmaps, two warp scans give every
-  BitmapTile's first value, and each lane builds its 16 A registers of the warp's strip (``mma.sync``'s
-  m16n8k16 fragment of each 16-column TCTile: BitmapTiles top-left, bottom-left, top-right,
-  bottom-right, bit ``8 row + col``), a value where its bit is set and zero elsewhere. One ``wg_mmad``
-  (four dense m64nNk16 products) per step. The decode is per tile: nothing in it grows with the tokens.
+  then decode, branch-free and on 32-bit shared addresses: lanes 0-15 popcount the warp's strip (16
+  BitmapTiles) and lanes below ``8 wwarp`` four half-words each of the earlier strips; one warp scan of
+  both counts (packed in one word) gives lane ``j + 16 h`` the first value of half ``h`` (rows 0-3, 4-7) of
+  BitmapTile ``j``; the lane writes (half-word, value address) into the warp's table (``_entry``; two
+  tables, by step parity). Then ``strip_a16`` builds the lane's 16 A registers (``mma.sync``'s m16n8k16
+  fragment of each 16-column TCTile: BitmapTiles top-left, bottom-left, top-right, bottom-right, bit ``8
+  row + col``): per BitmapTile one table entry, a popcount, two unconditional value loads and a permute.
+  Software-pipelined: the next step's table (a shuffle chain) is built beside this step's decode. One ``wg_mmad`` (four dense m64nNk16 products) per step. The decode is per
+  tile: nothing in it grows with the tokens.
 - **End**: ``block.make_tile_end``, as sp24_ws.
 """
 from __future__ import annotations
@@ -24,8 +28,8 @@ from numba import cuda
 
 from . import kcache
 from ._intrinsics import SCRATCH_WORDS, SIM, bulk_copy, mbar_arrive, mbar_expect, mbar_init, mbar_wait
-from ._warp_intrinsics import byte_addr
-from ._wg_intrinsics import popc64, wg_commit, wg_mmad, wg_wait0, wshfl_idx, wshfl_up
+from ._warp_intrinsics import byte_addr, lds128b, lds64b, sts64b
+from ._wg_intrinsics import popc64, strip_a16, wg_commit, wg_mmad, wg_wait0, wscan, wshfl_idx, wsync
 from .block import dynamic_smem, make_tile_end, split_sharers, step_col, thread_ids
 from .sp24_wg import NTS, _device, make_tile_ops, x_desc
 from .sp24_ws import max_registers
@@ -35,6 +39,8 @@ VALUE_BYTES = 8192                      # the most values a GroupTile holds (all
 SLOT = BITMAP_BYTES + VALUE_BYTES       # a tile row's part of a stage
 WINDOW = 32                             # steps whose offsets the producer warp loads at once (one per lane)
 _KERNELS: dict = {}
+u32 = np.uint32
+u64 = np.uint64
 
 
 def stage_bytes(nt: int, wg: int) -> int:
@@ -42,8 +48,9 @@ def stage_bytes(nt: int, wg: int) -> int:
 
 
 def smem_bytes(nt: int, stages: int, wg: int) -> int:
-    """Dynamic shared bytes: the ring, reused for the block's fp32 tile at the end."""
-    return max(stages * stage_bytes(nt, wg), nt * 64 * wg * 4)
+    """Dynamic shared bytes: the ring (and 16 bytes that the decode's unconditional loads may read past a
+    full GroupTile's values), reused for the block's fp32 tile at the end."""
+    return max(stages * stage_bytes(nt, wg) + 16, nt * 64 * wg * 4)
 
 
 def get_kernel(nt: int, stages: int, wg: int = 2, window: int = WINDOW):
@@ -56,45 +63,36 @@ def get_kernel(nt: int, stages: int, wg: int = 2, window: int = WINDOW):
 
 
 @_device
-def _scan(scr, tid, lane, c):
-    """Inclusive warp prefix sum of ``c`` (uint32)."""
-    s = c
-    for d in (1, 2, 4, 8, 16):
-        v = wshfl_up(scr, tid, s, d)
-        if lane >= d:
-            s += v
-    return s
-
-
-@_device
-def _value(d32, vbase, p):
-    """The fp16 bits of value ``p`` of the staged GroupTile whose values start at byte ``vbase``."""
-    w = d32[(vbase >> 2) + (p >> 1)]
-    return (w >> np.uint32(16 * (p & 1))) & np.uint32(0xFFFF)
-
-
-@_device
-def _a_word(d64, d32, scr, tid, src, bt, bbase, vbase, bit):
-    """One A register: (value at ``bit``, value at ``bit + 1``) of BitmapTile ``bt`` (its first value held by
-    lane ``bt & 31`` in ``src``), zeros where the bitmap has no bit. ``bbase``, ``vbase``: byte offsets of
-    the staged bitmaps and values in the dynamic shared arrays (offsets, not shared addresses)."""
-    start = wshfl_idx(scr, tid, src, bt & 31)
-    bm = d64[(bbase >> 3) + bt]
-    below = popc64(bm & ((np.uint64(1) << np.uint64(bit)) - np.uint64(1)))
-    lo = np.uint32(0)
-    hi = np.uint32(0)
-    p = start + below
-    if (bm >> np.uint64(bit)) & np.uint64(1):
-        lo = _value(d32, vbase, p)
-        p += np.uint32(1)
-    if (bm >> np.uint64(bit + 1)) & np.uint64(1):
-        hi = _value(d32, vbase, p)
-    return lo | (hi << np.uint32(16))
+def _entry(d32, d64, scr, tid, lane, wwarp, ba):
+    """Lane ``j + 16 h``: the table entry of half ``h`` (rows 0-3, 4-7) of BitmapTile ``j`` of this warp's
+    strip, for the GroupTile staged at shared address ``ba`` (bitmaps, then values): the half-word (low 32
+    bits) and the shared address of its first value (high 32 bits). One warp scan gives both sums: lanes 0-15
+    count their BitmapTile (low 16 bits) and every lane ``< 8 wwarp`` four half-words of the earlier strips
+    (high 16 bits)."""
+    j = lane & 15
+    bmj = lds64b(d64, ba + u32(128) * wwarp + u32(8) * j)       # BitmapTile j of the strip
+    lo = u32(bmj & u64(0xFFFFFFFF))
+    c = u32(0)
+    if lane < 16:
+        c = popc64(bmj)
+    q0, q1 = lds128b(d64, ba + u32(16) * lane)
+    if lane < 8 * wwarp:
+        c += (popc64(q0) + popc64(q1)) << u32(16)
+    incl = wscan(scr, tid, c)
+    base = wshfl_idx(scr, tid, incl, 31) >> u32(16)
+    excl = wshfl_idx(scr, tid, (incl - c) & u32(0xFFFF), j)
+    w = lo
+    if lane >= 16:
+        excl += u32(cuda.popc(lo))
+        w = u32(bmj >> u64(32))
+    addr = ba + u32(BITMAP_BYTES) + u32(2) * (base + excl)
+    return u64(w) | (u64(addr) << u64(32))
 
 
 def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW):
     assert NT in NTS and 2 <= STAGES <= 8 and WG in (1, 2) and 1 <= WIN <= 32
     CW = 4 * WG
+    TABW = CW * 64                                   # two tables of 32 entries per consumer warp
     THREADS = 32 * (CW + 1)
     NACC = NT // 2
     XBYTES = NT * 128
@@ -104,26 +102,34 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW):
     tile_end = make_tile_end(TILE, ROWS, THREADS)
     piece, _, _, _, acc_store = make_tile_ops(NT, 1, WG)
     ZERO = (np.float32(0.0),) * NACC
-    u32 = np.uint32
 
     @cuda.jit(device=True, inline="always")
-    def produce(d64, scr, tid, lane, bm, vals, goff, xs, full, empty, chunk, tr0, nr, rot, nst, k0, GK):
-        """The producer warp: offsets prefetched 32 steps at a time, lane 0's copies per step."""
+    def offsets(goff, lane, i, rot, nst, k0, tr0, nr, GK):
+        """Lane l: the ``gtile_offsets`` pairs of step ``i + l`` (both tile rows), zeros past the range."""
         a0 = u32(0)
         a1 = u32(0)
         b0 = u32(0)
         b1 = u32(0)
+        j = i + lane
+        if j < nst and lane < WIN:
+            gk = step_col(j, rot, nst, k0)
+            gt = tr0 * GK + gk
+            a0 = u32(goff[gt])
+            a1 = u32(goff[gt + 1])
+            if nr > 1:
+                b0 = u32(goff[gt + GK])
+                b1 = u32(goff[gt + GK + 1])
+        return a0, a1, b0, b1
+
+    @cuda.jit(device=True, inline="always")
+    def produce(d64, scr, tid, lane, bm, vals, goff, xs, full, empty, chunk, tr0, nr, rot, nst, k0, GK):
+        """The producer warp: offsets loaded one window (32 steps) ahead, lane 0's copies per step."""
+        a0, a1, b0, b1 = offsets(goff, lane, 0, rot, nst, k0, tr0, nr, GK)
+        n0, n1, m0, m1 = offsets(goff, lane, WIN, rot, nst, k0, tr0, nr, GK)
         for i in range(nst):
-            if i % WIN == 0:                         # lane l: the offsets of step i + l
-                j = i + lane
-                if j < nst and lane < WIN:
-                    gk = step_col(j, rot, nst, k0)
-                    gt = tr0 * GK + gk
-                    a0 = u32(goff[gt])
-                    a1 = u32(goff[gt + 1])
-                    if nr > 1:
-                        b0 = u32(goff[gt + GK])
-                        b1 = u32(goff[gt + GK + 1])
+            if i % WIN == 0 and i > 0:               # lane l: the offsets of step i + l, loaded a window ago
+                a0, a1, b0, b1 = n0, n1, m0, m1
+                n0, n1, m0, m1 = offsets(goff, lane, i + WIN, rot, nst, k0, tr0, nr, GK)
             v0 = wshfl_idx(scr, tid, a0, i % WIN)
             v1 = wshfl_idx(scr, tid, a1, i % WIN)
             w0 = wshfl_idx(scr, tid, b0, i % WIN)
@@ -157,6 +163,7 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW):
         flag = cuda.shared.array(1, np.int32)
         full = cuda.shared.array(STAGES, np.uint64)
         empty = cuda.shared.array(STAGES, np.uint64)
+        tab = cuda.shared.array(TABW, np.uint64)             # the consumer warps' decode tables
         tid, warp, lane, g, t, _ = thread_ids()
         wg = warp >> 2
         wwarp = warp & 3
@@ -173,46 +180,41 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW):
         if warp == CW:
             produce(d64, scr, tid, lane, bm, vals, goff, xs, full, empty, chunk, tr0, nr, rot, nst, k0, GK)
         else:
-            hi = wwarp >> 1                          # the warp's strip: BitmapTiles 16 wwarp .. (scan half hi)
-            bt0 = (wwarp & 1) * 16
-            bit = u32(8 * g + 2 * t)
+            pos = u32(8 * (g & 3) + 2 * t)          # the lane's two bits in its half-word of each BitmapTile
+            lmask = (u32(1) << pos) - u32(1)
+            hsel = u32(lane >> 4)                     # rows 4-7 (g >= 4): the high half-word
+            sp = u32(0)
+            gofs = u32(XBYTES + wg * SLOT)                  # the GroupTile in a stage: bitmaps, then values
+            tme = byte_addr(tab, 64 * warp)                  # this warp's two tables (one per step parity)
+            tput = u32(16) * u32(lane & 15) + u32(8) * hsel  # entry (j, h) at 16 j + 8 h
+            mbar_wait(full, 0, 0)
+            sts64b(tab, tme + tput, _entry(d32, d64, scr, tid, lane, wwarp, ring + gofs))
+            wsync(scr, tid)
+            s = u32(0)                                       # this step's stage, the next one's, its phase
+            s1 = u32(1)
+            ph1 = u32(0)
             for i in range(nst):
-                s = i % STAGES
-                mbar_wait(full, s, (i // STAGES) & 1)
-                acc = wg_wait0(acc)
-                if i > 0 and lane == 0:
-                    mbar_arrive(empty, (i - 1) % STAGES)
-                so = u32(s * STAGE)                          # offsets into the arrays; the descriptors
-                sb = ring + so                               # take shared addresses (static arrays first)
-                bbase = so + u32(XBYTES + wg * SLOT)
-                vbase = bbase + u32(BITMAP_BYTES)
-                # every BitmapTile's first value: lanes hold tiles lane (strips 0-1) and 32 + lane (2-3)
-                c0 = popc64(d64[(bbase >> 3) + lane])
-                c1 = popc64(d64[(bbase >> 3) + 32 + lane])
-                s0 = _scan(scr, tid, lane, c0)
-                s1 = _scan(scr, tid, lane, c1)
-                tot0 = wshfl_idx(scr, tid, s0, 31)
-                src = (tot0 + s1 - c1) if hi else (s0 - c0)
-                bb = bt0 + 32 * hi
-                da = (_a_word(d64, d32, scr, tid, src, bb + 0, bbase, vbase, bit),
-                      _a_word(d64, d32, scr, tid, src, bb + 1, bbase, vbase, bit),
-                      _a_word(d64, d32, scr, tid, src, bb + 2, bbase, vbase, bit),
-                      _a_word(d64, d32, scr, tid, src, bb + 3, bbase, vbase, bit),
-                      _a_word(d64, d32, scr, tid, src, bb + 4, bbase, vbase, bit),
-                      _a_word(d64, d32, scr, tid, src, bb + 5, bbase, vbase, bit),
-                      _a_word(d64, d32, scr, tid, src, bb + 6, bbase, vbase, bit),
-                      _a_word(d64, d32, scr, tid, src, bb + 7, bbase, vbase, bit),
-                      _a_word(d64, d32, scr, tid, src, bb + 8, bbase, vbase, bit),
-                      _a_word(d64, d32, scr, tid, src, bb + 9, bbase, vbase, bit),
-                      _a_word(d64, d32, scr, tid, src, bb + 10, bbase, vbase, bit),
-                      _a_word(d64, d32, scr, tid, src, bb + 11, bbase, vbase, bit),
-                      _a_word(d64, d32, scr, tid, src, bb + 12, bbase, vbase, bit),
-                      _a_word(d64, d32, scr, tid, src, bb + 13, bbase, vbase, bit),
-                      _a_word(d64, d32, scr, tid, src, bb + 14, bbase, vbase, bit),
-                      _a_word(d64, d32, scr, tid, src, bb + 15, bbase, vbase, bit))
+                acc = wg_wait0(acc)                          # the previous step's products: done, so their A
+                if i > 0 and lane == 0:                      # registers are free and their stage too
+                    mbar_arrive(empty, sp)
+                if i + 1 < nst:                              # the next step's table (a shuffle chain) is
+                    mbar_wait(full, s1, ph1)                 # built beside this step's decode
+                sb = ring + s * u32(STAGE)                   # shared addresses throughout
+                par = u32(i & 1) * u32(256)
+                nxt = _entry(d32, d64, scr, tid, lane, wwarp, ring + s1 * u32(STAGE) + gofs)
+                da = strip_a16(scr, tid, tab, d32, tme + par + u32(8) * hsel, lmask, pos)
+                wsync(scr, tid)
+                sts64b(tab, tme + (par ^ u32(256)) + tput, nxt)
+                wsync(scr, tid)
                 acc = wg_mmad(scr, tid, da, x_desc(sb), x_desc(sb + u32(256)), x_desc(sb + u32(512)),
                               x_desc(sb + u32(768)), acc)
                 wg_commit()
+                sp = s
+                s = s1
+                s1 += u32(1)
+                if s1 == u32(STAGES):
+                    s1 = u32(0)
+                    ph1 ^= u32(1)
             acc = wg_wait0(acc)
         cuda.syncthreads()                                   # every copy consumed: the ring is free
         if warp < CW:
