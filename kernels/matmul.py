@@ -7,7 +7,10 @@ import torch
 
 _available: bool | None = None
 _choice: str | None = None
-KERNELS = ("default", "rows")
+KERNELS = ("default", "warp", "rows", "ws")
+WS_MIN_N = 32              # the default plan takes spmm_ws on Hopper from this many tokens on weights of ...
+WS_MIN_M = 8192            # ... this many rows or more, and from WS_WIDE_N tokens on weights of ...
+WS_WIDE_N, WS_WIDE_MK = 64, 1 << 25   # ... this many elements or more (H100 sweep, docs/kernels-notes.md "v20")
 
 
 def reset_kernel_choice() -> None:
@@ -18,8 +21,9 @@ def reset_kernel_choice() -> None:
 
 def kernel_choice() -> str:
     """The TCA-BME kernel ``tcabme_matmul`` runs: ``SPARSEKIT_KERNEL`` (read here only, once per
-    process): unset or ``default`` is spmm_warp / spmm.py's launch plan; ``rows`` is the opt-in spmm_rows
-    (issue 21), said once on stderr when it is on."""
+    process): unset or ``default`` is the default plan (``default_kernel``); ``warp`` spmm_warp / spmm.py's
+    launch plan only, ``rows`` the opt-in spmm_rows, ``ws`` spmm_ws (Hopper) at every token count; a choice
+    other than the default is said once on stderr."""
     global _choice
     if _choice is None:
         raw = os.environ.get("SPARSEKIT_KERNEL", "default") or "default"
@@ -30,10 +34,25 @@ def kernel_choice() -> str:
         if raw != "default":
             import sys
 
-            print(f"note: SPARSEKIT_KERNEL={raw}: TCA-BME products run the spmm_{raw} kernel (opt-in)",
+            print(f"note: SPARSEKIT_KERNEL={raw}: TCA-BME products run the spmm_{raw} kernel only",
                   file=sys.stderr)
         _choice = raw
     return _choice
+
+
+def default_kernel(device: torch.device, m: int, k: int, n: int) -> str:
+    """The default plan's kernel for an ``m x k`` weight at ``n`` tokens: spmm_ws (decoded once per tile, its
+    time nearly flat in the tokens) on Hopper from WS_MIN_N tokens on tall weights and from WS_WIDE_N on
+    large ones, where it beat spmm_warp on the H100; spmm_warp elsewhere."""
+    from . import launch
+    from .common import SIM
+
+    return "ws" if ws_wanted(m, k, n) and not SIM and launch.hopper(device) else "warp"
+
+
+def ws_wanted(m: int, k: int, n: int) -> bool:
+    """Whether the default plan takes spmm_ws for an ``m x k`` weight at ``n`` tokens on Hopper."""
+    return n >= WS_MIN_N and m >= WS_MIN_M or n >= WS_WIDE_N and m * k >= WS_WIDE_MK
 
 
 def kernels_available() -> bool:
@@ -61,8 +80,9 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
     the simulator (slow; tests only). ``tuning`` (``splits``, ``cuda_core_max_n``) is for benchmarks;
     ``kernel="rows"`` (or ``SPARSEKIT_KERNEL=rows``) runs spmm_rows (a
     GroupTile row per block, the X slice shared by its 4 warps, K split across blocks), whose knobs are
-    ``tokens`` (8/16/32/64 per block), ``splits``, ``stages``, ``regs``; ``kernel="default"`` the default
-    plan whatever ``SPARSEKIT_KERNEL`` says.
+    ``tokens`` (8/16/32/64 per block), ``splits``, ``stages``, ``regs``; ``kernel="ws"`` spmm_ws (Hopper;
+    knobs ``tokens``, ``stages``, ``groups``, ``splits``, ``regs``); ``kernel="warp"`` spmm_warp's plan;
+    ``kernel="default"`` the default plan (``default_kernel``) whatever ``SPARSEKIT_KERNEL`` says.
     """
     from . import launch
     from .common import SIM
@@ -90,10 +110,16 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
         raise ValueError(f"unknown TCA-BME kernel {kernel!r}: one of {', '.join(KERNELS)}")
     if kernel is None and not tuning:
         kernel = kernel_choice()
+    if kernel == "default" and not tuning:
+        kernel = default_kernel(x.device, m, kp, n)
     if kernel == "rows":
         from .launch_rows import launch_rows
 
         launch_rows(x, w, out, **tuning)
+    elif kernel == "ws":
+        from .spmm_ws import tcabme_ws_matmul
+
+        tcabme_ws_matmul(x, w, out, **tuning)
     else:
         launch.launch(x, w, out, **tuning)
     return out

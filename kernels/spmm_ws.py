@@ -1,6 +1,6 @@
 """TCA-BME decoded once per tile into warpgroup A registers (issue 21, docs/kernels-notes.md "v19"):
-``sp24_ws``'s warp-specialized skeleton with the packed GroupTile as the operand source. **Opt-in**
-(``tcabme_ws_matmul``) until a GPU session has timed it against spmm_warp and spmm_rows.
+``sp24_ws``'s warp-specialized skeleton with the packed GroupTile as the operand source. ``tcabme_matmul``'s
+default plan takes it on Hopper for many tokens (``matmul.default_kernel``); ``tcabme_ws_matmul`` forces it.
 
 - **Warps**: ``WG`` consumer warpgroups, one 64-row GroupTile row each, and one producer warp (the last).
 - **Producer** (the whole warp; lane 0 issues): each lane loads the ``gtile_offsets`` pair of one step and tile row
@@ -32,33 +32,49 @@ from ._warp_intrinsics import byte_addr, lds128b, lds64b, sts64b
 from ._wg_intrinsics import popc64, strip_a16, wg_commit, wg_mmad, wg_wait0, wscan, wshfl_idx, wsync
 from .block import dynamic_smem, make_tile_end, split_sharers, step_col, thread_ids
 from .sp24_wg import NTS, _device, make_tile_ops, x_desc
-from .sp24_ws import max_registers
 
 BITMAP_BYTES = 512                      # a GroupTile's 64 bitmaps
-VALUE_BYTES = 8192                      # the most values a GroupTile holds (all 4096, fp16)
-SLOT = BITMAP_BYTES + VALUE_BYTES       # a tile row's part of a stage
+VALUE_BYTES = 8192 + 16                 # the most value bytes a GroupTile holds (all 4096, fp16), and 16 that the
+                                        # decode's unconditional loads may read past them
 WINDOW = 32                             # steps whose offsets the producer warp loads at once (one per lane)
+SMEM_PER_SM = 228 * 1024                # Hopper's shared memory per SM ...
+SMEM_RESERVED = 1024 + 2304             # ... less, per block, the driver's reserve and this kernel's static arrays
+MIN_SPLIT_COLS = 32                     # a K split leaves every split this many tile columns or more
 _KERNELS: dict = {}
+_VROOM: dict = {}
 u32 = np.uint32
 u64 = np.uint64
 
 
-def stage_bytes(nt: int, wg: int) -> int:
-    return nt * 128 + wg * SLOT
+def slot_bytes(vbytes: int = VALUE_BYTES) -> int:
+    """A tile row's part of a stage: its bitmaps and room for ``vbytes`` of values (16-byte aligned)."""
+    return BITMAP_BYTES + -(-vbytes // 16) * 16
 
 
-def smem_bytes(nt: int, stages: int, wg: int) -> int:
-    """Dynamic shared bytes: the ring (and 16 bytes that the decode's unconditional loads may read past a
-    full GroupTile's values), reused for the block's fp32 tile at the end."""
-    return max(stages * stage_bytes(nt, wg) + 16, nt * 64 * wg * 4)
+def stage_bytes(nt: int, wg: int, vbytes: int = VALUE_BYTES) -> int:
+    return nt * 128 + wg * slot_bytes(vbytes)
 
 
-def get_kernel(nt: int, stages: int, wg: int = 2, window: int = WINDOW):
+def smem_bytes(nt: int, stages: int, wg: int, vbytes: int = VALUE_BYTES) -> int:
+    """Dynamic shared bytes: the ring, reused for the block's fp32 tile at the end."""
+    return max(stages * stage_bytes(nt, wg, vbytes), nt * 64 * wg * 4)
+
+
+def max_registers(nt: int, wg: int) -> int:
+    """The register cap: 96 up to 64 tokens a tile (four blocks of one warpgroup per SM; ptxas: no spills), 128
+    at 128 tokens; never more than the block's 4 x wg + 1 warps can share."""
+    want = 96 if nt <= 64 else 128
+    return min(want, (65536 // (32 * (4 * wg + 1))) & ~7)
+
+
+def get_kernel(nt: int, stages: int, wg: int = 1, window: int = WINDOW, regs: int | None = None):
     """Kernel for ``nt`` tokens per output tile (8 .. 128), a ring of ``stages`` (2-8) and ``wg`` consumer
-    warpgroups (1, 2), one GroupTile row each; ``window``: steps per offset load (tests shorten it)."""
-    key = (nt, stages, wg, window)
+    warpgroups (1, 2), one GroupTile row each; ``window``: steps per offset load (tests shorten it); ``regs``:
+    the register cap (``max_registers``). The stage's value room is an argument of the launch."""
+    regs = regs or max_registers(nt, wg)
+    key = (nt, stages, wg, window, regs)
     if key not in _KERNELS:
-        _KERNELS[key] = kcache.tag(_build(nt, stages, wg, window), "spmm_ws", key)
+        _KERNELS[key] = kcache.tag(_build(nt, stages, wg, window, regs), "spmm_ws", key)
     return _KERNELS[key]
 
 
@@ -89,14 +105,13 @@ def _entry(d32, d64, scr, tid, lane, wwarp, ba):
     return u64(w) | (u64(addr) << u64(32))
 
 
-def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW):
+def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
     assert NT in NTS and 2 <= STAGES <= 8 and WG in (1, 2) and 1 <= WIN <= 32
     CW = 4 * WG
     TABW = CW * 64                                   # two tables of 32 entries per consumer warp
     THREADS = 32 * (CW + 1)
     NACC = NT // 2
     XBYTES = NT * 128
-    STAGE = stage_bytes(NT, WG)
     ROWS = 64 * WG
     TILE = NT * ROWS
     tile_end = make_tile_end(TILE, ROWS, THREADS)
@@ -122,7 +137,7 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW):
         return a0, a1, b0, b1
 
     @cuda.jit(device=True, inline="always")
-    def produce(d64, scr, tid, lane, bm, vals, goff, xs, full, empty, chunk, tr0, nr, rot, nst, k0, GK):
+    def produce(d64, scr, tid, lane, bm, vals, goff, xs, full, empty, chunk, tr0, nr, rot, nst, k0, GK, SLOT):
         """The producer warp: offsets loaded one window (32 steps) ahead, lane 0's copies per step."""
         a0, a1, b0, b1 = offsets(goff, lane, 0, rot, nst, k0, tr0, nr, GK)
         n0, n1, m0, m1 = offsets(goff, lane, WIN, rot, nst, k0, tr0, nr, GK)
@@ -140,7 +155,7 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW):
                     mbar_wait(empty, s, ((i // STAGES) - 1) & 1)
                 gk = step_col(i, rot, nst, k0)
                 gt = tr0 * GK + gk
-                st = (s * STAGE) >> 3            # the stage, in 8-byte words of the dynamic array
+                st = (s * (XBYTES + WG * SLOT)) >> 3     # the stage, in 8-byte words of the dynamic array
                 nb = XBYTES + BITMAP_BYTES + 2 * (v1 - v0)
                 if nr > 1:
                     nb += BITMAP_BYTES + 2 * (w1 - w0)
@@ -156,8 +171,8 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW):
                     if w1 > w0:
                         bulk_copy(d64, dst + (BITMAP_BYTES >> 3), vals, w0 >> 2, 2 * (w1 - w0), full, s)
 
-    @cuda.jit(**({} if SIM else {"max_registers": max_registers(NT, 1, WG)}))
-    def kernel(bm, vals, goff, xs, y, ws, cnt, M, N, GK, nch, PER):
+    @cuda.jit(**({} if SIM else {"max_registers": REGS}))
+    def kernel(bm, vals, goff, xs, y, ws, cnt, M, N, GK, nch, PER, SLOT):
         d64, d32, df = dynamic_smem()
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
         flag = cuda.shared.array(1, np.int32)
@@ -178,13 +193,14 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW):
         cuda.syncthreads()
         acc = ZERO
         if warp == CW:
-            produce(d64, scr, tid, lane, bm, vals, goff, xs, full, empty, chunk, tr0, nr, rot, nst, k0, GK)
+            produce(d64, scr, tid, lane, bm, vals, goff, xs, full, empty, chunk, tr0, nr, rot, nst, k0, GK, SLOT)
         else:
             pos = u32(8 * (g & 3) + 2 * t)          # the lane's two bits in its half-word of each BitmapTile
             lmask = (u32(1) << pos) - u32(1)
             hsel = u32(lane >> 4)                     # rows 4-7 (g >= 4): the high half-word
             sp = u32(0)
             gofs = u32(XBYTES + wg * SLOT)                  # the GroupTile in a stage: bitmaps, then values
+            stb = u32(XBYTES + WG * SLOT)                    # a stage's bytes
             tme = byte_addr(tab, 64 * warp)                  # this warp's two tables (one per step parity)
             tput = u32(16) * u32(lane & 15) + u32(8) * hsel  # entry (j, h) at 16 j + 8 h
             mbar_wait(full, 0, 0)
@@ -199,9 +215,9 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW):
                     mbar_arrive(empty, sp)
                 if i + 1 < nst:                              # the next step's table (a shuffle chain) is
                     mbar_wait(full, s1, ph1)                 # built beside this step's decode
-                sb = ring + s * u32(STAGE)                   # shared addresses throughout
+                sb = ring + s * stb                   # shared addresses throughout
                 par = u32(i & 1) * u32(256)
-                nxt = _entry(d32, d64, scr, tid, lane, wwarp, ring + s1 * u32(STAGE) + gofs)
+                nxt = _entry(d32, d64, scr, tid, lane, wwarp, ring + s1 * stb + gofs)
                 da = strip_a16(scr, tid, tab, d32, tme + par + u32(8) * hsel, lmask, pos)
                 wsync(scr, tid)
                 sts64b(tab, tme + (par ^ u32(256)) + tput, nxt)
@@ -228,9 +244,10 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW):
 
 def tcabme_ws_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens: int | None = None,
                      stages: int | None = None, groups: int | None = None, splits: int | None = None,
-                     window: int = WINDOW) -> torch.Tensor:
+                     window: int = WINDOW, regs: int | None = None) -> torch.Tensor:
     """``x @ W^T`` for fp16 ``x`` [N, K] and a TCA-BME weight ``w`` (``packed.tcabme.TcaBme``, fp16, on x's
-    device) through this kernel (Hopper, or the simulator): ``[N, M]`` fp16, into ``out`` if given."""
+    device) through this kernel (Hopper, or the simulator): ``[N, M]`` fp16, into ``out`` if given. The
+    keywords force the plan (``ws_plan``) and the register cap."""
     from . import launch
     from .sp24_ws import x_slabs
     from .io import output_for, padded
@@ -246,22 +263,64 @@ def tcabme_ws_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens
         return out
     gm, gk = w.grid
     x = padded(x, gk * 64)
-    p, _r, wg = ws_plan(m, gk, n, launch.sm_count(x.device), tokens, stages, groups, splits)
+    vbytes = value_room(w)
+    p, _r, wg = ws_plan(m, gk, n, launch.sm_count(x.device), tokens, stages, groups, splits, vbytes, regs)
     wsp, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
     vals = w.values.contiguous() if w.values.numel() else torch.zeros(8, dtype=torch.float16, device=x.device)
     tensors = (w.bitmaps.view(torch.int64), vals.view(torch.int64), w.gtile_offsets, x_slabs(x, p.nt),
                out.reshape(-1).view(torch.int16), wsp, cnt)
-    launch.launch_tensors(get_kernel(p.nt, p.stages, wg, window), p.blocks, 32 * (4 * wg + 1), tensors,
-                          (m, n, gk, p.chunks, p.per), dyn=p.dyn)
+    launch.launch_tensors(get_kernel(p.nt, p.stages, wg, window, regs), p.blocks, 32 * (4 * wg + 1), tensors,
+                          (m, n, gk, p.chunks, p.per, slot_bytes(vbytes)), dyn=p.dyn)
     return out
 
 
-def ws_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None, stages: int | None = None,
-            groups: int | None = None, splits: int | None = None):
-    """``(RowsPlan, 1, WG)``: sp24_ws's plan for a weight with dense tiles (one tile row per warpgroup:
-    ``sp24_plan.ws_shape``, ``ws_splits``) with this kernel's stage size."""
-    from .sp24_plan import wg_plan
+def value_room(w) -> int:
+    """Bytes of values the weight's largest GroupTile holds, and 16 (``plan.vcap``). Reading it is a device to
+    host copy, so it is cached per weight; inside CUDA-graph capture an unseen weight gets a dense tile's."""
+    from . import launch, plan
 
-    p, r, wg, _ = wg_plan(m, gk, n, sms, tokens, splits, stages, None, groups, specialized=True, hybrid=True,
-                          smem=lambda nt, st, _r, wg: smem_bytes(nt, st, wg))
-    return p, r, wg
+    capturing = launch._capturing()
+    key = (w.gtile_offsets.data_ptr(), w.gtile_offsets.numel(), w.values.numel())
+    v = _VROOM.get(key)
+    if v is None:
+        v = 8 * plan.vcap(w, capturing)
+        if not capturing and not SIM:
+            if len(_VROOM) >= 4096:
+                _VROOM.clear()
+            _VROOM[key] = v
+    return v
+
+
+def ws_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None, stages: int | None = None,
+            groups: int | None = None, splits: int | None = None, vbytes: int = VALUE_BYTES,
+            regs: int | None = None):
+    """``(RowsPlan, 1, WG)`` of one launch for a weight whose largest GroupTile holds ``vbytes`` of values.
+
+    One warpgroup (one tile row) per block by default: the H100 sweep of session 15 found two slower on
+    every shape (fewer, larger blocks leave SMs idle). The blocks per SM the register cap allows
+    (``max_registers``) set the rest: the ring is as deep as that many blocks' shared memory allows (2-6
+    stages), and a K split (powers of two, each split ``MIN_SPLIT_COLS`` columns or more) fills those
+    block slots on weights with few tile rows. ``tokens``, ``stages``, ``groups``, ``splits`` force the plan;
+    a forced plan that needs more shared memory than Hopper grants is one ``ValueError`` line."""
+    from .sp24_plan import WG_SMEM_OPTIN, wg_tokens
+    from .work import RowsPlan, split_work
+
+    nt = tokens or wg_tokens(n)
+    wg = groups or 1
+    if nt not in NTS or wg not in (1, 2):
+        raise ValueError(f"spmm_ws takes tokens in {NTS} and one or two warpgroups, got {nt} and {wg}")
+    rb = -(-(-(-m // 64)) // wg)
+    chunks = -(-n // nt)
+    per_warp = -(-(regs or max_registers(nt, wg)) * 32 // 256) * 256
+    fit = max(1, 65536 // (per_warp * (4 * wg + 1)))          # blocks per SM the registers allow
+    room = SMEM_PER_SM // fit - SMEM_RESERVED
+    st = stages or max(2, min(6, room // stage_bytes(nt, wg, vbytes)))
+    ks = 1
+    while ks * 2 * rb * chunks <= fit * sms and gk // (ks * 2) >= MIN_SPLIT_COLS:
+        ks *= 2
+    ks, per, blocks = split_work(rb * chunks, gk, (ks, -(-gk // ks)), splits)
+    dyn = smem_bytes(nt, st, wg, vbytes)
+    if dyn > WG_SMEM_OPTIN:
+        raise ValueError(f"this spmm_ws plan (tokens {nt}, stages {st}, warpgroups {wg}) needs {dyn} bytes of shared "
+                         "memory: fewer stages or tokens")
+    return RowsPlan(nt, st, wg, rb, chunks, ks, per, blocks, dyn), 1, wg

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sparsekit.kernels.common import SIM
-from sparsekit.kernels.spmm_ws import tcabme_ws_matmul, ws_plan
+from sparsekit.kernels.spmm_ws import SMEM_RESERVED, max_registers, tcabme_ws_matmul, ws_plan
 from sparsekit.packed.tcabme import TcaBme, encode
 
 from tests.test_spmm_rows_sim import _weight
@@ -71,8 +71,27 @@ def test_spmm_ws_catches_a_planted_bitmap_order_bug():
 
 
 def test_spmm_ws_plan_fits():
-    p, r, wg = ws_plan(22016, 64, 64)
-    assert r == 1 and p.r == wg == 2 and p.ks == 1 and p.blocks == p.tiles
-    assert ws_plan(4096, 172, 32)[0].ks > 1                     # not tall: K split toward the SMs
+    sm = 228 * 1024
+    for m, gk, n in [(22016, 64, 1), (22016, 64, 64), (4096, 172, 32), (8192, 448, 128), (100, 2, 5)]:
+        p, r, wg = ws_plan(m, gk, n, vbytes=4624)
+        assert r == 1 and p.r == wg == 1 and p.nt >= min(n, 128) and 2 <= p.stages <= 6
+        assert p.blocks == p.tiles * p.ks and p.per * p.ks >= gk > p.per * (p.ks - 1)
+        fit = 65536 // (-(-max_registers(p.nt, 1) * 32 // 256) * 256 * 5)
+        assert fit * (p.dyn + SMEM_RESERVED) <= sm                # the ring leaves room for every resident block
+        assert p.ks == 1 or p.blocks <= fit * 132                 # a K split only fills the block slots
+    assert ws_plan(22016, 64, 64)[0].ks == 1                      # tall: one block per tile row
+    assert ws_plan(4096, 172, 32)[0].ks > 1                       # few tile rows: K split toward the SMs
+    assert ws_plan(4096, 172, 32, vbytes=4624)[0].dyn < ws_plan(4096, 172, 32)[0].dyn   # value room per weight
     with pytest.raises(ValueError, match="shared memory"):
-        ws_plan(22016, 64, 128, tokens=128, stages=8)
+        ws_plan(22016, 64, 128, tokens=128, stages=8, groups=2)
+
+
+def test_default_plan_takes_spmm_ws_where_it_won():
+    """The H100 sweep of session 15: spmm_ws beat spmm_warp from 32 tokens on tall weights (22016x4096,
+    8192x28672, 28672x8192) and from 64 on 4096x11008; spmm_warp kept 4096x4096 and every shape to 16."""
+    from sparsekit.kernels.matmul import ws_wanted
+
+    for m, k in [(22016, 4096), (8192, 28672), (28672, 8192)]:
+        assert not ws_wanted(m, k, 16) and ws_wanted(m, k, 32) and ws_wanted(m, k, 128)
+    assert not ws_wanted(4096, 11008, 32) and ws_wanted(4096, 11008, 64)
+    assert not any(ws_wanted(4096, 4096, n) for n in (1, 16, 32, 64, 128))
