@@ -8,9 +8,8 @@ import torch
 _available: bool | None = None
 _choice: str | None = None
 KERNELS = ("default", "warp", "rows", "ws")
-WS_MIN_N = 32              # the default plan takes spmm_ws on Hopper from this many tokens on weights of ...
-WS_MIN_M = 8192            # ... this many rows or more, and from WS_WIDE_N tokens on weights of ...
-WS_WIDE_N, WS_WIDE_MK = 64, 1 << 25   # ... this many elements or more (H100 sweep, docs/kernels-notes.md "v20")
+WS_MIN_N, WS_MIN_MK = 32, 1 << 26    # the default plan takes spmm_ws on Hopper from 32 tokens on weights this large
+WS_WIDE_N, WS_WIDE_MK = 64, 1 << 25   # and from 64 on these (H100 sweep, docs/kernels-notes.md "v20")
 
 
 def reset_kernel_choice() -> None:
@@ -42,7 +41,7 @@ def kernel_choice() -> str:
 
 def default_kernel(device: torch.device, m: int, k: int, n: int) -> str:
     """The default plan's kernel for an ``m x k`` weight at ``n`` tokens: spmm_ws (decoded once per tile, its
-    time nearly flat in the tokens) on Hopper from WS_MIN_N tokens on tall weights and from WS_WIDE_N on
+    time nearly flat in the tokens) on Hopper from WS_MIN_N tokens on the largest weights and from WS_WIDE_N on
     large ones, where it beat spmm_warp on the H100; spmm_warp elsewhere."""
     from . import launch
     from .common import SIM
@@ -52,7 +51,7 @@ def default_kernel(device: torch.device, m: int, k: int, n: int) -> str:
 
 def ws_wanted(m: int, k: int, n: int) -> bool:
     """Whether the default plan takes spmm_ws for an ``m x k`` weight at ``n`` tokens on Hopper."""
-    return n >= WS_MIN_N and m >= WS_MIN_M or n >= WS_WIDE_N and m * k >= WS_WIDE_MK
+    return n >= WS_MIN_N and m * k >= WS_MIN_MK or n >= WS_WIDE_N and m * k >= WS_WIDE_MK
 
 
 def kernels_available() -> bool:
