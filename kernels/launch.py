@@ -17,7 +17,8 @@ from ._intrinsics import SIM
 compat_numba.silence_low_occupancy_warnings()
 
 _SMEM_OPTIN_OK: bool | None = None
-_optin_done: set = set()
+_optin_done: set = set()      # numba dispatchers whose compiled function took the opt-in (numba's launch path)
+_optin_bytes: dict = {}       # (id(kern), device) -> the opt-in of the function launched directly for it
 
 _streams: dict = {}
 _work: dict = {}
@@ -143,11 +144,10 @@ def _stem(kern, args, device: torch.device) -> str | None:
     return kcache.key_of(kern, args, _cc[device.index])
 
 
-def _disk_kernel(kern, args, device: torch.device, dyn: int = 0):
+def _disk_kernel(kern, args, device: torch.device):
     """``kern`` compiled for ``args`` (arrays or tensors, then int scalars) and loaded from the kernel
-    cache (``kcache``) without numba, opted in to ``dyn`` bytes of shared memory; None where it is not
+    cache (``kcache``) without numba (its shared-memory opt-in: ``_direct_ready``); None where it is not
     cached (or the cache is off): numba compiles it at its launch, and ``_keep`` stores it."""
-    global _SMEM_OPTIN_OK
     stem = _stem(kern, args, device)
     if stem is None or stem in _unusable:
         return None
@@ -160,12 +160,24 @@ def _disk_kernel(kern, args, device: torch.device, dyn: int = 0):
         _unusable.add(stem)
         kcache.note(f"kernel cache file {stem} could not be used ({type(e).__name__}: {e}); compiling it again")
         return None
-    if dyn > OPTIN_FROM and id(kern) not in _optin_done:
-        if not compat_numba.set_max_dyn_smem(ck, max(plan.WARP_SMEM_MAX, dyn), device.index):
-            return None
-        _optin_done.add(id(kern))
-        _SMEM_OPTIN_OK = True
     return ck
+
+
+def _direct_ready(fkey, ck, dyn: int, device: torch.device) -> bool:
+    """Whether the directly launched function ``ck`` (``_fast[fkey]``) may take ``dyn`` bytes of dynamic shared
+    memory: past 47 KB it is opted in (to WARP_SMEM_MAX, or ``dyn`` if more) the first time a launch needs it.
+    The opt-in belongs to that function: one loaded from the kernel cache is not numba's compiled one, so a
+    dispatcher opted in through numba's path says nothing about it (a second process with a warm cache failed
+    with CUDA_ERROR_INVALID_VALUE when the first large launch of a kernel went through numba)."""
+    global _SMEM_OPTIN_OK
+    if dyn <= OPTIN_FROM or _optin_bytes.get(fkey, 0) >= dyn:
+        return True
+    nbytes = max(plan.WARP_SMEM_MAX, dyn)
+    if not compat_numba.set_max_dyn_smem(ck, nbytes, device.index):
+        return False
+    _optin_bytes[fkey] = nbytes
+    _SMEM_OPTIN_OK = True
+    return True
 
 
 def _keep(kern, args, device: torch.device) -> None:
@@ -197,11 +209,11 @@ def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int =
         return
     fkey = (id(kern), device.index)
     if fkey not in _fast:
-        ck = _disk_kernel(kern, (*tensors, *scalars), device, dyn)
+        ck = _disk_kernel(kern, (*tensors, *scalars), device)
         if ck is not None:
             _fast[fkey] = ck
     ck = _fast.get(fkey)
-    if ck is not None:
+    if ck is not None and _direct_ready(fkey, ck, dyn, device):
         flat = [f for t in tensors for f in compat_numba.flat(t.data_ptr(), t.numel(), t.element_size())]
         compat_numba.launch_direct(ck, blocks, threads, dyn, _stream(device), flat, scalars)
         return
@@ -232,11 +244,10 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, reg
     fkey = (id(kern), x.device.index)
     if not SIM and wflat and fkey not in _fast:
         ck = _disk_kernel(kern, (bm, vals, goff, soff, x.reshape(-1).view(torch.int64),
-                                 y.reshape(-1).view(torch.int16)) + scalars, x.device, dyn)
+                                 y.reshape(-1).view(torch.int16)) + scalars, x.device)
         if ck is not None:
             _fast[fkey] = ck
-    # (a block past 48 KB of shared memory needs the kernel's opt-in first: numba's launch path does it)
-    if not SIM and wflat and _fast.get(fkey) is not None and (dyn <= OPTIN_FROM or id(kern) in _optin_done):
+    if not SIM and wflat and _fast.get(fkey) is not None and _direct_ready(fkey, _fast[fkey], dyn, x.device):
         xs, ys = x.numel() // 4, y.numel()     # x as int64 words, y as int16
         compat_numba.launch_direct(
             _fast[fkey], blocks, 32 * nw, dyn, _stream(x.device),
