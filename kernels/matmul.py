@@ -7,6 +7,7 @@ import torch
 
 _available: bool | None = None
 _choice: str | None = None
+_ws_ok: bool | None = None
 KERNELS = ("default", "warp", "rows", "ws")
 WS_MIN_N, WS_MIN_MK = 32, 1 << 26    # the default plan takes spmm_ws on Hopper from 32 tokens on weights this large
 WS_WIDE_N, WS_WIDE_MK = 64, 1 << 25   # and from 64 on these (H100 sweep, docs/kernels-notes.md "v20")
@@ -46,7 +47,47 @@ def default_kernel(device: torch.device, m: int, k: int, n: int) -> str:
     from . import launch
     from .common import SIM
 
-    return "ws" if ws_wanted(m, k, n) and not SIM and launch.hopper(device) else "warp"
+    return "ws" if ws_wanted(m, k, n) and not SIM and launch.hopper(device) and ws_checked(device) else "warp"
+
+
+def ws_checked(device: torch.device) -> bool:
+    """Whether spmm_ws passed its self-test here: one small product against the reference, run at the first
+    call that would take spmm_ws (not at load: models without large weights never compile it). Inside a CUDA
+    graph capture an unchecked spmm_ws is not used (the check cannot run there). A failure, or spmm_ws left
+    out of a capture, is said once (an error under SPARSEKIT_STRICT=1): spmm_warp runs instead."""
+    global _ws_ok
+    if _ws_ok is None:
+        from . import compat_numba, launch
+
+        if launch._capturing():
+            compat_numba.lost("spmm_ws in this CUDA graph (it was not self-tested before the capture)",
+                              "spmm_warp runs in it")
+            return False
+        try:
+            _ws_self_test(device)
+            _ws_ok = True
+        except Exception as e:  # noqa: BLE001 - said once (raised under SPARSEKIT_STRICT); spmm_warp runs
+            _ws_ok = False
+            compat_numba.lost("the spmm_ws kernel (its self-test failed; spmm_warp runs instead)", e)
+    return _ws_ok
+
+
+def _ws_self_test(device: torch.device) -> None:
+    from sparsekit.packed.tcabme import encode
+
+    from .reference import reference_matmul
+    from .spmm_ws import tcabme_ws_matmul
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    w = torch.randn(64, 128, generator=g)
+    w = torch.where(torch.rand(64, 128, generator=g) < 0.5, torch.zeros_like(w), w).half()
+    x = torch.randn(32, 128, generator=g).half().to(device)
+    packed = encode(w.to(device))
+    y = tcabme_ws_matmul(x, packed)
+    ref = reference_matmul(x, packed).float()
+    err = float((y.float() - ref).norm() / ref.norm().clamp_min(1e-6))
+    if not err < 1e-2:
+        raise RuntimeError(f"its product is off by {err:.3g} (relative)")
 
 
 def ws_wanted(m: int, k: int, n: int) -> bool:

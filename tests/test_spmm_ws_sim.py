@@ -97,3 +97,21 @@ def test_default_plan_takes_spmm_ws_where_it_won():
     for m, k in [(4096, 11008), (12288, 4096)]:
         assert not ws_wanted(m, k, 32) and ws_wanted(m, k, 64)
     assert not any(ws_wanted(4096, 4096, n) for n in (1, 16, 32, 64, 128))
+
+
+def test_spmm_ws_is_self_tested_before_first_use_and_a_failure_is_said(monkeypatch):
+    import warnings
+
+    from sparsekit.errors import SparsekitWarning
+    from sparsekit.kernels import matmul
+
+    monkeypatch.delenv("SPARSEKIT_STRICT", raising=False)
+    monkeypatch.setattr(matmul, "_ws_ok", None)
+    matmul._ws_self_test(torch.device(DEV))                   # the real check passes (simulator or GPU)
+    monkeypatch.setattr(matmul, "_ws_self_test", lambda device: (_ for _ in ()).throw(RuntimeError("off by 0.5")))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert matmul.ws_checked(torch.device(DEV)) is False
+        assert matmul.ws_checked(torch.device(DEV)) is False  # checked once
+    said = [str(w.message) for w in seen if issubclass(w.category, SparsekitWarning)]
+    assert len(said) == 1 and "spmm_ws" in said[0] and "off by 0.5" in said[0]
