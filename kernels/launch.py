@@ -17,8 +17,8 @@ from ._intrinsics import SIM
 compat_numba.silence_low_occupancy_warnings()
 
 _SMEM_OPTIN_OK: bool | None = None
-_optin_done: set = set()      # numba dispatchers whose compiled function took the opt-in (numba's launch path)
-_optin_bytes: dict = {}       # (id(kern), device) -> the opt-in of the function launched directly for it
+optin_done: set = set()      # numba dispatchers whose compiled function took the opt-in (numba's launch path)
+optin_bytes: dict = {}       # (id(kern), device) -> the opt-in of the function launched directly for it
 
 _streams: dict = {}
 _work: dict = {}
@@ -124,10 +124,10 @@ def _allow_smem(kern, args, dyn: int) -> bool:
     """Let the kernel take up to WARP_SMEM_MAX (or ``dyn``, if more: a sp24_wg variant's fixed ring) of
     dynamic shared memory, past the default 48 KB."""
     global _SMEM_OPTIN_OK
-    if dyn <= OPTIN_FROM or id(kern) in _optin_done:
+    if dyn <= OPTIN_FROM or id(kern) in optin_done:
         return True
     if compat_numba.opt_in_smem(kern, args, max(plan.WARP_SMEM_MAX, dyn)):
-        _optin_done.add(id(kern))
+        optin_done.add(id(kern))
         _SMEM_OPTIN_OK = True
         return True
     _SMEM_OPTIN_OK = False
@@ -146,7 +146,7 @@ def _stem(kern, args, device: torch.device) -> str | None:
 
 def _disk_kernel(kern, args, device: torch.device):
     """``kern`` compiled for ``args`` (arrays or tensors, then int scalars) and loaded from the kernel
-    cache (``kcache``) without numba (its shared-memory opt-in: ``_direct_ready``); None where it is not
+    cache (``kcache``) without numba (its shared-memory opt-in: ``direct_ready``); None where it is not
     cached (or the cache is off): numba compiles it at its launch, and ``_keep`` stores it."""
     stem = _stem(kern, args, device)
     if stem is None or stem in _unusable:
@@ -163,19 +163,19 @@ def _disk_kernel(kern, args, device: torch.device):
     return ck
 
 
-def _direct_ready(fkey, ck, dyn: int, device: torch.device) -> bool:
+def direct_ready(fkey, ck, dyn: int, device: torch.device) -> bool:
     """Whether the directly launched function ``ck`` (``_fast[fkey]``) may take ``dyn`` bytes of dynamic shared
     memory: past 47 KB it is opted in (to WARP_SMEM_MAX, or ``dyn`` if more) the first time a launch needs it.
     The opt-in belongs to that function: one loaded from the kernel cache is not numba's compiled one, so a
     dispatcher opted in through numba's path says nothing about it (a second process with a warm cache failed
     with CUDA_ERROR_INVALID_VALUE when the first large launch of a kernel went through numba)."""
     global _SMEM_OPTIN_OK
-    if dyn <= OPTIN_FROM or _optin_bytes.get(fkey, 0) >= dyn:
+    if dyn <= OPTIN_FROM or optin_bytes.get(fkey, 0) >= dyn:
         return True
     nbytes = max(plan.WARP_SMEM_MAX, dyn)
     if not compat_numba.set_max_dyn_smem(ck, nbytes, device.index):
         return False
-    _optin_bytes[fkey] = nbytes
+    optin_bytes[fkey] = nbytes
     _SMEM_OPTIN_OK = True
     return True
 
@@ -213,7 +213,7 @@ def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int =
         if ck is not None:
             _fast[fkey] = ck
     ck = _fast.get(fkey)
-    if ck is not None and _direct_ready(fkey, ck, dyn, device):
+    if ck is not None and direct_ready(fkey, ck, dyn, device):
         flat = [f for t in tensors for f in compat_numba.flat(t.data_ptr(), t.numel(), t.element_size())]
         compat_numba.launch_direct(ck, blocks, threads, dyn, _stream(device), flat, scalars)
         return
@@ -247,7 +247,7 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, reg
                                  y.reshape(-1).view(torch.int16)) + scalars, x.device)
         if ck is not None:
             _fast[fkey] = ck
-    if not SIM and wflat and _fast.get(fkey) is not None and _direct_ready(fkey, _fast[fkey], dyn, x.device):
+    if not SIM and wflat and _fast.get(fkey) is not None and direct_ready(fkey, _fast[fkey], dyn, x.device):
         xs, ys = x.numel() // 4, y.numel()     # x as int64 words, y as int16
         compat_numba.launch_direct(
             _fast[fkey], blocks, 32 * nw, dyn, _stream(x.device),

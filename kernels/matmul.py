@@ -14,9 +14,11 @@ WS_WIDE_N, WS_WIDE_MK = 64, 1 << 25   # and from 64 on these (H100 sweep, docs/k
 
 
 def reset_kernel_choice() -> None:
-    """Forget the choice read from ``SPARSEKIT_KERNEL``: the next call reads the variable again."""
-    global _choice
+    """Forget the choice read from ``SPARSEKIT_KERNEL`` and spmm_ws's self-test result: the next call reads
+    the variable again and tests spmm_ws again."""
+    global _choice, _ws_ok
     _choice = None
+    _ws_ok = None
 
 
 def kernel_choice() -> str:
@@ -64,7 +66,7 @@ def ws_checked(device: torch.device) -> bool:
                               "spmm_warp runs in it")
             return False
         try:
-            _ws_self_test(device)
+            ws_self_test(device)
             _ws_ok = True
         except Exception as e:  # noqa: BLE001 - said once (raised under SPARSEKIT_STRICT); spmm_warp runs
             _ws_ok = False
@@ -72,7 +74,8 @@ def ws_checked(device: torch.device) -> bool:
     return _ws_ok
 
 
-def _ws_self_test(device: torch.device) -> None:
+def ws_self_test(device: torch.device) -> None:
+    """One small spmm_ws product (32 tokens) against the reference; raises when it is off."""
     from sparsekit.packed.tcabme import encode
 
     from .reference import reference_matmul

@@ -245,3 +245,23 @@ def test_a_2of4_kernel_that_never_beats_dense_past_tcabme_adds_no_upper_range(mo
     ab = next(g for g in rep["groups"] if g["layers"] == 2)
     assert (ab["sp24_max_n"], ab["sp24_from_n"], ab["sparse_max_n"]) == (1, 0, 8)
     assert model["a"].sp24_max_n == 1 and model["a"].sp24_from_n == 0 and model["a"].dense_above == 8
+
+
+def test_the_dispatch_cache_is_per_kernel_choice(monkeypatch, tmp_path):
+    """Timings measured with one TCA-BME kernel (SPARSEKIT_KERNEL) never decide for another."""
+    from types import SimpleNamespace
+
+    from sparsekit.kernels import matmul
+    from sparsekit.runtime import dispatch_cache
+
+    monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path))
+    monkeypatch.setattr(dispatch_cache.torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(name="GPU", multi_processor_count=132))
+    files = set()
+    for choice in ("default", "warp", "ws"):
+        monkeypatch.setenv("SPARSEKIT_KERNEL", choice)
+        matmul.reset_kernel_choice()
+        files.add(dispatch_cache.cache_file(None))
+        files.add(dispatch_cache.cache_file(None))
+    matmul.reset_kernel_choice()
+    assert len(files) == 3

@@ -106,12 +106,13 @@ def test_spmm_ws_is_self_tested_before_first_use_and_a_failure_is_said(monkeypat
     from sparsekit.kernels import matmul
 
     monkeypatch.delenv("SPARSEKIT_STRICT", raising=False)
-    monkeypatch.setattr(matmul, "_ws_ok", None)
-    matmul._ws_self_test(torch.device(DEV))                   # the real check passes (simulator or GPU)
-    monkeypatch.setattr(matmul, "_ws_self_test", lambda device: (_ for _ in ()).throw(RuntimeError("off by 0.5")))
+    matmul.reset_kernel_choice()
+    matmul.ws_self_test(torch.device(DEV))                    # the real check passes (simulator or GPU)
+    monkeypatch.setattr(matmul, "ws_self_test", lambda device: (_ for _ in ()).throw(RuntimeError("off by 0.5")))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert matmul.ws_checked(torch.device(DEV)) is False
         assert matmul.ws_checked(torch.device(DEV)) is False  # checked once
+    matmul.reset_kernel_choice()
     said = [str(w.message) for w in seen if issubclass(w.category, SparsekitWarning)]
     assert len(said) == 1 and "spmm_ws" in said[0] and "off by 0.5" in said[0]

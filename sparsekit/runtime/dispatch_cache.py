@@ -30,14 +30,16 @@ def kernels_hash() -> str:
 
 
 def cache_file(device: torch.device) -> Path:
-    """The cache file of this GPU and software."""
+    """The cache file of this GPU and software, and of the TCA-BME kernel choice (``SPARSEKIT_KERNEL``: the
+    timings of one kernel never decide for another)."""
     import numba
 
     from sparsekit import __version__
+    from sparsekit.kernels.matmul import kernel_choice
 
     props = torch.cuda.get_device_properties(device)
     ident = json.dumps([VERSION, props.name, props.multi_processor_count, torch.__version__, numba.__version__,
-                        __version__, kernels_hash()])
+                        __version__, kernels_hash(), kernel_choice()])
     return cache_root() / "dispatch" / f"{hashlib.sha256(ident.encode()).hexdigest()[:20]}.json"
 
 
