@@ -67,6 +67,11 @@ def max_registers(nt: int, wg: int) -> int:
     return min(want, (65536 // (32 * (4 * wg + 1))) & ~7)
 
 
+def compiled_kernels() -> dict:
+    """The kernels built so far in this process (tests and the kernel-cache check)."""
+    return _KERNELS
+
+
 def get_kernel(nt: int, stages: int, wg: int = 1, window: int = WINDOW, regs: int | None = None):
     """Kernel for ``nt`` tokens per output tile (8 .. 128), a ring of ``stages`` (2-8) and ``wg`` consumer
     warpgroups (1, 2), one GroupTile row each; ``window``: steps per offset load (tests shorten it); ``regs``:

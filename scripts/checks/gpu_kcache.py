@@ -3,7 +3,11 @@
 The first compiles its kernels through numba and stores them; the second must launch every one of
 them from the cache, compiling nothing. Both check each product against a float64 reference, with
 outputs poisoned (NaN) first: the TCA-BME kernel (default and row kernels, N = 1, 16, 64, 100), the
-2:4 kernel, and the decode kernel (bit-exact). Prints the first-launch seconds of each process.
+2:4 kernel, and the decode kernel (bit-exact); then the default plan on the 7B shapes (spmm_ws on Hopper
+from 32 tokens on the large ones) at 16, 200, 1, 64 and 32 tokens, twice each and interleaved, which is
+how a kernel from the cache once met a launch past 47 KB of shared memory that only numba's copy had been
+opted in for (CUDA_ERROR_INVALID_VALUE in the second process). Prints the first-launch seconds of each
+process.
 
     python -m scripts.checks.gpu_kcache [--json out.json]
 """
@@ -24,7 +28,7 @@ def child() -> dict:
     import torch
 
     from scripts.common import masked_weight
-    from sparsekit.kernels import decode, sp24_rows, spmm_rows, spmm_warp, tcabme_matmul
+    from sparsekit.kernels import decode, sp24_rows, spmm_rows, spmm_warp, spmm_ws, tcabme_matmul
     from sparsekit.kernels.sp24 import sp24_matmul
     from sparsekit.packed.sp24 import transcode
     from sparsekit.packed.tcabme import encode
@@ -47,13 +51,24 @@ def child() -> dict:
         sp24_matmul(x, lay, out=out, kernel="rows")
         ref24 = x.double() @ w24.double().t()
         errs[f"sp24 rows N={n}"] = float((out.double() - ref24).norm() / ref24.norm())
+    big = [(wb, encode(wb)) for wb in (masked_weight(m, k, 0.5, gen)
+                                       for m, k in ((4096, 4096), (12288, 4096), (4096, 11008), (22016, 4096)))]
+    for n in (16, 200, 1, 64, 32):
+        for rep in range(2):
+            for wb, pb in big:
+                x = torch.randn(n, wb.shape[1], device="cuda", generator=gen).half()
+                ref = x.double() @ wb.double().t()
+                out = torch.full((n, wb.shape[0]), float("nan"), device="cuda", dtype=torch.float16)
+                tcabme_matmul(x, pb, out=out)
+                key = f"tcabme default {wb.shape[0]}x{wb.shape[1]} N={n} #{rep + 1}"
+                errs[key] = float((out.double() - ref).norm() / ref.norm())
     dense = torch.full_like(w, float("nan"))
     decode.tcabme_decode(p, out=dense)
     torch.cuda.synchronize()
     first_s = time.time() - t0
     same = bool(torch.equal(dense.view(torch.int16), w.view(torch.int16)))
     kernels = [*spmm_warp.compiled_kernels().values(), *spmm_rows.compiled_kernels().values(),
-               *sp24_rows.compiled_kernels().values(), decode.get_kernel()]
+               *sp24_rows.compiled_kernels().values(), *spmm_ws.compiled_kernels().values(), decode.get_kernel()]
     compiled = sum(len(k.overloads) for k in kernels)
     return {"first_launch_s": first_s, "errors": errs, "decode_bit_exact": same, "kernels": len(kernels),
             "numba_compiles": compiled}
