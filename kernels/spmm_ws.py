@@ -2,22 +2,23 @@
 ``sp24_ws``'s warp-specialized skeleton with the packed GroupTile as the operand source. ``tcabme_matmul``'s
 default plan takes it on Hopper for many tokens (``matmul.default_kernel``); ``tcabme_ws_matmul`` forces it.
 
-- **Warps**: ``WG`` consumer warpgroups, one 64-row GroupTile row each, and one producer warp (the last).
-- **Producer** (the whole warp; lane 0 issues): each lane loads the ``gtile_offsets`` pair of one step and tile row
-  ``WINDOW`` (32) steps ahead of their use, so the step loop does not wait on a global load; lane 0 takes each
-  step's pair by shuffle. Per step, into ring stage ``s`` once freed ("empty"), bulk copies completing on
-  "full": the X slab (``sp24_ws.x_slabs``), and per tile row the GroupTile's 64 bitmaps (512 bytes) and
-  its values (16-byte aligned and padded by the format; none for an all-zero GroupTile).
-- **Consumers**: wait "full", retire the previous products (``wg_wait0``), release the previous stage,
-  then decode, branch-free and on 32-bit shared addresses: lanes 0-15 popcount the warp's strip (16
-  BitmapTiles) and lanes below ``8 wwarp`` four half-words each of the earlier strips; one warp scan of
-  both counts (packed in one word) gives lane ``j + 16 h`` the first value of half ``h`` (rows 0-3, 4-7) of
-  BitmapTile ``j``; the lane writes (half-word, value address) into the warp's table (``_entry``; two
-  tables, by step parity). Then ``strip_a16`` builds the lane's 16 A registers (``mma.sync``'s m16n8k16
-  fragment of each 16-column TCTile: BitmapTiles top-left, bottom-left, top-right, bottom-right, bit ``8
-  row + col``): per BitmapTile one table entry, a popcount, two unconditional value loads and a permute.
-  Software-pipelined: the next step's table (a shuffle chain) is built beside this step's decode. One ``wg_mmad`` (four dense m64nNk16 products) per step. The decode is per
-  tile: nothing in it grows with the tokens.
+- **Warps**: ``WG`` consumer warpgroups, one 64-row GroupTile row each, then a copy warp and a table warp.
+- **Copy warp** (lane 0 issues): each lane loads the ``gtile_offsets`` pair of one step and tile row ``WINDOW``
+  (32) steps ahead of their use, so the step loop does not wait on a global load; lane 0 takes each step's
+  pair by shuffle. Per step, into ring stage ``s`` once freed ("empty"), bulk copies completing on "raw":
+  the X slab (``sp24_ws.x_slabs``), and per tile row the GroupTile's 64 bitmaps (512 bytes) and its values
+  (16-byte aligned and padded by the format; none for an all-zero GroupTile).
+- **Table warp**: per step, once "raw" completes, it fills each tile row's decode table in the stage
+  (``_publish_table``: lane l popcounts half-words 4l .. 4l+3, one warp scan gives their first values; entry
+  ``2 t + h`` = half ``h`` of BitmapTile ``t``'s bitmap and the shared address of its first value), then
+  arrives on "full". It runs beside the copies, so the ring stays full of copies in flight.
+- **Consumers**: retire the previous products (``wg_wait0``), release the previous stage, wait "full",
+  then ``strip_a16`` builds the lane's 16 A registers from the warp's 32 table entries, branch-free on
+  32-bit shared addresses (``mma.sync``'s m16n8k16 fragment of each 16-column TCTile: BitmapTiles
+  top-left, bottom-left, top-right, bottom-right, bit ``8 row + col``): per BitmapTile one entry, a
+  popcount, two unconditional value loads and a permute. One ``wg_mmad`` (four dense m64nNk16 products) per
+  step; the products are retired before the next step's A registers are written (ptxas does not guard
+  them: ``scripts/checks/ptxas_wgmma.py``). The decode is per tile: nothing in it grows with the tokens.
 - **End**: ``block.make_tile_end``, as sp24_ws.
 """
 from __future__ import annotations
@@ -28,17 +29,19 @@ from numba import cuda
 
 from . import kcache
 from ._intrinsics import SCRATCH_WORDS, SIM, bulk_copy, mbar_arrive, mbar_expect, mbar_init, mbar_wait
-from ._warp_intrinsics import byte_addr, lds128b, lds64b, sts64b
-from ._wg_intrinsics import popc64, strip_a16, wg_commit, wg_mmad, wg_wait0, wscan, wshfl_idx, wsync
+from ._sp_intrinsics import sts128
+from ._warp_intrinsics import byte_addr, lds128b
+from ._wg_intrinsics import strip_a16, wg_commit, wg_mmad, wg_wait0, wscan, wshfl_idx, wsync
 from .block import dynamic_smem, make_tile_end, split_sharers, step_col, thread_ids
 from .sp24_wg import NTS, _device, make_tile_ops, x_desc
 
+TABLE_BYTES = 1024                      # a GroupTile's decode table: 128 entries (half-word, value address)
 BITMAP_BYTES = 512                      # a GroupTile's 64 bitmaps
 VALUE_BYTES = 8192 + 16                 # the most value bytes a GroupTile holds (all 4096, fp16), and 16 that the
                                         # decode's unconditional loads may read past them
 WINDOW = 32                             # steps whose offsets the producer warp loads at once (one per lane)
 SMEM_PER_SM = 228 * 1024                # Hopper's shared memory per SM ...
-SMEM_RESERVED = 1024 + 2304             # ... less, per block, the driver's reserve and this kernel's static arrays
+SMEM_RESERVED = 1024 + 256              # ... less, per block, the driver's reserve and this kernel's static arrays
 MIN_SPLIT_COLS = 32                     # a K split leaves every split this many tile columns or more
 _KERNELS: dict = {}
 _VROOM: dict = {}
@@ -47,8 +50,9 @@ u64 = np.uint64
 
 
 def slot_bytes(vbytes: int = VALUE_BYTES) -> int:
-    """A tile row's part of a stage: its bitmaps and room for ``vbytes`` of values (16-byte aligned)."""
-    return BITMAP_BYTES + -(-vbytes // 16) * 16
+    """A tile row's part of a stage: its decode table, its bitmaps and room for ``vbytes`` of values (16-byte
+    aligned)."""
+    return TABLE_BYTES + BITMAP_BYTES + -(-vbytes // 16) * 16
 
 
 def stage_bytes(nt: int, wg: int, vbytes: int = VALUE_BYTES) -> int:
@@ -64,7 +68,7 @@ def max_registers(nt: int, wg: int) -> int:
     """The register cap: 96 up to 64 tokens a tile (four blocks of one warpgroup per SM; ptxas: no spills), 128
     at 128 tokens; never more than the block's 4 x wg + 1 warps can share."""
     want = 96 if nt <= 64 else 128
-    return min(want, (65536 // (32 * (4 * wg + 1))) & ~7)
+    return min(want, (65536 // (32 * (4 * wg + 2))) & ~7)
 
 
 def compiled_kernels() -> dict:
@@ -84,37 +88,32 @@ def get_kernel(nt: int, stages: int, wg: int = 1, window: int = WINDOW, regs: in
 
 
 @_device
-def _entry(d32, d64, scr, tid, lane, wwarp, ba):
-    """Lane ``j + 16 h``: the table entry of half ``h`` (rows 0-3, 4-7) of BitmapTile ``j`` of this warp's
-    strip, for the GroupTile staged at shared address ``ba`` (bitmaps, then values): the half-word (low 32
-    bits) and the shared address of its first value (high 32 bits). One warp scan gives both sums: lanes 0-15
-    count their BitmapTile (low 16 bits) and every lane ``< 8 wwarp`` four half-words of the earlier strips
-    (high 16 bits)."""
-    j = lane & 15
-    bmj = lds64b(d64, ba + u32(128) * wwarp + u32(8) * j)       # BitmapTile j of the strip
-    lo = u32(bmj & u64(0xFFFFFFFF))
-    c = u32(0)
-    if lane < 16:
-        c = popc64(bmj)
-    q0, q1 = lds128b(d64, ba + u32(16) * lane)
-    if lane < 8 * wwarp:
-        c += (popc64(q0) + popc64(q1)) << u32(16)
-    incl = wscan(scr, tid, c)
-    base = wshfl_idx(scr, tid, incl, 31) >> u32(16)
-    excl = wshfl_idx(scr, tid, (incl - c) & u32(0xFFFF), j)
-    w = lo
-    if lane >= 16:
-        excl += u32(cuda.popc(lo))
-        w = u32(bmj >> u64(32))
-    addr = ba + u32(BITMAP_BYTES) + u32(2) * (base + excl)
-    return u64(w) | (u64(addr) << u64(32))
+def _publish_table(d32, d64, scr, tid, lane, tb):
+    """The producer warp fills the decode table of the GroupTile staged at shared address ``tb`` (table,
+    bitmaps, values): entry ``2 t + h`` (8 bytes at ``tb + 16 t + 8 h``) holds half ``h`` (rows 0-3, 4-7) of
+    BitmapTile ``t``'s bitmap and the shared address of that half's first value. Lane ``l`` takes half-words
+    ``4 l .. 4 l + 3`` (BitmapTiles ``2 l``, ``2 l + 1``); one warp scan gives their starts."""
+    q0, q1 = lds128b(d64, tb + u32(TABLE_BYTES) + u32(16) * lane)
+    h0 = u32(q0 & u64(0xFFFFFFFF))
+    h1 = u32(q0 >> u64(32))
+    h2 = u32(q1 & u64(0xFFFFFFFF))
+    h3 = u32(q1 >> u64(32))
+    c0 = u32(cuda.popc(h0))
+    c1 = u32(cuda.popc(h1))
+    c2 = u32(cuda.popc(h2))
+    tot = c0 + c1 + c2 + u32(cuda.popc(h3))
+    a0 = tb + u32(TABLE_BYTES + BITMAP_BYTES) + u32(2) * (wscan(scr, tid, tot) - tot)
+    a1 = a0 + u32(2) * c0
+    a2 = a1 + u32(2) * c1
+    a3 = a2 + u32(2) * c2
+    sts128(d32, tb + u32(32) * lane, h0, a0, h1, a1)
+    sts128(d32, tb + u32(32) * lane + u32(16), h2, a2, h3, a3)
 
 
 def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
     assert NT in NTS and 2 <= STAGES <= 8 and WG in (1, 2) and 1 <= WIN <= 32
     CW = 4 * WG
-    TABW = CW * 64                                   # two tables of 32 entries per consumer warp
-    THREADS = 32 * (CW + 1)
+    THREADS = 32 * (CW + 2)
     NACC = NT // 2
     XBYTES = NT * 128
     ROWS = 64 * WG
@@ -142,8 +141,23 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
         return a0, a1, b0, b1
 
     @cuda.jit(device=True, inline="always")
-    def produce(d64, scr, tid, lane, bm, vals, goff, xs, full, empty, chunk, tr0, nr, rot, nst, k0, GK, SLOT):
-        """The producer warp: offsets loaded one window (32 steps) ahead, lane 0's copies per step."""
+    def publish(d32, d64, scr, tid, lane, raw, full, j, nr, SLOT):
+        """Step ``j``'s copies have landed ("raw"): the whole warp fills each tile row's decode table, then
+        releases the stage to the consumers ("full")."""
+        s = j % STAGES
+        mbar_wait(raw, s, (j // STAGES) & 1)
+        tb = byte_addr(d64, 0) + u32(s * (XBYTES + WG * SLOT) + XBYTES)
+        _publish_table(d32, d64, scr, tid, lane, tb)
+        if nr > 1:
+            _publish_table(d32, d64, scr, tid, lane, tb + u32(SLOT))
+        wsync(scr, tid)                              # every lane's entries before the release
+        if lane == 0:
+            mbar_arrive(full, s)
+
+    @cuda.jit(device=True, inline="always")
+    def produce(d64, scr, tid, lane, bm, vals, goff, xs, raw, empty, chunk, tr0, nr, rot, nst, k0, GK, SLOT):
+        """The copy warp: offsets loaded one window (32 steps) ahead; per step, lane 0's copies into a freed
+        stage, completing on "raw" (the table warp takes it from there)."""
         a0, a1, b0, b1 = offsets(goff, lane, 0, rot, nst, k0, tr0, nr, GK)
         n0, n1, m0, m1 = offsets(goff, lane, WIN, rot, nst, k0, tr0, nr, GK)
         for i in range(nst):
@@ -164,17 +178,17 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
                 nb = XBYTES + BITMAP_BYTES + 2 * (v1 - v0)
                 if nr > 1:
                     nb += BITMAP_BYTES + 2 * (w1 - w0)
-                mbar_expect(full, s, nb)
-                bulk_copy(d64, st, xs, (chunk * GK + gk) * (XBYTES >> 3), XBYTES, full, s)
-                dst = st + (XBYTES >> 3)
-                bulk_copy(d64, dst, bm, gt * 64, BITMAP_BYTES, full, s)
+                mbar_expect(raw, s, nb)
+                bulk_copy(d64, st, xs, (chunk * GK + gk) * (XBYTES >> 3), XBYTES, raw, s)
+                dst = st + ((XBYTES + TABLE_BYTES) >> 3)
+                bulk_copy(d64, dst, bm, gt * 64, BITMAP_BYTES, raw, s)
                 if v1 > v0:
-                    bulk_copy(d64, dst + (BITMAP_BYTES >> 3), vals, v0 >> 2, 2 * (v1 - v0), full, s)
+                    bulk_copy(d64, dst + (BITMAP_BYTES >> 3), vals, v0 >> 2, 2 * (v1 - v0), raw, s)
                 if nr > 1:
                     dst += SLOT >> 3
-                    bulk_copy(d64, dst, bm, (gt + GK) * 64, BITMAP_BYTES, full, s)
+                    bulk_copy(d64, dst, bm, (gt + GK) * 64, BITMAP_BYTES, raw, s)
                     if w1 > w0:
-                        bulk_copy(d64, dst + (BITMAP_BYTES >> 3), vals, w0 >> 2, 2 * (w1 - w0), full, s)
+                        bulk_copy(d64, dst + (BITMAP_BYTES >> 3), vals, w0 >> 2, 2 * (w1 - w0), raw, s)
 
     @cuda.jit(**({} if SIM else {"max_registers": REGS}))
     def kernel(bm, vals, goff, xs, y, ws, cnt, M, N, GK, nch, PER, SLOT):
@@ -183,7 +197,7 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
         flag = cuda.shared.array(1, np.int32)
         full = cuda.shared.array(STAGES, np.uint64)
         empty = cuda.shared.array(STAGES, np.uint64)
-        tab = cuda.shared.array(TABW, np.uint64)             # the consumer warps' decode tables
+        raw = cuda.shared.array(STAGES, np.uint64)
         tid, warp, lane, g, t, _ = thread_ids()
         wg = warp >> 2
         wwarp = warp & 3
@@ -193,49 +207,42 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
         chunk = tt - rb * nch
         if tid == 0:
             for s in range(STAGES):
+                mbar_init(raw, s, 1)
                 mbar_init(full, s, 1)
                 mbar_init(empty, s, CW)
         cuda.syncthreads()
         acc = ZERO
         if warp == CW:
-            produce(d64, scr, tid, lane, bm, vals, goff, xs, full, empty, chunk, tr0, nr, rot, nst, k0, GK, SLOT)
+            produce(d64, scr, tid, lane, bm, vals, goff, xs, raw, empty, chunk, tr0, nr, rot, nst, k0, GK, SLOT)
+        elif warp == CW + 1:
+            for j in range(nst):
+                publish(d32, d64, scr, tid, lane, raw, full, j, nr, SLOT)
         else:
             pos = u32(8 * (g & 3) + 2 * t)          # the lane's two bits in its half-word of each BitmapTile
             lmask = (u32(1) << pos) - u32(1)
             hsel = u32(lane >> 4)                     # rows 4-7 (g >= 4): the high half-word
             sp = u32(0)
-            gofs = u32(XBYTES + wg * SLOT)                  # the GroupTile in a stage: bitmaps, then values
+            gofs = u32(XBYTES + wg * SLOT)                  # the GroupTile in a stage: table, bitmaps, values
             stb = u32(XBYTES + WG * SLOT)                    # a stage's bytes
-            tme = byte_addr(tab, 64 * warp)                  # this warp's two tables (one per step parity)
-            tput = u32(16) * u32(lane & 15) + u32(8) * hsel  # entry (j, h) at 16 j + 8 h
-            mbar_wait(full, 0, 0)
-            sts64b(tab, tme + tput, _entry(d32, d64, scr, tid, lane, wwarp, ring + gofs))
-            wsync(scr, tid)
-            s = u32(0)                                       # this step's stage, the next one's, its phase
-            s1 = u32(1)
-            ph1 = u32(0)
+            tsel = u32(256) * u32(wwarp) + u32(8) * hsel     # this warp's entries, the lane's half
+            s = u32(0)                                       # this step's stage and its phase
+            ph = u32(0)
             for i in range(nst):
                 acc = wg_wait0(acc)                          # the previous step's products: done, so their A
-                if i > 0 and lane == 0:                      # registers are free and their stage too
-                    mbar_arrive(empty, sp)
-                if i + 1 < nst:                              # the next step's table (a shuffle chain) is
-                    mbar_wait(full, s1, ph1)                 # built beside this step's decode
-                sb = ring + s * stb                   # shared addresses throughout
-                par = u32(i & 1) * u32(256)
-                nxt = _entry(d32, d64, scr, tid, lane, wwarp, ring + s1 * stb + gofs)
-                da = strip_a16(scr, tid, tab, d32, tme + par + u32(8) * hsel, lmask, pos)
-                wsync(scr, tid)
-                sts64b(tab, tme + (par ^ u32(256)) + tput, nxt)
-                wsync(scr, tid)
-                acc = wg_mmad(scr, tid, da, x_desc(sb), x_desc(sb + u32(256)), x_desc(sb + u32(512)),
-                              x_desc(sb + u32(768)), acc)
-                wg_commit()
+                if i > 0 and lane == 0:                      # registers are free and their stage too (released
+                    mbar_arrive(empty, sp)                   # before waiting: the producer's tables lag its
+                mbar_wait(full, s, ph)                       # copies, so it waits on this stage to go on)
+                sb = ring + s * stb                          # shared addresses throughout
+                if wg < nr:                                  # (a warpgroup past the weight's rows only keeps time)
+                    da = strip_a16(scr, tid, d64, d32, sb + gofs + tsel, lmask, pos)
+                    acc = wg_mmad(scr, tid, da, x_desc(sb), x_desc(sb + u32(256)), x_desc(sb + u32(512)),
+                                  x_desc(sb + u32(768)), acc)
+                    wg_commit()
                 sp = s
-                s = s1
-                s1 += u32(1)
-                if s1 == u32(STAGES):
-                    s1 = u32(0)
-                    ph1 ^= u32(1)
+                s += u32(1)
+                if s == u32(STAGES):
+                    s = u32(0)
+                    ph ^= u32(1)
             acc = wg_wait0(acc)
         cuda.syncthreads()                                   # every copy consumed: the ring is free
         if warp < CW:
@@ -274,7 +281,7 @@ def tcabme_ws_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens
     vals = w.values.contiguous() if w.values.numel() else torch.zeros(8, dtype=torch.float16, device=x.device)
     tensors = (w.bitmaps.view(torch.int64), vals.view(torch.int64), w.gtile_offsets, x_slabs(x, p.nt),
                out.reshape(-1).view(torch.int16), wsp, cnt)
-    launch.launch_tensors(get_kernel(p.nt, p.stages, wg, window, regs), p.blocks, 32 * (4 * wg + 1), tensors,
+    launch.launch_tensors(get_kernel(p.nt, p.stages, wg, window, regs), p.blocks, 32 * (4 * wg + 2), tensors,
                           (m, n, gk, p.chunks, p.per, slot_bytes(vbytes)), dyn=p.dyn)
     return out
 
@@ -317,7 +324,7 @@ def ws_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None, 
     rb = -(-(-(-m // 64)) // wg)
     chunks = -(-n // nt)
     per_warp = -(-(regs or max_registers(nt, wg)) * 32 // 256) * 256
-    fit = max(1, 65536 // (per_warp * (4 * wg + 1)))          # blocks per SM the registers allow
+    fit = max(1, 65536 // (per_warp * (4 * wg + 2)))          # blocks per SM the registers allow
     room = SMEM_PER_SM // fit - SMEM_RESERVED
     st = stages or max(2, min(6, room // stage_bytes(nt, wg, vbytes)))
     ks = 1
