@@ -9,7 +9,7 @@
   word and the shared-memory byte address of its first value:
   ``and; popc; mad`` (address), two ``ld.shared.u16``, ``shr; and; mad; prmt`` (the 2-bit code
   picks a byte permutation), ``prmt``.
-- ``byte_addr``, ``lds32b``, ``lds64b``, ``lds128b``, ``sts64b``: shared-memory byte addresses and accesses.
+- ``byte_addr``, ``lds32b``, ``lds128b``, ``sts64b``: shared-memory byte addresses and accesses.
 
 GPU: ``_warp_intrinsics_ptx``; simulator: ``_warp_intrinsics_sim`` (same names and signatures).
 """

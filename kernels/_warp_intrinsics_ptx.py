@@ -15,7 +15,7 @@ from ._intrinsics_ptx import _asm_tuple, smem_base
 from .plan import XROW_BYTES
 from .compat_numba import cuda_typing
 
-__all__ = ["byte_addr", "decode_at", "lds128b", "lds32b", "lds64b", "make_step_issue", "scan_counts", "sts64b"]
+__all__ = ["byte_addr", "decode_at", "lds128b", "lds32b", "make_step_issue", "scan_counts", "sts64b"]
 
 types, _ = cuda_typing()
 
@@ -40,17 +40,6 @@ def _lds32b(typingctx, addr):
 
 
 @intrinsic
-def _lds64b(typingctx, addr):
-    sig = types.uint64(types.uint32)
-
-    def codegen(context, builder, sig, args):
-        asm = ir.InlineAsm(ir.FunctionType(_i64, [_i32]), "ld.shared.u64 $0, [$1];", "=l,r", side_effect=True)
-        return builder.call(asm, args)
-
-    return sig, codegen
-
-
-@intrinsic
 def _sts64b(typingctx, addr, val):
     sig = types.void(types.uint32, types.uint64)
 
@@ -66,11 +55,6 @@ def _sts64b(typingctx, addr, val):
 @cuda.jit(device=True, inline=True)
 def lds32b(d32, addr):
     return _lds32b(np.uint32(addr))
-
-
-@cuda.jit(device=True, inline=True)
-def lds64b(d64, addr):
-    return _lds64b(np.uint32(addr))
 
 
 @cuda.jit(device=True, inline=True)

@@ -12,7 +12,7 @@ from ._intrinsics_sim import _select_pair, shfl_idx
 from .plan import XROW_BYTES
 from .compat_numba import sim_syncthreads
 
-__all__ = ["byte_addr", "decode_at", "lds128b", "lds32b", "lds64b", "make_step_issue", "scan_counts", "sts64b"]
+__all__ = ["byte_addr", "decode_at", "lds128b", "lds32b", "make_step_issue", "scan_counts", "sts64b"]
 
 
 def byte_addr(d64, i):
@@ -29,11 +29,6 @@ def _copy16(d64, dst, src, soff):
 def lds32b(d32, addr):
     """uint32 at shared byte address ``addr``."""
     return np.uint32(d32[int(addr) >> 2])
-
-
-def lds64b(d64, addr):
-    """uint64 at shared byte address ``addr`` (8-byte aligned)."""
-    return np.uint64(d64[int(addr) >> 3])
 
 
 def sts64b(d64, addr, val):

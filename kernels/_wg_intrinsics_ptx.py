@@ -14,10 +14,10 @@ offset is the step along N, D in ``mma``'s per-warp C layout for each 8-token bl
   ``wgmma.mma_async`` m64nNk16 (A registers ``a[4q:4q+4]``, ``mma.sync.m16n8k16``'s per-warp A fragment of
   the 16 columns ``16q ..``, B at ``desc_q``): one 64x64 dense tile against 64 K of B. Not yet probed
   on a GPU on its own: the kernels' float64 checks are its test.
-- ``wshfl_idx(scr, tid, val, src)``, ``wshfl_up(scr, tid, val, delta)``: ``shfl.sync`` of a uint32 within
-  one warp (the simulator twin synchronizes that warp only: warp-specialized kernels have warps that never
-  meet a block barrier); ``wscan(scr, tid, c)``: the inclusive prefix sum of a uint32 over the warp's
-  lanes (five ``shfl.sync.up``, warp-scoped the same way); ``popc64(x)``: the bits set in a uint64.
+- ``wshfl_idx(scr, tid, val, src)``: ``shfl.sync`` of a uint32 within one warp (the simulator twin
+  synchronizes that warp only: warp-specialized kernels have warps that never meet a block barrier);
+  ``wscan(scr, tid, c)``: the inclusive prefix sum of a uint32 over the warp's lanes (five
+  ``shfl.sync.up``, warp-scoped the same way).
 - ``strip_a16(scr, tid, tab, d32, taddr, lmask, pos)``: the 16 A registers of one warp's 16-row strip of a
   staged TCA-BME GroupTile (spmm_ws), branch-free, on 32-bit shared addresses. Per BitmapTile j, one
   8-byte entry at ``taddr + 16 j`` of the warp's table (``tab``): the lane's half-word of the bitmap and the
@@ -46,7 +46,7 @@ from numba.cuda.extending import intrinsic
 from ._intrinsics_ptx import _asm_stmt, _asm_tuple
 from .compat_numba import cuda_typing
 
-__all__ = ["lds_a8", "popc64", "strip_a16", "wscan", "wsync", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0", "wshfl_idx", "wshfl_up"]
+__all__ = ["lds_a8", "strip_a16", "wscan", "wsync", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0", "wshfl_idx"]
 
 types, _ = cuda_typing()
 _i32, _i64, _f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -194,11 +194,6 @@ def wshfl_idx(scr, tid, val, src):
     return np.uint32(cuda.shfl_sync(0xFFFFFFFF, np.int32(val), np.int32(src)))
 
 
-@cuda.jit(device=True, inline=True)
-def wshfl_up(scr, tid, val, delta):
-    return np.uint32(cuda.shfl_up_sync(0xFFFFFFFF, np.int32(val), np.int32(delta)))
-
-
 _WSCAN_PTX = "{\n.reg .u32 t;\n.reg .pred p;\nmov.b32 $0, $1;\n" + "".join(
     f"shfl.sync.up.b32 t|p, $0, {d}, 0, -1;\n@p add.u32 $0, $0, t;\n" for d in (1, 2, 4, 8, 16)) + "}"
 
@@ -217,7 +212,3 @@ def _wscan(typingctx, c):
 def wscan(scr, tid, c):
     return _wscan(np.uint32(c))
 
-
-@cuda.jit(device=True, inline=True)
-def popc64(x):
-    return np.uint32(cuda.popc(np.uint64(x)))

@@ -17,7 +17,7 @@ from ._sp_intrinsics_sim import _a_dense, _a_sp
 from ._warp_intrinsics_sim import decode_at
 from .compat_numba import sim_kernel
 
-__all__ = ["lds_a8", "popc64", "strip_a16", "wscan", "wsync", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0", "wshfl_idx", "wshfl_up"]
+__all__ = ["lds_a8", "strip_a16", "wscan", "wsync", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0", "wshfl_idx"]
 
 _W = 16   # scratch words per thread: 8 A registers and 2 metadata words (wg_mma2) or 16 A registers
           # (wg_mmad); one stride for both, as two warpgroups of a block may run one of each at once
@@ -70,13 +70,6 @@ def wshfl_idx(scr, tid, val, src):
     return np.uint32(int(scr[base + (tid & ~31) + int(src)]))
 
 
-def wshfl_up(scr, tid, val, delta):
-    """The uint32 of the lane ``delta`` below (a lane below ``delta`` keeps its own), within the warp."""
-    tid = int(tid)
-    base = _publish(scr, tid, val)
-    return np.uint32(int(scr[base + tid - int(delta)]) if (tid & 31) >= int(delta) else int(val))
-
-
 def wscan(scr, tid, c):
     """Inclusive prefix sum of the uint32 ``c`` over the lanes of ``tid``'s warp (warp-scoped)."""
     tid = int(tid)
@@ -96,8 +89,6 @@ def wsync(scr, tid):
     _warp_sync(scr, int(tid))
 
 
-def popc64(x):
-    return np.uint32(bin(int(x) & 0xFFFFFFFFFFFFFFFF).count("1"))
 
 
 def lds_a8(d64, addr):
