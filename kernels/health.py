@@ -65,7 +65,6 @@ def self_test() -> None:
         raise RuntimeError(f"self-test product is off by {err:.3g} (relative)")
 
 
-
 @functools.lru_cache(maxsize=None)
 def kernel_status() -> KernelStatus:
     """Whether the kernels can run on this machine, and if not, why and what to do (cached)."""
