@@ -101,23 +101,23 @@ def bulk_copy(dst, di, src, si, nbytes, mbar, mi):
         _mbar_settle(st)
 
 
-SMEM_BASE = 4096   # the simulator's shared "addresses" start here, not at 0, as on a GPU (static arrays come
+_SMEM_BASE = 4096   # the simulator's shared "addresses" start here, not at 0, as on a GPU (static arrays come
                    # first): an address used where an array offset belongs then fails in CI too
 
 
-def soff(addr) -> int:
+def _soff(addr) -> int:
     """The byte offset into its array of a simulated shared address (``byte_addr``)."""
-    return int(addr) - SMEM_BASE
+    return int(addr) - _SMEM_BASE
 
 
 def smem_base(arr, i):
-    """Shared-memory "address" of uint64 element ``i`` (simulator: a uint32 word index past SMEM_BASE)."""
-    return SMEM_BASE // 4 + 2 * i
+    """Shared-memory "address" of uint64 element ``i`` (simulator: a uint32 word index past _SMEM_BASE)."""
+    return _SMEM_BASE // 4 + 2 * i
 
 
 def lds32(d32, base, woff):
     """The uint32 word ``woff`` words past ``base`` (a ``smem_base`` address)."""
-    return np.uint32(d32[base - SMEM_BASE // 4 + woff])
+    return np.uint32(d32[base - _SMEM_BASE // 4 + woff])
 
 
 def decode_pair(d32, e, lmask, pos, vbase):
@@ -131,7 +131,7 @@ def decode_pair(d32, e, lmask, pos, vbase):
     e = int(e)
     w = e & 0xFFFFFFFF
     idx = (e >> 32) + bin(w & int(lmask)).count("1")
-    a = vbase - SMEM_BASE // 4 + (idx >> 1)
+    a = vbase - _SMEM_BASE // 4 + (idx >> 1)
     pair = (int(d32[a]) | (int(d32[a + 1]) << 32)) >> (16 * (idx & 1))
     return _select_pair(w, pos, pair & 0xFFFF, (pair >> 16) & 0xFFFF)
 

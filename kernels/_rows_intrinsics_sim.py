@@ -1,6 +1,6 @@
 """The inline-PTX piece of spmm_rows (``_rows_intrinsics``) as plain Python, for the simulator.
 
-Shared addresses are SMEM_BASE plus byte offsets into the dynamic shared array, global sources byte offsets into
+Shared addresses are _SMEM_BASE plus byte offsets into the dynamic shared array, global sources byte offsets into
 the arrays (as in ``_warp_intrinsics_sim``). Same public names and signatures as ``_rows_intrinsics_ptx``.
 """
 from __future__ import annotations

@@ -5,13 +5,13 @@ A, B and metadata registers in the block's scratch array, then computes its own 
 everyone's (one exchange, two block barriers, whichever kind of tile: the kernel's warps may multiply
 tiles of different kinds at the same time, and the simulator's barriers are block-wide).
 ``ldmatrix_x4`` exchanges the lanes' row addresses the same way. Shared "addresses" are
-``SMEM_BASE`` plus byte offsets into the dynamic shared array (``byte_addr``), as in ``_warp_intrinsics_sim``.
+``_SMEM_BASE`` plus byte offsets into the dynamic shared array (``byte_addr``), as in ``_warp_intrinsics_sim``.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ._intrinsics_sim import soff
+from ._intrinsics_sim import _soff
 from .compat_numba import sim_syncthreads
 
 __all__ = ["cp16", "cp_commit", "cp_wait3", "cp_wait4", "cp_wait5", "cp_wait6", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
@@ -92,7 +92,7 @@ def ldmatrix_x4(scr, tid, d32, addr):
     sim_syncthreads()
     base = tid - lane
     g, t = lane >> 2, lane & 3
-    out = [np.uint32(d32[(soff(scr[base + 8 * j + g]) >> 2) + t]) for j in range(4)]
+    out = [np.uint32(d32[(_soff(scr[base + 8 * j + g]) >> 2) + t]) for j in range(4)]
     sim_syncthreads()
     return out[0], out[1], out[2], out[3]
 
@@ -105,7 +105,7 @@ def ldg128(arr, i):
 
 def sts128(d32, addr, w0, w1, w2, w3):
     """Four words to shared byte address ``addr`` (16-byte aligned)."""
-    i = soff(addr) >> 2
+    i = _soff(addr) >> 2
     for q, w in enumerate((w0, w1, w2, w3)):
         d32[i + q] = np.uint32(int(w) & 0xFFFFFFFF)
 
@@ -113,7 +113,7 @@ def sts128(d32, addr, w0, w1, w2, w3):
 def cp16(d32, addr, arr, i, nbytes):
     """16 bytes (words ``i .. i+3`` of ``arr``) to shared byte address ``addr``, or 16 zero bytes when
     ``nbytes`` is 0 (GPU: ``cp.async.cg`` with a source size, completing at ``cp_wait*``)."""
-    d = soff(addr) >> 2
+    d = _soff(addr) >> 2
     for q in range(4):
         d32[d + q] = np.uint32(int(arr[int(i) + q]) & 0xFFFFFFFF) if int(nbytes) else np.uint32(0)
 

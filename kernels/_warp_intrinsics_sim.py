@@ -1,8 +1,8 @@
 """The inline-PTX pieces of spmm_warp (``_warp_intrinsics``) as plain Python, for the simulator.
 
-Addresses: ``byte_addr(d64, i)`` is ``SMEM_BASE`` + 8*i: a byte offset into the array, moved off 0 as a GPU's
+Addresses: ``byte_addr(d64, i)`` is ``_SMEM_BASE`` + 8*i: a byte offset into the array, moved off 0 as a GPU's
 shared addresses are (its static arrays come first), so that a kernel indexing an array with an address
-fails under the simulator too; each twin subtracts the base (``soff``). Global "pointers" (``ptr_of``)
+fails under the simulator too; each twin subtracts the base (``_soff``). Global "pointers" (``ptr_of``)
 are 0, so sources are byte offsets into the arrays. Same public
 names and signatures as ``_warp_intrinsics_ptx`` (checked by tests/test_kernels_layout.py).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._intrinsics_sim import SMEM_BASE, _select_pair, shfl_idx, soff
+from ._intrinsics_sim import _SMEM_BASE, _select_pair, _soff, shfl_idx
 from .plan import XROW_BYTES
 from .compat_numba import sim_syncthreads
 
@@ -18,11 +18,11 @@ __all__ = ["byte_addr", "decode_at", "lds128b", "lds32b", "make_step_issue", "sc
 
 
 def byte_addr(d64, i):
-    return SMEM_BASE + 8 * int(i)
+    return _SMEM_BASE + 8 * int(i)
 
 
 def _copy16(d64, dst, src, src_off):
-    di = soff(dst) // 8
+    di = _soff(dst) // 8
     si = int(src_off) // 8
     d64[di] = np.int64(src[si]).view(np.uint64)
     d64[di + 1] = np.int64(src[si + 1]).view(np.uint64)
@@ -30,15 +30,15 @@ def _copy16(d64, dst, src, src_off):
 
 def lds32b(d32, addr):
     """uint32 at shared byte address ``addr``."""
-    return np.uint32(d32[soff(addr) >> 2])
+    return np.uint32(d32[_soff(addr) >> 2])
 
 
 def sts64b(d64, addr, val):
-    d64[soff(addr) >> 3] = np.uint64(val)
+    d64[_soff(addr) >> 3] = np.uint64(val)
 
 
 def lds128b(d64, addr):
-    i = soff(addr) >> 3
+    i = _soff(addr) >> 3
     return np.uint64(d64[i]), np.uint64(d64[i + 1])
 
 
@@ -83,7 +83,7 @@ def scan_counts(scr, tid, c):
 def decode_at(d32, e, lmask, pos):
     e = int(e)
     w = e & 0xFFFFFFFF
-    b = soff(e >> 32) + 2 * bin(w & int(lmask)).count("1")
+    b = _soff(e >> 32) + 2 * bin(w & int(lmask)).count("1")
 
     def u16(byte):
         return (int(d32[byte >> 2]) >> (16 * ((byte >> 1) & 1))) & 0xFFFF

@@ -4,7 +4,7 @@
 a warpgroup publish their A registers and metadata words in the block's scratch array, then each computes
 its own accumulators from everyone's, reading B through the descriptor (start address, leading byte
 offset = step between core matrices along K, stride byte offset = step along N) from the block's dynamic
-shared memory. Shared "addresses" are ``SMEM_BASE`` plus byte offsets into that array, as in
+shared memory. Shared "addresses" are ``_SMEM_BASE`` plus byte offsets into that array, as in
 ``_warp_intrinsics_sim``. The
 products complete at once: the waits return their operand.
 """
@@ -15,7 +15,7 @@ import numpy as np
 import threading
 
 from ._sp_intrinsics_sim import _a_dense, _a_sp
-from ._intrinsics_sim import SMEM_BASE, soff
+from ._intrinsics_sim import _SMEM_BASE, _soff
 from ._warp_intrinsics_sim import decode_at
 from .compat_numba import sim_kernel
 
@@ -82,8 +82,8 @@ def wscan(scr, tid, c):
 
 def strip_a16(scr, tid, tab, d32, taddr, lmask, pos):
     """The 16 A registers of a warp's strip of a staged TCA-BME GroupTile from its table entries at ``taddr``
-    (``SMEM_BASE`` plus byte offsets into ``tab``; see ``_wg_intrinsics_ptx``)."""
-    return tuple(decode_at(d32, int(tab[(soff(taddr) >> 3) + 2 * j]), lmask, pos) for j in range(16))
+    (``_SMEM_BASE`` plus byte offsets into ``tab``; see ``_wg_intrinsics_ptx``)."""
+    return tuple(decode_at(d32, int(tab[(_soff(taddr) >> 3) + 2 * j]), lmask, pos) for j in range(16))
 
 
 def wsync(scr, tid):
@@ -96,12 +96,12 @@ def wsync(scr, tid):
 def lds_a8(d64, addr):
     """The 8 words at shared byte addresses ``addr`` .. +15 and ``addr + 512`` .. +15."""
     d32 = d64.view(np.uint32)
-    i, j = soff(addr) >> 2, (soff(addr) + 512) >> 2
+    i, j = _soff(addr) >> 2, (_soff(addr) + 512) >> 2
     return tuple(np.uint32(d32[i + q]) for q in range(4)) + tuple(np.uint32(d32[j + q]) for q in range(4))
 
 
 def _b_reader(desc: int):
-    start = (((desc & 0x3FFF) << 4) - SMEM_BASE) & 0x3FFFF   # the descriptor keeps address bits 4-17
+    start = (((desc & 0x3FFF) << 4) - _SMEM_BASE) & 0x3FFFF   # the descriptor keeps address bits 4-17
     lbo = ((desc >> 16) & 0x3FFF) << 4
     sbo = ((desc >> 32) & 0x3FFF) << 4
     h = sim_kernel().shared.array(0, np.dtype(np.uint16)).view(np.float16)
