@@ -64,11 +64,16 @@ def smem_bytes(nt: int, stages: int, wg: int, vbytes: int = VALUE_BYTES) -> int:
     return max(stages * stage_bytes(nt, wg, vbytes), nt * 64 * wg * 4)
 
 
+def block_warps(wg: int) -> int:
+    """Warps of a block: ``wg`` consumer warpgroups, the copy warp and the table warp."""
+    return 4 * wg + 2
+
+
 def max_registers(nt: int, wg: int) -> int:
-    """The register cap: 96 up to 64 tokens a tile (four blocks of one warpgroup per SM; ptxas: no spills), 128
-    at 128 tokens; never more than the block's 4 x wg + 1 warps can share."""
+    """The register cap: 96 up to 64 tokens a tile (three blocks of one warpgroup per SM; ptxas: no spills),
+    128 at 128 tokens; never more than the block's warps can share."""
     want = 96 if nt <= 64 else 128
-    return min(want, (65536 // (32 * (4 * wg + 2))) & ~7)
+    return min(want, (65536 // (32 * block_warps(wg))) & ~7)
 
 
 def compiled_kernels() -> dict:
@@ -113,7 +118,7 @@ def _publish_table(d32, d64, scr, tid, lane, tb):
 def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
     assert NT in NTS and 2 <= STAGES <= 8 and WG in (1, 2) and 1 <= WIN <= 32
     CW = 4 * WG
-    THREADS = 32 * (CW + 2)
+    THREADS = 32 * block_warps(WG)
     NACC = NT // 2
     XBYTES = NT * 128
     ROWS = 64 * WG
@@ -281,7 +286,7 @@ def tcabme_ws_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens
     vals = w.values.contiguous() if w.values.numel() else torch.zeros(8, dtype=torch.float16, device=x.device)
     tensors = (w.bitmaps.view(torch.int64), vals.view(torch.int64), w.gtile_offsets, x_slabs(x, p.nt),
                out.reshape(-1).view(torch.int16), wsp, cnt)
-    launch.launch_tensors(get_kernel(p.nt, p.stages, wg, window, regs), p.blocks, 32 * (4 * wg + 2), tensors,
+    launch.launch_tensors(get_kernel(p.nt, p.stages, wg, window, regs), p.blocks, 32 * block_warps(wg), tensors,
                           (m, n, gk, p.chunks, p.per, slot_bytes(vbytes)), dyn=p.dyn)
     return out
 
@@ -321,10 +326,11 @@ def ws_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None, 
     wg = groups or 1
     if nt not in NTS or wg not in (1, 2):
         raise ValueError(f"spmm_ws takes tokens in {NTS} and one or two warpgroups, got {nt} and {wg}")
-    rb = -(-(-(-m // 64)) // wg)
+    gm = -(-m // 64)
+    rb = -(-gm // wg)
     chunks = -(-n // nt)
     per_warp = -(-(regs or max_registers(nt, wg)) * 32 // 256) * 256
-    fit = max(1, 65536 // (per_warp * (4 * wg + 2)))          # blocks per SM the registers allow
+    fit = max(1, 65536 // (per_warp * block_warps(wg)))       # blocks per SM the registers allow
     room = SMEM_PER_SM // fit - SMEM_RESERVED
     st = stages or max(2, min(6, room // stage_bytes(nt, wg, vbytes)))
     ks = 1
