@@ -18,13 +18,15 @@ offset is the step along N, D in ``mma``'s per-warp C layout for each 8-token bl
   synchronizes that warp only: warp-specialized kernels have warps that never meet a block barrier);
   ``wscan(scr, tid, c)``: the inclusive prefix sum of a uint32 over the warp's lanes (five
   ``shfl.sync.up``, warp-scoped the same way).
-- ``strip_a16(scr, tid, tab, d32, taddr, lmask, pos)``: the 16 A registers of one warp's 16-row strip of a
-  staged TCA-BME GroupTile (spmm_ws), branch-free, on 32-bit shared addresses. Per BitmapTile j, one
-  8-byte entry at ``taddr + 16 j`` of the warp's table (``tab``): the lane's half-word of the bitmap and the
-  shared address of that half-word's first value; then spmm_warp's decode (popc of the bits below the
-  lane's, two unconditional 16-bit loads, a permute chosen by the lane's two bits). The value region must
-  have 4 readable bytes past its end. ``wsync(scr, tid)``: ``bar.warp.sync`` (the simulator twin waits for
-  the warp only).
+- ``strip_a16(scr, tid, tab, d32, wvaddr, aaddr, lmask, pos)``: the 16 A registers of one warp's 16-row strip
+  of a staged TCA-BME GroupTile (spmm_ws), branch-free, on 32-bit shared addresses, from the warp's part of
+  the table (``spmm_ws._publish_table``): per pair of BitmapTiles, 16 bytes at ``wvaddr`` (the lane's two
+  half-words of the bitmaps, then the same with each bit pair's low bit flipped where its high bit is clear)
+  and 8 at ``aaddr`` (the shared addresses of the halves' first values). Per BitmapTile: popc of the bits
+  below the lane's (``lmask``), two unconditional 16-bit loads, a forward 4-byte extract (``prmt.f4e``) of
+  ``common.STRIP_LUT`` at the lane's flipped bit pair (``pos``) that yields the selector, and the permute.
+  The value region must have 4 readable bytes past its end. ``wsync(scr, tid)``: ``bar.warp.sync`` (the
+  simulator twin waits for the warp only).
 - ``lds_a8(d64, addr)``: the 8 A registers of a staged strip, 16 bytes at ``addr`` and 16 at ``addr +
   512``, as two ``ld.shared.v4.u32`` straight into 32-bit registers (no 64-bit halves to split: ptxas
   turned those into register copies that mixed up the A operands of the second tile column's products).
@@ -44,6 +46,7 @@ from numba import cuda
 from numba.cuda.extending import intrinsic
 
 from ._intrinsics_ptx import _asm_stmt, _asm_tuple
+from .common import STRIP_LUT
 from .compat_numba import cuda_typing
 
 __all__ = ["lds_a8", "strip_a16", "wscan", "wsync", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0", "wshfl_idx"]
@@ -131,27 +134,27 @@ _lds_a8 = _asm_tuple("ld.shared.v4.u32 {$0,$1,$2,$3}, [$8];\nld.shared.v4.u32 {$
 
 
 def _strip_a16_asm() -> str:
-    lines = ["{"]
+    lines = ["{", ".reg .u32 l0, l1;", f"mov.u32 l0, {STRIP_LUT[0]:#x};", f"mov.u32 l1, {STRIP_LUT[1]:#x};"]
     for j in range(16):
-        lines.append(f".reg .u32 w{j}, a{j}, t{j}, f{j}, s{j}, k{j}, q{j};")
-    for j in range(16):       # the loads first, so that their latencies overlap
-        lines.append(f"ld.shared.v2.u32 {{w{j}, a{j}}}, [$16+{16 * j}];")
+        lines.append(f".reg .u32 w{j}, v{j}, a{j}, t{j}, f{j}, s{j}, k{j}, q{j};")
+    for p in range(8):        # the loads first, so that their latencies overlap
+        lines.append(f"ld.shared.v4.u32 {{w{2 * p}, w{2 * p + 1}, v{2 * p}, v{2 * p + 1}}}, [$16+{16 * p}];")
+        lines.append(f"ld.shared.v2.u32 {{a{2 * p}, a{2 * p + 1}}}, [$17+{8 * p}];")
     for j in range(16):
-        lines.append(f"and.b32 t{j}, w{j}, $17;\npopc.b32 t{j}, t{j};\nmad.lo.u32 a{j}, t{j}, 2, a{j};\n"
+        lines.append(f"and.b32 t{j}, w{j}, $18;\npopc.b32 t{j}, t{j};\nmad.lo.u32 a{j}, t{j}, 2, a{j};\n"
                      f"ld.shared.u16 f{j}, [a{j}];\nld.shared.u16 s{j}, [a{j}+2];\n"
-                     f"shr.b32 k{j}, w{j}, $18;\nand.b32 k{j}, k{j}, 3;\nmad.lo.u32 k{j}, k{j}, 34, 16;\n"
-                     f"prmt.b32 q{j}, 0x22102222, 0x54101022, k{j};\nprmt.b32 ${j}, f{j}, s{j}, q{j};")
+                     f"shr.b32 k{j}, v{j}, $19;\nprmt.b32.f4e q{j}, l0, l1, k{j};\nprmt.b32 ${j}, f{j}, s{j}, q{j};")
     return "\n".join(lines) + "\n}"
 
 
 @intrinsic
-def _strip_a16(typingctx, taddr, lmask, pos):
+def _strip_a16(typingctx, wvaddr, aaddr, lmask, pos):
     u = types.uint32
-    sig = types.UniTuple(u, 16)(u, u, u)
+    sig = types.UniTuple(u, 16)(u, u, u, u)
 
     def codegen(context, builder, sig, args):
-        fnty = ir.FunctionType(ir.LiteralStructType([_i32] * 16), [_i32] * 3)
-        cons = ",".join(["=r"] * 16 + ["r"] * 3 + ["~{memory}"])
+        fnty = ir.FunctionType(ir.LiteralStructType([_i32] * 16), [_i32] * 4)
+        cons = ",".join(["=r"] * 16 + ["r"] * 4 + ["~{memory}"])
         res = builder.call(ir.InlineAsm(fnty, _strip_a16_asm(), cons, side_effect=True), args)
         return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(16)])
 
@@ -159,9 +162,9 @@ def _strip_a16(typingctx, taddr, lmask, pos):
 
 
 @cuda.jit(device=True, inline=True)
-def strip_a16(scr, tid, tab, d32, taddr, lmask, pos):
+def strip_a16(scr, tid, tab, d32, wvaddr, aaddr, lmask, pos):
     u = np.uint32
-    return _strip_a16(u(taddr), u(lmask), u(pos))
+    return _strip_a16(u(wvaddr), u(aaddr), u(lmask), u(pos))
 
 
 @cuda.jit(device=True, inline=True)

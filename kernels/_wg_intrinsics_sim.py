@@ -16,7 +16,7 @@ import threading
 
 from ._sp_intrinsics_sim import _a_dense, _a_sp
 from ._intrinsics_sim import _SMEM_BASE, _soff
-from ._warp_intrinsics_sim import decode_at
+from .common import STRIP_LUT
 from .compat_numba import sim_kernel
 
 __all__ = ["lds_a8", "strip_a16", "wscan", "wsync", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0", "wshfl_idx"]
@@ -80,10 +80,39 @@ def wscan(scr, tid, c):
     return np.uint32(sum(int(scr[base + q]) for q in range(w, tid + 1)) & 0xFFFFFFFF)
 
 
-def strip_a16(scr, tid, tab, d32, taddr, lmask, pos):
-    """The 16 A registers of a warp's strip of a staged TCA-BME GroupTile from its table entries at ``taddr``
-    (``_SMEM_BASE`` plus byte offsets into ``tab``; see ``_wg_intrinsics_ptx``)."""
-    return tuple(decode_at(d32, int(tab[(_soff(taddr) >> 3) + 2 * j]), lmask, pos) for j in range(16))
+def _prmt(a: int, b: int, c: int) -> int:
+    """PTX ``prmt.b32`` (default mode): byte i of the result is byte ``c``'s nibble i of {b, a}, or that byte's
+    sign replicated when the nibble's top bit is set."""
+    src = (int(b) << 32) | int(a)
+    out = 0
+    for i in range(4):
+        n = (int(c) >> (4 * i)) & 0xF
+        byte = (src >> (8 * (n & 7))) & 0xFF
+        if n & 8:
+            byte = 0xFF if byte & 0x80 else 0
+        out |= byte << (8 * i)
+    return out
+
+
+def strip_a16(scr, tid, tab, d32, wvaddr, aaddr, lmask, pos):
+    """The 16 A registers of a warp's strip of a staged TCA-BME GroupTile (see ``_wg_intrinsics_ptx``): per
+    BitmapTile pair, 16 bytes at ``wvaddr`` (the two half-words, then their selector words) and 8 at ``aaddr``
+    (the two value addresses), computed as the PTX does: the popcount, both loads, the forward extract and
+    the permute."""
+    words = d32.view(np.uint32)
+    lut = (STRIP_LUT[1] << 32) | STRIP_LUT[0]
+
+    def u16(byte):
+        return (int(words[byte >> 2]) >> (16 * ((byte >> 1) & 1))) & 0xFFFF
+
+    out = []
+    for j in range(16):
+        wv = (_soff(wvaddr) >> 2) + 4 * (j >> 1) + (j & 1)
+        w, v = int(words[wv]), int(words[wv + 2])
+        a = _soff(int(words[(_soff(aaddr) >> 2) + 2 * (j >> 1) + (j & 1)])) + 2 * bin(w & int(lmask)).count("1")
+        q = (lut >> (8 * ((v >> int(pos)) & 3))) & 0xFFFFFFFF
+        out.append(np.uint32(_prmt(u16(a), u16(a + 2), q)))
+    return tuple(out)
 
 
 def wsync(scr, tid):

@@ -9,16 +9,16 @@ default plan takes it on Hopper for many tokens (``matmul.default_kernel``); ``t
   the X slab (``sp24_ws.x_slabs``), and per tile row the GroupTile's 64 bitmaps (512 bytes) and its values
   (16-byte aligned and padded by the format; none for an all-zero GroupTile).
 - **Table warp**: per step, once "raw" completes, it fills each tile row's decode table in the stage
-  (``_publish_table``: lane l popcounts half-words 4l .. 4l+3, one warp scan gives their first values; entry
-  ``2 t + h`` = half ``h`` of BitmapTile ``t``'s bitmap and the shared address of its first value), then
-  arrives on "full". It runs beside the copies, so the ring stays full of copies in flight.
-- **Consumers**: retire the previous products (``wg_wait0``), release the previous stage, wait "full",
-  then ``strip_a16`` builds the lane's 16 A registers from the warp's 32 table entries, branch-free on
-  32-bit shared addresses (``mma.sync``'s m16n8k16 fragment of each 16-column TCTile: BitmapTiles
-  top-left, bottom-left, top-right, bottom-right, bit ``8 row + col``): per BitmapTile one entry, a
-  popcount, two unconditional value loads and a permute. One ``wg_mmad`` (four dense m64nNk16 products) per
-  step; the products are retired before the next step's A registers are written (ptxas does not guard
-  them: ``scripts/checks/ptxas_wgmma.py``). The decode is per tile: nothing in it grows with the tokens.
+  (``_publish_table``: lane l popcounts half-words 4l .. 4l+3, one warp scan gives their first values; per
+  half-word, its bits, its selector word and the shared address of its first value), then arrives on "full". It runs
+  beside the copies, so the ring stays full of copies in flight.
+- **Consumers**: retire the previous products (``wg_wait0``), release the previous stage, wait "full", then
+  ``strip_a16`` builds the lane's 16 A registers from the warp's part of the table, branch-free on 32-bit shared
+  addresses (``mma.sync``'s m16n8k16 fragment of each 16-column TCTile: BitmapTiles top-left, bottom-left,
+  top-right, bottom-right, bit ``8 row + col``): per BitmapTile one entry, a popcount, two unconditional value loads
+  and two permutes (the selector, the word). One ``wg_mmad`` (four dense m64nNk16 products) per step; the products
+  are retired before the next step's A registers are written (ptxas does not guard them:
+  ``scripts/checks/ptxas_wgmma.py``). The decode is per tile: nothing in it grows with the tokens.
 - **End**: ``block.make_tile_end``, as sp24_ws.
 """
 from __future__ import annotations
@@ -30,12 +30,12 @@ from numba import cuda
 from . import kcache
 from ._intrinsics import SCRATCH_WORDS, SIM, bulk_copy, mbar_arrive, mbar_expect, mbar_init, mbar_wait
 from ._sp_intrinsics import sts128
-from ._warp_intrinsics import byte_addr, lds128b
+from ._warp_intrinsics import byte_addr, lds128b, sts64b
 from ._wg_intrinsics import strip_a16, wg_commit, wg_mmad, wg_wait0, wscan, wshfl_idx, wsync
 from .block import dynamic_smem, make_tile_end, split_sharers, step_col, thread_ids
 from .sp24_wg import NTS, _device, make_tile_ops, x_desc
 
-TABLE_BYTES = 1024                      # a GroupTile's decode table: 128 entries (half-word, value address)
+TABLE_BYTES = 1536                      # a GroupTile's decode table (``_publish_table``)
 BITMAP_BYTES = 512                      # a GroupTile's 64 bitmaps
 VALUE_BYTES = 8192 + 16                 # the most value bytes a GroupTile holds (all 4096, fp16), and 16 that the
                                         # decode's unconditional loads may read past them
@@ -70,9 +70,10 @@ def block_warps(wg: int) -> int:
 
 
 def max_registers(nt: int, wg: int) -> int:
-    """The register cap: 96 up to 64 tokens a tile (three blocks of one warpgroup per SM; ptxas: no spills),
-    128 at 128 tokens; never more than the block's warps can share."""
-    want = 96 if nt <= 64 else 128
+    """The register cap, the lowest with no spills (ptxas, sm_90a): 64 up to 16 tokens a tile (five blocks of one
+    warpgroup per SM), 72 at 32 (four), 96 at 64 (three), 128 at 128; never more than the block's warps can
+    share."""
+    want = 64 if nt <= 16 else 72 if nt <= 32 else 96 if nt <= 64 else 128
     return min(want, (65536 // (32 * block_warps(wg))) & ~7)
 
 
@@ -94,10 +95,11 @@ def get_kernel(nt: int, stages: int, wg: int = 1, window: int = WINDOW, regs: in
 
 @_device
 def _publish_table(d32, d64, scr, tid, lane, tb):
-    """The producer warp fills the decode table of the GroupTile staged at shared address ``tb`` (table,
-    bitmaps, values): entry ``2 t + h`` (8 bytes at ``tb + 16 t + 8 h``) holds half ``h`` (rows 0-3, 4-7) of
-    BitmapTile ``t``'s bitmap and the shared address of that half's first value. Lane ``l`` takes half-words
-    ``4 l .. 4 l + 3`` (BitmapTiles ``2 l``, ``2 l + 1``); one warp scan gives their starts."""
+    """The table warp fills the decode table of the GroupTile staged at shared address ``tb`` (table, bitmaps,
+    values). Per half ``h`` (rows 0-3, 4-7) and pair ``p`` of BitmapTiles (``2 p``, ``2 p + 1``): at ``tb + 512 h +
+    16 p`` their two half-words of the bitmap, then the same with each bit pair's low bit flipped where its
+    high bit is clear (the lane's selector index for ``strip_a16``); at ``tb + 1024 + 256 h + 8 p`` the shared
+    addresses of the two halves' first values. Lane ``l`` takes pair ``l``; one warp scan gives the starts."""
     q0, q1 = lds128b(d64, tb + u32(TABLE_BYTES) + u32(16) * lane)
     h0 = u32(q0 & u64(0xFFFFFFFF))
     h1 = u32(q0 >> u64(32))
@@ -111,8 +113,16 @@ def _publish_table(d32, d64, scr, tid, lane, tb):
     a1 = a0 + u32(2) * c0
     a2 = a1 + u32(2) * c1
     a3 = a2 + u32(2) * c2
-    sts128(d32, tb + u32(32) * lane, h0, a0, h1, a1)
-    sts128(d32, tb + u32(32) * lane + u32(16), h2, a2, h3, a3)
+    sts128(d32, tb + u32(16) * lane, h0, h2, _selectors(h0), _selectors(h2))
+    sts128(d32, tb + u32(512) + u32(16) * lane, h1, h3, _selectors(h1), _selectors(h3))
+    sts64b(d64, tb + u32(1024) + u32(8) * lane, u64(a0) | (u64(a2) << u64(32)))
+    sts64b(d64, tb + u32(1280) + u32(8) * lane, u64(a1) | (u64(a3) << u64(32)))
+
+
+@_device
+def _selectors(h):
+    """Each bit pair (b1, b0) of ``h`` as ``strip_a16``'s index: 00 -> 01, 01 -> 00, 10 and 11 stay."""
+    return h ^ (((h >> u32(1)) ^ u32(0xFFFFFFFF)) & u32(0x55555555))
 
 
 def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
@@ -229,7 +239,8 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
             sp = u32(0)
             gofs = u32(XBYTES + wg * SLOT)                  # the GroupTile in a stage: table, bitmaps, values
             stb = u32(XBYTES + WG * SLOT)                    # a stage's bytes
-            tsel = u32(256) * u32(wwarp) + u32(8) * hsel     # this warp's entries, the lane's half
+            wvsel = u32(512) * hsel + u32(128) * u32(wwarp)             # the table of this warp's BitmapTiles in
+            asel = u32(1024) + u32(256) * hsel + u32(64) * u32(wwarp)  # the lane's half: words, value addresses
             s = u32(0)                                       # this step's stage and its phase
             ph = u32(0)
             for i in range(nst):
@@ -239,9 +250,9 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
                 mbar_wait(full, s, ph)                       # copies, so it waits on this stage to go on)
                 sb = ring + s * stb                          # shared addresses throughout
                 if wg < nr:                                  # (a warpgroup past the weight's rows only keeps time)
-                    da = strip_a16(scr, tid, d64, d32, sb + gofs + tsel, lmask, pos)
-                    acc = wg_mmad(scr, tid, da, x_desc(sb), x_desc(sb + u32(256)), x_desc(sb + u32(512)),
-                                  x_desc(sb + u32(768)), acc)
+                    da = strip_a16(scr, tid, d64, d32, sb + gofs + wvsel, sb + gofs + asel, lmask, pos)
+                    xd = x_desc(sb)                              # the K parts' descriptors: +256 bytes each
+                    acc = wg_mmad(scr, tid, da, xd, xd + u64(16), xd + u64(32), xd + u64(48), acc)
                     wg_commit()
                 sp = s
                 s += u32(1)
