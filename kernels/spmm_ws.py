@@ -326,8 +326,8 @@ def ws_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None, 
 
     One warpgroup (one tile row) per block by default: the H100 sweep of session 15 found two slower on
     every shape (fewer, larger blocks leave SMs idle). The blocks per SM the register cap allows
-    (``max_registers``) set the rest: the ring is as deep as that many blocks' shared memory allows (2-6
-    stages), and a K split (powers of two, each split ``MIN_SPLIT_COLS`` columns or more) fills those
+    (``max_registers``) set the rest: the ring is as deep as that many blocks' shared memory allows, 2-4
+    stages (session 16, H100: 4 beat 5 and 6 by 4-6% on 22016x4096 and 28672x8192), and a K split (powers of two, each split ``MIN_SPLIT_COLS`` columns or more) fills those
     block slots on weights with few tile rows. ``tokens``, ``stages``, ``groups``, ``splits`` force the plan;
     a forced plan that needs more shared memory than Hopper grants is one ``ValueError`` line."""
     from .sp24_plan import WG_SMEM_OPTIN, wg_tokens
@@ -343,7 +343,7 @@ def ws_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None, 
     per_warp = -(-(regs or max_registers(nt, wg)) * 32 // 256) * 256
     fit = max(1, 65536 // (per_warp * block_warps(wg)))       # blocks per SM the registers allow
     room = SMEM_PER_SM // fit - SMEM_RESERVED
-    st = stages or max(2, min(6, room // stage_bytes(nt, wg, vbytes)))
+    st = stages or max(2, min(4, room // stage_bytes(nt, wg, vbytes)))
     ks = 1
     while ks * 2 * rb * chunks <= fit * sms and gk // (ks * 2) >= MIN_SPLIT_COLS:
         ks *= 2
