@@ -33,9 +33,10 @@ def sparse_model(seed=0):
     return nn.ModuleDict({"a": lin(64, 128), "b": lin(64, 128), "c": lin(128, 64)})
 
 
-def fake_timings(monkeypatch, table, calls=None):
+def fake_timings(monkeypatch, table, calls=None, untimed_below=0):
     """``table[(out, in)] = [(n, sparse_ms, dense_ms), ...]`` instead of GPU timings; ``calls`` hears
-    each token count timed."""
+    each token count timed. ``untimed_below``: the small-weight rule's bound (0: these tiny test layers
+    are timed like 7B ones)."""
     def timed(mods, dense, n):
         if calls is not None:
             calls.append(n)
@@ -43,6 +44,7 @@ def fake_timings(monkeypatch, table, calls=None):
 
     monkeypatch.setattr(dispatch, "kernels_usable", lambda mods: True)
     monkeypatch.setattr(dispatch, "time_group", timed)
+    monkeypatch.setattr(dispatch, "UNTIMED_BELOW", untimed_below)
 
 
 def test_speed_runs_losing_groups_dense_and_keeps_copies_for_the_rest(monkeypatch):
@@ -75,8 +77,86 @@ def test_memory_keeps_every_layer_packed_and_no_copies(monkeypatch):
 
 def test_without_usable_kernels_nothing_changes():
     model = sparse_model()
-    rep = dispatch.plan_dispatch(model)      # CPU: no GPU kernels
+    rep = dispatch.plan_dispatch(model, time_small=True)      # CPU: no GPU kernels
     assert "skipped" in rep and all(isinstance(m, SparseLinear) for m in model.values())
+
+
+def big_and_small_model():
+    """``sparse_model`` plus a 128x128 layer: with ``UNTIMED_BELOW`` at 128 * 128, two small groups and one timed."""
+    model = sparse_model()
+    g = torch.Generator().manual_seed(5)
+    lin = nn.Linear(128, 128, bias=True)
+    lin.weight.data = torch.where(torch.rand(128, 128, generator=g) < 0.5, 0.0, torch.randn(128, 128, generator=g))
+    model["d"] = SparseLinear.from_linear(lin)
+    return model
+
+
+def test_small_weights_run_dense_untimed_without_touching_the_kernels(monkeypatch):
+    """Issue 20: under prefer=speed a group of fewer than UNTIMED_BELOW weights is neither compiled nor
+    timed: its layers become nn.Linear (the same weights, bit for bit, decoded without the kernels), the
+    report marks the groups untimed and says so in one line; bigger groups are timed as before."""
+    from sparsekit.runtime import sparse_linear
+
+    model = big_and_small_model()
+    ref = {k: m.dense_weight(torch.float32) for k, m in model.items()}
+    calls = []
+    fake_timings(monkeypatch, {(128, 128): [(1, 1.0, 2.0), (8, 3.0, 2.0)]}, calls, untimed_below=128 * 128)
+    monkeypatch.setattr(sparse_linear, "kernel", lambda: pytest.fail("the kernels were touched"))
+    rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1, 8), cache=False)
+    assert calls == [1, 8]                                               # only the 128x128 group was timed
+    for k in ("a", "b", "c"):
+        assert type(model[k]) is nn.Linear and model[k].weight.dtype == torch.float16
+        assert torch.equal(model[k].weight.float(), ref[k].half().float())
+        assert rep["dense_layers"][k].startswith("not timed: fewer than 2^14 weights")
+    assert isinstance(model["d"], SparseLinear) and model["d"].dense_above == 1 and "d" not in rep["dense_layers"]
+    untimed = rep["untimed"]
+    assert {k: untimed[k] for k in ("below_elements", "layers", "shapes")} == {
+        "below_elements": 128 * 128, "layers": 3, "shapes": [[64, 128], [128, 64]]}
+    note = untimed["note"]
+    assert "\n" not in note and note.startswith("3 sparse layers run dense without timing the sparse kernel")
+    assert "64x128, 128x64" in note and "2^14" in note and "SPARSEKIT_TIME_SMALL=1" in note
+    by_shape = {tuple(g["shape"]): g for g in rep["groups"]}
+    small = by_shape[(64, 128)]
+    assert small["untimed"] and small["timings"] == [] and small["layers"] == 2
+    assert small["form"] == "dense" and "untimed" not in by_shape[(128, 128)]
+
+
+def test_a_plan_of_small_weights_only_runs_no_self_test_and_reads_no_cache(monkeypatch):
+    """All groups small (the demo model's case): every layer dense, no kernel check, no dispatch cache
+    looked up; without usable kernels the small groups still go dense and the rest keep the reference path."""
+    from sparsekit.runtime import dispatch_cache, sparse_linear
+
+    monkeypatch.setattr(dispatch, "kernels_usable", lambda mods: pytest.fail("kernel check for small layers"))
+    monkeypatch.setattr(dispatch_cache, "cache_file", lambda device: pytest.fail("cache looked up"))
+    monkeypatch.setattr(sparse_linear, "kernel", lambda: pytest.fail("the kernels were touched"))
+    model = sparse_model()
+    rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1, 8))
+    assert not any(isinstance(m, SparseLinear) for m in model.values()) and len(rep["dense_layers"]) == 3
+    assert "skipped" not in rep and "cache" not in rep and rep["untimed"]["layers"] == 3
+
+    monkeypatch.setattr(dispatch, "UNTIMED_BELOW", 128 * 128)
+    monkeypatch.setattr(dispatch, "kernels_usable", lambda mods: False)
+    model = big_and_small_model()
+    rep = dispatch.plan_dispatch(model, prefer="speed", token_counts=(1, 8))
+    assert rep["skipped"] == "no usable GPU kernels: the other sparse layers keep the reference path"
+    assert isinstance(model["d"], SparseLinear) and all(type(model[k]) is nn.Linear for k in ("a", "b", "c"))
+
+
+def test_time_small_and_prefer_memory_time_every_group(monkeypatch):
+    """SPARSEKIT_TIME_SMALL=1 (or time_small=True) times small weights as before; prefer=memory never
+    changes a layer, so it times them too (its report says where dense would win)."""
+    table = {(64, 128): [(1, 1.0, 2.0), (8, 3.0, 2.0)], (128, 64): [(1, 3.0, 2.0)]}
+    cases = (("1", {"prefer": "speed"}), ("0", {"prefer": "speed", "time_small": True}), ("", {"prefer": "memory"}))
+    for env, kw in cases:
+        calls = []
+        fake_timings(monkeypatch, table, calls, untimed_below=dispatch.UNTIMED_BELOW)
+        monkeypatch.setenv("SPARSEKIT_TIME_SMALL", env)
+        model = sparse_model()
+        rep = dispatch.plan_dispatch(model, token_counts=(1, 8), cache=False, **kw)
+        assert calls == [1, 8, 1] and "untimed" not in rep and isinstance(model["a"], SparseLinear), (env, kw)
+    monkeypatch.setenv("SPARSEKIT_TIME_SMALL", "yes")
+    with pytest.raises(SparsekitError, match="SPARSEKIT_TIME_SMALL='yes'"):
+        dispatch.plan_dispatch(sparse_model(), token_counts=(1, 8), cache=False)
 
 
 def test_prefer_is_checked():
@@ -96,6 +176,35 @@ def test_the_loader_checks_prefer(tmp_path):
 
     with pytest.raises(SparsekitError, match="prefer must be one of speed, memory, got 'fastest'"):
         open_model(tmp_path / "missing", torch.device("cpu"), torch.float32, prefer="fastest")
+
+
+def test_the_loader_checks_the_kernels_only_where_the_plan_leaves_sparse_layers(monkeypatch, tmp_path):
+    """A plan that runs every layer dense (the demo's: small weights, untimed) leaves nothing for the kernels'
+    load-time self-test (a numba compile on a fresh machine) to check; one that keeps a sparse layer is
+    checked once, as is a load without a plan; check_kernels=False leaves the check to the caller."""
+    from types import SimpleNamespace
+
+    from sparsekit.runtime import loader
+
+    class OnGpu(nn.ModuleDict):
+        def to(self, *args, **kwargs):   # stays on the CPU; make_ready sees a CUDA device
+            return self
+
+    def all_dense(model, prefer):
+        for k in list(model):
+            model[k] = model[k].to_linear(torch.float16, use_kernels=False)
+        return {}
+
+    checks = []
+    monkeypatch.setattr(loader, "kernel", lambda: checks.append(1))
+    cuda = SimpleNamespace(type="cuda")
+    for plan, prefer, check, want in ((all_dense, "speed", True, 0), (lambda model, prefer: {}, "speed", True, 1),
+                                      (all_dense, None, True, 1), (all_dense, None, False, 0)):
+        checks.clear()
+        monkeypatch.setattr(loader, "plan_dispatch", plan)
+        model = loader.make_ready(OnGpu(sparse_model()), tmp_path, cuda, prefer=prefer, check_kernels=check)
+        assert len(checks) == want, (prefer, check)
+        assert any(isinstance(m, SparseLinear) for m in model.values()) == (plan is not all_dense or prefer is None)
 
 
 def test_timings_are_cached_per_gpu_and_software_and_reused(monkeypatch, tmp_path):

@@ -312,6 +312,60 @@ def test_the_compiled_step_compiles_twice_per_model_not_per_batch_size(monkeypat
         decoder.reset_compiled_layer()
 
 
+def test_a_packed_model_left_with_no_sparse_layer_shares_the_twins_compiled_graphs(monkeypatch, packed_model):
+    """Issue 20: the demo's plan runs every layer dense (small weights, untimed), so the packed model has the
+    twin's modules and tensors: the twin replays the packed model's graphs, 2 compiles for both, not 4."""
+    from sparsekit.runtime import decoder
+    from sparsekit.runtime.decoder import GreedyDecoder
+    from sparsekit.runtime.dispatch import plan_dispatch
+
+    packed_model.half()    # the plan's dense layers are fp16, as the model is on a GPU
+    rep = plan_dispatch(packed_model, prefer="speed", cache=False)
+    assert rep["untimed"]["layers"] > 0 and not any(isinstance(m, SparseLinear) for m in packed_model.modules())
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(len(example_inputs))
+        return gm.forward
+
+    monkeypatch.setattr(decoder, "COMPILE_OPTIONS", {"backend": counting, "fullgraph": False})
+    decoder.reset_compiled_layer()
+    torch._dynamo.reset()
+    twin = speed.dense_twin(packed_model)
+    try:
+        per_model = []
+        for b in (1, 4):
+            for model in (packed_model, twin):   # measure_pair's order
+                before = len(graphs)
+                dec = GreedyDecoder(model, b, 10, use_graph=False, compile=True)
+                dec.prefill(torch.randint(0, 300, (b, 6), generator=torch.Generator().manual_seed(b)))
+                dec.step()
+                assert dec.compile and dec.notes == []
+                per_model.append(len(graphs) - before)
+        assert per_model == [1, 0, 1, 0]
+    finally:
+        torch._dynamo.reset()
+        decoder.reset_compiled_layer()
+
+
+def test_measure_speed_says_the_untimed_layers_in_one_note_and_keeps_each_batch_seconds(monkeypatch, packed_model):
+    Rig(monkeypatch)
+    untimed = {"below_elements": 2**21, "layers": 6, "shapes": [[64, 32]],
+               "note": "6 sparse layers run dense without timing"}
+    monkeypatch.setattr(speed, "resolve_device", lambda device: torch.device("cuda"))
+    monkeypatch.setattr(speed, "open_measured", lambda model_dir, device, dtype, notes: packed_model)
+    monkeypatch.setattr(speed, "prepare_for_decode", lambda *a, **k: {})
+    monkeypatch.setattr(speed, "plan_dispatch", lambda m, prefer, token_counts: {
+        "prefer": prefer, "groups": [{"shape": [64, 32], "layers": 6, "form": "dense", "timings": [], "untimed": True}],
+        "dense_layers": {f"l{i}": "not timed" for i in range(6)}, "dense_copy_bytes": 0, "untimed": untimed})
+    rep = speed.measure_speed("tiny", batch_sizes=(1, 4), prompt_len=8, new_tokens=4, repeats=2, prefill_rounds=2,
+                              prefill_runs=1)
+    assert [n for n in rep["notes"] if "run dense" in n] == [untimed["note"]]   # no timed-dense line besides
+    for row in rep["rows"]:
+        assert set(row["seconds"]) == {"capture", "decode", "prefill"}
+    assert rep["phases_s"]["capture_s"] == pytest.approx(sum(r["seconds"]["capture"] for r in rep["rows"]))
+
+
 # --- the table -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("measurement", ["interleaved", "sequential"])
 def test_speed_table_with_its_caption_fits_80_columns(measurement):

@@ -56,7 +56,22 @@ prefill runs instead of rounds until two agree, spent 10.0 + 5.7 s in those two 
 
 So about 13-14 s less: ~18 s inside ``measure_speed``, and ~28 s wall for ``sparsekit eval --speed`` on
 the demo if imports and load stay at ~10 s. The report's ``phases_s`` splits the time into load,
-dispatch, twin, capture (decoders built, first prefill, compiles, graph capture), decode and prefill.
+dispatch, twin, capture (decoders built, first prefill, compiles, graph capture), decode and prefill;
+each interleaved row's ``seconds`` has the same split for its batch size (batch 1 and the second batch
+size carry the compiles).
+
+Cold caches (issue 20; H100, transformers 5.24, 2026-11-26): 43.7 s wall with the kernel cache warm,
+53.3 s on a fresh H200, against 24.4 s warm. The cold time went to the dispatch plan (8.8-9.1 s: numba
+compiling two spmm_warp variants, one token with two strips per step for 3072x576 and 8 tokens for
+576x1536, and the decode kernel, then timing 5 (shape, tokens) pairs in 10 CUDA graphs, only to run every
+shape dense but 576x1536 at one token), the kernels' self-test at load on a fresh machine (a numba compile
+of the one-token variant, ~5 s) and Inductor (capture 17.0-20.4 s cold against 6.4 warm: four compiles,
+the batch-1 and the dynamic-batch graph of each model). Now the plan runs weights under 2^21 elements
+dense without timing them (all of the demo's; ``runtime.dispatch``, said in one note), the self-test
+runs only where a sparse layer is left, and a packed model left with no sparse layer has the dense
+twin's modules, so the twin replays the packed model's two compiled graphs instead of compiling two more
+(Dynamo's guards pass: same classes, shared tensors; a CPU test pins this): no numba compile at all on
+the demo, two Inductor compiles instead of four.
 
 A model with CATS thresholds (``sparsekit prune --method cats``, or ``--cats`` stacked on a weight
 method) counts as sparse even without a packed linear: its gated MLPs go onto the CATS kernels
@@ -85,26 +100,31 @@ from sparsekit.runtime.cats import cats_activations, remove_thresholds
 from sparsekit.runtime.dispatch import plan_dispatch
 from sparsekit.runtime.fusion import fuse_projections, prepare_for_decode
 from sparsekit.runtime.loader import load_packed, open_model
-from sparsekit.runtime.sparse_linear import SparseLinear
+from sparsekit.runtime.sparse_linear import SparseLinear, kernel
 from sparsekit.runtime.swap import densify, sparsify
 from sparsekit.runtime.timing import model_bytes
 
 BATCH_SIZES = (1, 8, 16, 32)
 
 
-def dense_layers_note(dispatch: dict, n_sparse: int) -> str:
-    """One line: how many sparse layers run dense, and each shape that does so once, with its speed."""
+def dense_layers_note(dispatch: dict, n_sparse: int) -> str | None:
+    """One line: how many sparse layers run dense because the plan timed them slower, and each such shape
+    once, with its speed (None when none did). Those run dense untimed have their own line,
+    ``dispatch["untimed"]["note"]``."""
     shapes = [f"{g['shape'][0]}x{g['shape'][1]} ({g['timings'][0]['speedup']:.2f}x at N={g['timings'][0]['n']})"
-              for g in dispatch["groups"] if g.get("form") == "dense"]
-    return (f"{len(dispatch['dense_layers'])} of {n_sparse} sparse layers run dense: the sparse kernel is slower "
+              for g in dispatch["groups"] if g.get("form") == "dense" and g.get("timings")]
+    timed = len(dispatch["dense_layers"]) - (dispatch.get("untimed") or {}).get("layers", 0)
+    if not shapes or timed <= 0:
+        return None
+    return (f"{timed} of {n_sparse} sparse layers run dense: the sparse kernel is slower "
             f"than cuBLAS at every token count for {', '.join(shapes)}")
 
 
 def open_measured(model_dir, device, dtype, notes: list[str]) -> nn.Module:
     """The model of ``model_dir`` through the one loader; an unpacked one is encoded in memory."""
     path = Path(model_dir)
-    if is_packed_dir(path):
-        return load_packed(path, device=device, dtype=dtype)
+    if is_packed_dir(path):  # the kernels' check after the dispatch plan (measure_speed), which may need none
+        return load_packed(path, device=device, dtype=dtype, check_kernels=False)
     if not (path / "config.json").exists():
         raise SparsekitError(f"no model at {path}: pass a packed directory (from `sparsekit encode`) or a pruned HF directory")
     model = open_model(path, device, dtype)
@@ -192,9 +212,14 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
         notes.append("no sparse layers: both columns measure the same dense model")
     phases = {"load_s": time.perf_counter() - t0}
     dispatch = plan_dispatch(model, prefer=prefer, token_counts=sorted(set(batch_sizes) | {1}))
+    if any(isinstance(m, SparseLinear) and m.values.is_cuda for m in model.modules()):
+        kernel()  # the load-time check, after the plan: on failure one notice now, the reference path later
     phases["dispatch_s"] = time.perf_counter() - t0 - phases["load_s"]
-    if dispatch["dense_layers"]:
-        notes.append(dense_layers_note(dispatch, n_sparse))
+    if dispatch.get("untimed"):
+        notes.append(dispatch["untimed"]["note"])
+    timed_dense = dense_layers_note(dispatch, n_sparse)
+    if timed_dense:
+        notes.append(timed_dense)
     if "error" in dispatch.get("cache", {}):
         notes.append(dispatch["cache"]["error"])
     if dispatch["dense_copy_bytes"]:
@@ -256,12 +281,14 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
                     others = torch.cuda.memory_allocated(dev) - resident[which]
                     out[b][which] = measure_model(m, b, cuda_graphs=cuda_graphs, exclude_bytes=others, **kw)
                     merge_notes(out[b][which].pop("notes", []))
-            for key, spent in out[b].pop("seconds", {}).items():
+            seconds[b] = out[b].pop("seconds", {})
+            for key, spent in seconds[b].items():
                 phases[f"{key}_s"] = phases.get(f"{key}_s", 0.0) + spent
             merge_notes(out[b].pop("notes", []))
             tick(f"packed and dense, batch {b}")
         return out
 
+    seconds: dict[int, dict[str, float]] = {}  # paired: per batch size, the wall time of capture, decode, prefill
     packed_bytes = model_bytes(model)
     t1 = time.perf_counter()
     why = pairing_obstacle(model, cats_mlps, batch_sizes=batch_sizes, prompt_len=prompt_len, new_tokens=new_tokens,
@@ -306,7 +333,7 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
         t1 = time.perf_counter()
         dense = run_all("dense")
         phases["dense_s"] = time.perf_counter() - t1
-    del model
+    model = None  # noqa: F841 - the packed model goes back before empty_cache (the closures above are done)
     torch.cuda.empty_cache()
 
     rows = []
@@ -319,6 +346,8 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
         else:
             row["ratio"] = {key: p[key] / d[key] for key in ("prefill_tok_s", "decode_tok_s")
                             if key in p and key in d and d[key] > 0}
+        if seconds.get(b):
+            row["seconds"] = seconds[b]   # capture: decoders built, the step compiled where it must be, captured
         rows.append(row)
     import transformers
 

@@ -21,6 +21,20 @@ while that wins, the 2:4 kernel again from the count on which it wins at every c
 crossover (Hopper's warpgroup kernel, from 32 tokens on tall weights), dense above. A group where the
 2:4 kernel never wins gives its layouts back. The report says per group which kernel runs up to which
 token count (``form``, ``sp24_max_n``, ``sp24_from_n``) and the bytes the layouts take. ``prefer="memory"`` makes no layout (it would add ~1.1 bytes per weight).
+
+**Small weights are not timed** (issue 20). With ``prefer="speed"``, a group whose weight has fewer than
+``UNTIMED_BELOW`` (2^21) elements runs dense at once, without compiling or timing any kernel for it. At
+these sizes a call is launch- and latency-bound (~4-5 us for both) and every such shape measured on an
+H100 tied or lost (docs/benchmarks.md): at one token 576x576 0.87-0.99x cuBLAS, 192x576 0.87-0.89x,
+960x576 0.88x, 1536x576 0.88-0.91x, 3072x576 0.74-0.77x, and 576x1536 1.00-1.05x (inside or just past
+the 2% margin; with it on the kernel the demo's decode at batch 1 was 0.98-1.00x dense); from 8 tokens on
+0.90x at best. The smallest weight measured to win is 4096x4096 (16.8M elements, 1.3x at one token). Timing
+them cost the demo's ``eval --speed`` 8-9 s of kernel compiles and graph timings when not cached, to
+choose dense in the end. The report says which groups were not timed and why (``untimed``, with a
+one-line ``note``); ``time_small=True`` or ``SPARSEKIT_TIME_SMALL=1`` times them like the others.
+These layers become dense through the kernel-free decode (``sparse_linear.decode_dense``), so a plan
+that keeps no sparse layer compiles no kernel at all (not even the kernels' self-test, which runs
+before the first group that is timed).
 """
 from __future__ import annotations
 
@@ -42,6 +56,7 @@ TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 MARGIN = 0.02        # the kernel must be at least this much faster to be chosen (noise guard)
 COPIES = 6           # layers of a group timed per graph (more than the L2 holds at 7B sizes)
 PREFER = ("speed", "memory")
+UNTIMED_BELOW = 1 << 21   # prefer="speed": weights of fewer elements run dense untimed (module docstring)
 
 
 def check_prefer(prefer: str) -> str:
@@ -154,23 +169,53 @@ def kernels_usable(mods: list[SparseLinear]) -> bool:
     return mods[0].values.is_cuda and kernels_ready()
 
 
+def time_small_wanted() -> bool:
+    """``SPARSEKIT_TIME_SMALL=1``: time the groups of small weights too (``UNTIMED_BELOW``)."""
+    return env_switch("SPARSEKIT_TIME_SMALL", "time the sparse kernel on small weights too")
+
+
+def untimed_note(untimed: dict) -> str:
+    """One line: how many sparse layers run dense untimed, their shapes, why, and how to time them."""
+    shapes = ", ".join(f"{m}x{k}" for m, k in untimed["shapes"])
+    return (f"{untimed['layers']} sparse layers run dense without timing the sparse kernel: their weights "
+            f"({shapes}) have fewer than 2^{UNTIMED_BELOW.bit_length() - 1} elements, where it has never beaten "
+            "cuBLAS by more than 5% (launch-bound; SPARSEKIT_TIME_SMALL=1 times them)")
+
+
 def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN_COUNTS,
-                  progress: Progress | None = None, cache: bool = True, sp24: bool | None = None) -> dict[str, Any]:
+                  progress: Progress | None = None, cache: bool = True, sp24: bool | None = None,
+                  time_small: bool | None = None) -> dict[str, Any]:
     """Measure and set, for every ``SparseLinear`` of ``model`` (on a CUDA GPU), the largest token count
     that runs the sparse kernel; apply ``prefer`` above it (see the module docstring). Returns a report:
     per group the timings (up to the first token count where dense wins) and the choice, the layers that run dense and why, and the bytes of the
     dense copies kept. ``sp24``: give 2:4 and hybrid layers the 2:4 kernel where it wins (None: as
-    ``SPARSEKIT_SP24`` says, off unless ``1``, until a GPU session has run it in the decode step end to end)."""
+    ``SPARSEKIT_SP24`` says, off unless ``1``, until a GPU session has run it in the decode step end to end).
+    ``time_small``: time the groups of weights under ``UNTIMED_BELOW`` elements too (None: as
+    ``SPARSEKIT_TIME_SMALL`` says, off unless ``1``); otherwise ``prefer="speed"`` runs them dense untimed
+    and the report's ``untimed`` says so (its ``note`` in one line). The kernels' self-test runs only when a
+    group is timed."""
     check_prefer(prefer)
     if sp24 is None:
         sp24 = sp24_wanted()
+    if time_small is None:
+        time_small = time_small_wanted()
     names = {name: m for name, m in model.named_modules() if isinstance(m, SparseLinear)}
     out: dict[str, Any] = {"prefer": prefer, "token_counts": list(token_counts), "groups": [],
                            "dense_layers": {}, "dense_copy_bytes": 0, "sp24_layout_bytes": 0}
     if not names:
         return out
+    if prefer == "speed" and not time_small:
+        small: dict[tuple, list[str]] = {}
+        for name, m in names.items():
+            if m.out_features * m.in_features < UNTIMED_BELOW:
+                small.setdefault(_group_key(m), []).append(name)
+        if small:
+            out["untimed"] = _run_dense_untimed(model, names, small, out)
+            if not names:   # nothing left to time: no kernel compiled, no self-test, no cache read
+                return out
     if not kernels_usable(list(names.values())):
-        out["skipped"] = "no usable GPU kernels: the sparse layers keep the reference path"
+        others = " other" if out.get("untimed") else ""
+        out["skipped"] = f"no usable GPU kernels: the{others} sparse layers keep the reference path"
         return out
     if sp24 and prefer == "speed":
         note = make_sp24_layouts(model, names)
@@ -242,6 +287,29 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
                 out["cache"]["error"] = f"the timings could not be cached ({error}): the next load measures again"
     torch.cuda.empty_cache()
     return out
+
+
+def _run_dense_untimed(model: nn.Module, names: dict[str, SparseLinear], small: dict[tuple, list[str]],
+                       out: dict[str, Any]) -> dict[str, Any]:
+    """Make the layers of the ``small`` groups plain fp16 ``nn.Linear`` modules, decoded without the kernels
+    (no compile, no self-test), taking them out of ``names``; their groups and layers go into ``out``.
+    Returns the report's ``untimed`` entry."""
+    why = (f"not timed: fewer than 2^{UNTIMED_BELOW.bit_length() - 1} weights, where the sparse kernel "
+           "does not beat cuBLAS (launch-bound)")
+    shapes: list[list[int]] = []
+    layers = 0
+    for key, members in small.items():
+        for name in members:
+            set_submodule(model, name, names.pop(name).to_linear(torch.float16, use_kernels=False))
+            out["dense_layers"][name] = why
+        out["groups"].append({"shape": [key[0], key[1]], "sparsity": key[2], "layers": len(members),
+                              "sparse_max_n": 0, "timings": [], "form": "dense", "untimed": True})
+        layers += len(members)
+        if [key[0], key[1]] not in shapes:
+            shapes.append([key[0], key[1]])
+    untimed = {"below_elements": UNTIMED_BELOW, "layers": layers, "shapes": shapes}
+    untimed["note"] = untimed_note(untimed)
+    return untimed
 
 
 def _sp24_form(rows: list[dict], sp24_n: int, sp24_from: int, max_n: int) -> str:

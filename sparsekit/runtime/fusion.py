@@ -10,6 +10,8 @@
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -26,9 +28,13 @@ def prepare_for_decode(model: nn.Module, *, fuse_norms: bool = True, fuse_proj: 
     first, so that their gate and up stay separate."""
     done = {}
     if cats:
-        from sparsekit.runtime.cats_mlp import enable_cats_kernels
+        from sparsekit.runtime.cats import CatsActivation
 
-        done["cats_mlps"] = enable_cats_kernels(model)
+        done["cats_mlps"] = 0
+        if any(isinstance(m, CatsActivation) for m in model.modules()):  # else numba is not even imported
+            from sparsekit.runtime.cats_mlp import enable_cats_kernels
+
+            done["cats_mlps"] = enable_cats_kernels(model)
     if fuse_norms:
         done["fused_norms"] = fuse_rms_norms(model)
     if fuse_proj:
@@ -123,9 +129,9 @@ def fuse_projections(model: nn.Module) -> int:
     dense). Fewer, larger matmuls per step: fixed per-call costs are paid 4 times per layer
     instead of 7. Returns how many groups were merged; mixed or odd groups are left alone."""
     merged = 0
-    from sparsekit.runtime.cats_mlp import CatsMLP
-
-    inside_cats = {id(m.mlp) for m in model.modules() if isinstance(m, CatsMLP)}  # gate and up stay apart
+    cats_mlp = sys.modules.get("sparsekit.runtime.cats_mlp")   # not imported: no CatsMLP exists (nor numba)
+    inside_cats = ({id(m.mlp) for m in model.modules() if isinstance(m, cats_mlp.CatsMLP)}  # gate and up stay apart
+                   if cats_mlp is not None else set())
     for parent in list(model.modules()):
         if id(parent) in inside_cats:
             continue

@@ -125,34 +125,45 @@ def _tokenizer_result(future, location):
         return models.build_tokenizer(location)
 
 
-def open_model(location, device: torch.device, dtype: torch.dtype, *, prefer: str | None = None) -> nn.Module:
+def open_model(location, device: torch.device, dtype: torch.dtype, *, prefer: str | None = None,
+               check_kernels: bool = True) -> nn.Module:
     """The model of a resolved local directory, packed or dense, on ``device`` in eval mode, with
     the CATS thresholds of its ``sparsekit.json`` installed (the one place they are), and with
-    ``prefer`` the dispatch plan applied (see :func:`load`)."""
+    ``prefer`` the dispatch plan applied (see :func:`load`); ``check_kernels`` as for :func:`make_ready`."""
     if prefer is not None:
         check_prefer(prefer)
     path = Path(location)
     model = _open_packed(path, device, dtype) if is_packed_dir(path) else models.open_dense(location, dtype)
-    return make_ready(model, path, device, prefer=prefer)
+    return make_ready(model, path, device, prefer=prefer, check_kernels=check_kernels)
 
 
-def make_ready(model: nn.Module, path: Path, device: torch.device, *, prefer: str | None = None) -> nn.Module:
+def has_sparse_layers(model: nn.Module) -> bool:
+    return any(isinstance(m, SparseLinear) for m in model.modules())
+
+
+def make_ready(model: nn.Module, path: Path, device: torch.device, *, prefer: str | None = None,
+               check_kernels: bool = True) -> nn.Module:
     """The last steps of every load (also of ``from_pretrained`` on a packed directory): the CATS
-    thresholds of ``path/sparsekit.json``, the model on ``device`` in eval mode, and on a GPU the
-    kernels' load-time check (and ``prefer``'s dispatch plan)."""
+    thresholds of ``path/sparsekit.json``, the model on ``device`` in eval mode, and on a GPU
+    ``prefer``'s dispatch plan and the kernels' load-time check. The check comes after the plan, and only
+    when sparse layers are left: a plan that runs every layer dense (small weights are not even timed)
+    compiles no kernel. ``check_kernels=False`` leaves the check to the caller (``eval --speed`` fuses
+    the projections before it plans)."""
     install_from_checkpoint(model, path)
     model.to(device)  # the dense checkpoint; for a packed one the buffers built on the CPU (rotary frequencies, ...)
     model.eval()
-    if device.type == "cuda" and any(isinstance(m, SparseLinear) for m in model.modules()):
-        kernel()  # the kernels' load-time check: on failure one notice now, the reference path later
+    if device.type == "cuda" and has_sparse_layers(model):
         if prefer is not None:
-            plan = plan_dispatch(model, prefer=prefer)
+            plan = plan_dispatch(model, prefer=prefer)   # runs the check itself before it times a group
             if plan.get("sp24_note"):
                 notice_once(plan["sp24_note"])
+        if check_kernels and has_sparse_layers(model):
+            kernel()  # the kernels' load-time check: on failure one notice now, the reference path later
     return model
 
 
-def load_packed(path, device="auto", dtype: torch.dtype | str | None = None, *, prefer: str | None = None) -> nn.Module:
+def load_packed(path, device="auto", dtype: torch.dtype | str | None = None, *, prefer: str | None = None,
+                check_kernels: bool = True) -> nn.Module:
     """A HF causal LM whose packed linears are ``SparseLinear`` modules, on ``device`` (``auto``: the GPU
     when there is one, else the CPU, like ``load``), in eval mode.
 
@@ -161,11 +172,13 @@ def load_packed(path, device="auto", dtype: torch.dtype | str | None = None, *, 
     so keep the default on a GPU.
     ``prefer="speed"`` measures each group of sparse layers against cuBLAS now and runs each in its
     faster form (dense copies kept where dense wins; ``"memory"`` keeps the packed weights only).
+    ``check_kernels=False``: the caller runs the kernels' load-time check (``sparse_linear.kernel``)
+    before the first forward that may use them.
     """
     path = Path(path)
     check_packed_dir(path)
     dev = models.resolve_device(device)
-    return open_model(path, dev, models.resolve_dtype(dtype, dev), prefer=prefer)
+    return open_model(path, dev, models.resolve_dtype(dtype, dev), prefer=prefer, check_kernels=check_kernels)
 
 
 def _open_packed(path: Path, dev: torch.device, dtype: torch.dtype) -> nn.Module:

@@ -231,11 +231,15 @@ class SparseLinear(nn.Module):
         self._packed = self._packed_src = None
         return super()._apply(fn, *args, **kwargs)
 
-    def dense_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def dense_weight(self, dtype: torch.dtype | None = None, *, use_kernels: bool = True) -> torch.Tensor:
         """The decoded ``[out, in]`` weight (bit-exact), optionally cast. On a GPU with the bundled
-        kernels, one decode kernel (``sparsekit.kernels.decode``); otherwise ``tcabme.decode``."""
+        kernels, one decode kernel (``sparsekit.kernels.decode``); otherwise ``tcabme.decode``.
+        ``use_kernels=False`` never touches the kernels (no self-test, no compile): on a GPU the sync-free
+        torch decode (:func:`decode_dense`), which the dispatch plan uses for layers it makes dense untimed."""
         p = self.packed
-        if p.values.is_cuda and kernels_ready():
+        if not use_kernels:
+            w = decode_dense(p) if p.values.is_cuda else decode(p)
+        elif p.values.is_cuda and kernels_ready():
             from sparsekit.kernels.decode import tcabme_decode
 
             w = tcabme_decode(p)
@@ -243,11 +247,12 @@ class SparseLinear(nn.Module):
             w = decode(p)
         return w if dtype is None else w.to(dtype)
 
-    def to_linear(self, dtype: torch.dtype | None = None) -> nn.Linear:
-        """A plain ``nn.Linear`` with the decoded weight (in ``dtype``, default the stored one)."""
+    def to_linear(self, dtype: torch.dtype | None = None, *, use_kernels: bool = True) -> nn.Linear:
+        """A plain ``nn.Linear`` with the decoded weight (in ``dtype``, default the stored one);
+        ``use_kernels`` as for :meth:`dense_weight`."""
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
                         device="meta")
-        lin.weight = nn.Parameter(self.dense_weight(dtype), requires_grad=False)
+        lin.weight = nn.Parameter(self.dense_weight(dtype, use_kernels=use_kernels), requires_grad=False)
         if self.bias is not None:
             b = self.bias.detach().clone()
             lin.bias = nn.Parameter(b if dtype is None else b.to(dtype), requires_grad=False)
@@ -387,9 +392,8 @@ def release_kernel_caches() -> None:
     """Drop the bundled kernels' cached device views of packed weights.
 
     Those views keep their tensors alive; call this after packed weights are replaced or freed
-    (``swap.densify``, ``fusion.equalize_packed_sizes``) so the memory really goes back."""
-    try:
-        from sparsekit.kernels.launch import clear_caches
-    except Exception:  # noqa: BLE001 - numba missing or broken: nothing is cached
-        return
-    clear_caches()
+    (``swap.densify``, ``fusion.equalize_packed_sizes``) so the memory really goes back. A process that
+    never launched a kernel has nothing cached: numba is not imported for it (~0.6 s)."""
+    launch = sys.modules.get("sparsekit.kernels.launch")
+    if launch is not None:
+        launch.clear_caches()
