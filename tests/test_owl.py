@@ -13,7 +13,6 @@ import torch
 from typer.testing import CliRunner
 
 from sparsekit.cli.app import app
-from sparsekit.errors import SparsekitError
 from sparsekit.pruning.api import prune
 from sparsekit.pruning.owl import outlier_ratio, owl_sparsities
 
@@ -41,7 +40,8 @@ def test_owl_sparsities_hand_computed():
     assert owl_sparsities([2.0, 5.0, 8.0], 0.7, 0.08) == pytest.approx([0.78, 0.70, 0.62], abs=1e-12)
     # weighted by size: D = [0, 10, 10], sizes [1, 1, 2], s = 0.5: r = [0, .16, .16], weighted mean
     # (0 + .16 + .32) / 4 = .12 -> [0.62, 0.46, 0.46] (weighted mean (0.62 + 0.46 + 0.92) / 4 = 0.5)
-    assert owl_sparsities([0.0, 10.0, 10.0], 0.5, 0.08, params=[1, 1, 2]) == pytest.approx([0.62, 0.46, 0.46], abs=1e-12)
+    assert owl_sparsities([0.0, 10.0, 10.0], 0.5, 0.08, params=[1, 1, 2]) == pytest.approx([0.62, 0.46, 0.46],
+                                                                                         abs=1e-12)
     # capped at 0.5 (hybrid): s = 0.45, D = [0, 1]: [0.53, 0.37] unclipped; the first is held at 0.5,
     # so the other takes 0.4 to keep the mean at 0.45
     assert owl_sparsities([0.0, 1.0], 0.45, 0.08, hi=0.5) == pytest.approx([0.5, 0.4], abs=1e-9)
@@ -102,6 +102,38 @@ def test_engine_allocation_matches_the_dense_model_reference(work):
     assert rep["overall_sparsity"] == pytest.approx(0.6, abs=1e-3)
     meta = json.loads((Path(rep["output"]) / "sparsekit.json").read_text())
     assert meta["allocation"]["target"] == pytest.approx(want, abs=1e-6)
+
+
+def test_scan_reads_the_pruning_pass_capture(monkeypatch):
+    """The scan reads a copy of the engine's own capture (its first windows, batch for batch) instead of
+    capturing again: the dense-model reference ratios still, exactly those of a capture of its own, the
+    capture left as it was; no copy where the batches would differ or the scan reads every window."""
+    from sparsekit.pruning import owl_pass
+    from sparsekit.pruning.capture import capture_inputs
+    from sparsekit.pruning.engine import prune_model
+    from sparsekit.pruning.owl import OwlSettings
+    from tiny_models import make_model
+
+    model, cpu, owl = make_model("llama"), torch.device("cpu"), OwlSettings(windows=4)
+    ids = torch.randint(0, 320, (8, 24), generator=torch.Generator().manual_seed(0))
+    acts = capture_inputs(model, ids, cpu, batch_size=2)
+    before = acts.hidden.clone()
+    own = owl_pass.owl_scan(model, ids, cpu, owl, [], batch_size=2)
+    assert owl_pass.owl_scan(model, ids, cpu, owl, [], batch_size=2, acts=acts) == own
+    assert torch.equal(acts.hidden, before)
+    part = owl_pass.scan_activations(acts, 4)
+    assert part.spans == [(0, 2), (2, 4)] and torch.equal(part.hidden, before[:4])
+    assert owl_pass.scan_activations(acts, 3) is None and owl_pass.scan_activations(acts, 8) is None
+
+    ref = _reference_ratios(model, ids[:4], owl.m)
+
+    def no_second_capture(*args, **kwargs):
+        raise AssertionError("the scan captured the windows again")
+
+    monkeypatch.setattr(owl_pass, "capture_inputs", no_second_capture)
+    rep = prune_model(model, ids, method="wanda", sparsity=0.5, pattern="unstructured", batch_size=2, owl=owl,
+                      warn=lambda m: None)
+    assert rep["allocation"]["outlier_ratio"] == own[0] == pytest.approx(ref, rel=1e-4)
 
 
 @pytest.mark.parametrize("method,sparsity", [("wanda", 0.5), ("sparsegpt", 0.7), ("magnitude", 0.3)])

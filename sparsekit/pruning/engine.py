@@ -35,7 +35,7 @@ from sparsekit.pruning.methods import METHODS, get_method
 from sparsekit.pruning.methods.cats import require_gated_mlps
 from sparsekit.pruning.offload import LayerMover
 from sparsekit.pruning.outside import check_outside_linears, prune_outside_linears
-from sparsekit.pruning.owl_pass import owl_allotment, prune_allotted, resident_for, weighted_sparsity
+from sparsekit.pruning.owl_pass import check_owl, owl_allotment, prune_allotted, resident_for, weighted_sparsity
 from sparsekit.pruning.stats import collect_stats
 
 
@@ -110,8 +110,8 @@ def prune_model(
 
     ``owl`` (a ``sparsekit.pruning.owl.OwlSettings``; unstructured or hybrid patterns) gives each
     decoder layer its own sparsity (OWL, ``sparsekit.pruning.owl``), ``sparsity`` being the global
-    target: a first, read-only pass over the layers (``owl_pass.owl_scan``, the same one-layer-at-a-time
-    capture, on ``owl.windows`` of the windows) measures each layer's outlier ratio on the dense model,
+    target: a first, read-only pass over the layers (``owl_pass.owl_scan``, the same one layer at a time,
+    on a copy of the first ``owl.windows`` captured windows) measures each layer's outlier ratio on the dense model,
     then the layers are pruned as usual, each at its own sparsity. The report's ``allocation`` holds
     the ratios and targets, and each ``per_layer`` entry its ``target`` and ``sparsity``.
     """
@@ -134,10 +134,9 @@ def prune_model(
         require_gated_mlps(layers, skip=skip, fix="drop --cats")
     check_outside_linears(model, stack_name, skip, meth)
     allot, allocation, resident = None, None, None
-    if owl is not None:  # the read-only first pass over the dense model (its device copies kept where they fit)
-        resident = resident_for(model, calib, device, overlap, layer_mover, meth) if calib is not None else None
-        allot, allocation = owl_allotment(model, calib, meth, sparsity, pattern, owl, skip, device, batch_size,
-                                          layer_mover, overlap, progress, resident)
+    if owl is not None:  # checked, and its device budget taken, before the capture (which that budget counts)
+        check_owl(meth, pattern, calib)
+        resident = resident_for(model, calib, device, overlap, layer_mover, meth)
 
     acts = None
     t_capture = 0.0
@@ -147,6 +146,9 @@ def prune_model(
         acts = capture_inputs(model, calib, device, bs, progress)
         _device_sync(device)
         t_capture = time.perf_counter() - t0
+    if owl is not None:  # the read-only first pass over the dense model, on a copy of the first captured windows
+        allot, allocation = owl_allotment(model, calib, meth, sparsity, pattern, owl, skip, device, batch_size,
+                                          layer_mover, overlap, progress, resident, acts)  # device copies kept
     capture_peak = _peak_mem(device) or 0
 
     layer_reports = []
