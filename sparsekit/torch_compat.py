@@ -6,6 +6,9 @@ Checked against torch 2.11 (the GPU image) and 2.13.0 (the CPU build CI installs
 
 * ``raise_recompile_limit``: ``torch._dynamo.config.recompile_limit`` (``cache_size_limit`` before
   2.6): how many compiled variants one function may keep.
+* ``start_compile_workers``: ``torch._inductor.async_compile.maybe_warm_pool``, the call with which
+  Inductor starts its pool of compile worker processes at its first compile (checked on 2.13; on 2.11 the
+  GPU run of ``eval --speed`` shows it: where it is missing, its notes say so).
 * ``module_tensors`` / ``set_module_tensor``: swapping a module's own parameters and buffers for
   other tensors (moving layers between devices, streaming weights in), through public calls only:
   ``named_parameters(recurse=False)``, ``named_buffers(recurse=False)`` and attribute assignment,
@@ -29,6 +32,22 @@ def raise_recompile_limit(at_least: int) -> None:
             return
     raise RuntimeError(f"torch {torch.__version__} has neither torch._dynamo.config.recompile_limit nor "
                        "cache_size_limit: update sparsekit.torch_compat")
+
+
+def start_compile_workers() -> None:
+    """Start Inductor's pool of compile worker processes now, in the background, as torch itself does
+    only when its first compile begins (``torch._inductor.async_compile.maybe_warm_pool``). Until the
+    pool answers, which takes seconds (a process that imports torch, then its workers), Inductor
+    compiles each Triton kernel in this process, one after the other; started earlier, the pool is
+    ready when the first kernels are. Idempotent; starts nothing where torch would start none (no
+    Triton, ``TORCHINDUCTOR_COMPILE_THREADS=1``, ``TORCH_WARM_POOL=0``). Raises ``RuntimeError`` when
+    this torch has no such call."""
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError as e:
+        raise RuntimeError(f"torch {torch.__version__} has no torch._inductor.async_compile.maybe_warm_pool: "
+                           "update sparsekit.torch_compat") from e
+    maybe_warm_pool()
 
 
 def own_tensors(mod: nn.Module) -> Iterator[tuple[nn.Module, str, str, torch.Tensor]]:

@@ -7,12 +7,15 @@ scripted milliseconds, and the ``torch.cuda`` calls the measurement makes are st
 """
 from __future__ import annotations
 
+import re
 import statistics
+import sys
 
 import pytest
 import torch
 from torch import nn
 
+from sparsekit.errors import SparsekitError
 from sparsekit.evaluation import speed, speed_runs, speed_twin
 from sparsekit.runtime.sparse_linear import SparseLinear
 from tests.test_runtime import IDS, pruned_tiny
@@ -75,6 +78,7 @@ class Rig:
             monkeypatch.setattr(torch.cuda, name, lambda *a, **k: 0)
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a, **k: (int(free_gib * GIB), int(total_gib * GIB)))
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Fake GPU")
+        monkeypatch.setattr(speed, "start_compile_workers", lambda: rig.log.append(("-", "workers")))
 
 
 @pytest.fixture
@@ -364,6 +368,57 @@ def test_measure_speed_says_the_untimed_layers_in_one_note_and_keeps_each_batch_
     for row in rep["rows"]:
         assert set(row["seconds"]) == {"capture", "decode", "prefill"}
     assert rep["phases_s"]["capture_s"] == pytest.approx(sum(r["seconds"]["capture"] for r in rep["rows"]))
+
+
+# --- Inductor's compile workers (issue 20: the cold start) ----------------------------------------
+def test_compile_workers_start_before_the_model_loads_when_compiling(monkeypatch, packed_model):
+    """torch starts its compile worker processes at the first compile and compiles its Triton kernels one by
+    one until they are up: measure_speed starts them first, before the load, and only when it compiles."""
+    for compile_ in (True, False):
+        rig = Rig(monkeypatch)
+        loaded = []
+        monkeypatch.setattr(speed, "open_measured", lambda *a: (loaded.append(len(rig.log)), packed_model)[1])
+        monkeypatch.setattr(speed, "resolve_device", lambda device: torch.device("cuda"))
+        monkeypatch.setattr(speed, "prepare_for_decode", lambda *a, **k: {})
+        monkeypatch.setattr(speed, "plan_dispatch", lambda m, prefer, token_counts: {
+            "prefer": prefer, "groups": [], "dense_layers": {}, "dense_copy_bytes": 0, "cache": {}})
+        rep = speed.measure_speed("tiny", batch_sizes=(1,), prompt_len=8, new_tokens=4, repeats=1, prefill_rounds=1,
+                                  prefill_runs=1, compile=compile_)
+        started = [i for i, op in enumerate(rig.log) if op == ("-", "workers")]
+        assert started == ([0] if compile_ else []) and loaded == [len(started)]
+        assert not any("compile workers" in n for n in rep["notes"])
+
+
+def test_compile_workers_that_cannot_start_are_said_in_one_note(monkeypatch, packed_model):
+    Rig(monkeypatch)
+
+    def fails():
+        raise RuntimeError("torch 9.0 has no torch._inductor.async_compile.maybe_warm_pool: update it")
+
+    monkeypatch.setattr(speed, "start_compile_workers", fails)
+    monkeypatch.setenv("SPARSEKIT_STRICT", "0")   # the tests' default is strict
+    rep = fake_measure_speed(monkeypatch, packed_model, batch_sizes=(1,), prompt_len=8, new_tokens=4, repeats=1,
+                             prefill_rounds=1, prefill_runs=1)
+    said = [n for n in rep["notes"] if "compile workers" in n]
+    assert len(said) == 1 and "\n" not in said[0] and "RuntimeError: torch 9.0 has no" in said[0]
+    assert rep["compiled"]   # a slower cold start, the same measurement
+    monkeypatch.setenv("SPARSEKIT_STRICT", "1")
+    with pytest.raises(SparsekitError, match="SPARSEKIT_STRICT"):
+        fake_measure_speed(monkeypatch, packed_model, batch_sizes=(1,), prompt_len=8, new_tokens=4, repeats=1,
+                           prefill_rounds=1, prefill_runs=1)
+
+
+def test_start_compile_workers_finds_inductors_call_or_says_to_update_torch_compat(monkeypatch):
+    import types
+
+    from sparsekit.torch_compat import start_compile_workers
+
+    monkeypatch.setenv("TORCH_WARM_POOL", "0")   # the call made, no process started
+    assert start_compile_workers() is None
+    monkeypatch.setitem(sys.modules, "torch._inductor.async_compile", types.ModuleType("torch._inductor.async_compile"))
+    said = f"torch {re.escape(torch.__version__)} has no .*: update sparsekit.torch_compat"
+    with pytest.raises(RuntimeError, match=said):
+        start_compile_workers()
 
 
 # --- the table -----------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ prefill runs instead of rounds until two agree, spent 10.0 + 5.7 s in those two 
   nothing recompiles per batch size after the second. A CUDA-graph capture per batch size and model
   costs a few steps.
 * decode: 3 timed loops of 64 steps and 8 untimed steps per model and batch size, ~0.35 s at 1.3-1.9 ms
-  a step: ~3 s in all (before: a whole 64-step warm-up loop as well, ~3.6 s).
+  a step: ~3 s in all (before: a whole 64-step warm-up loop as well, ~3.6 s). Since issue 20: 2 loops.
 * prefill: 7 rounds x 3 runs x 2 models = 42 runs per batch size, ~0.7 s at 17 ms: ~3 s in all. Before:
   rounds of 15 runs until two agreed within 2%, at most 8, per model and batch size, 0.5-2 s each; the
   ~12 s that the rounds added say that most ran to 8, ~16 s in all.
@@ -71,7 +71,11 @@ dense without timing them (all of the demo's; ``runtime.dispatch``, said in one 
 runs only where a sparse layer is left, and a packed model left with no sparse layer has the dense
 twin's modules, so the twin replays the packed model's two compiled graphs instead of compiling two more
 (Dynamo's guards pass: same classes, shared tensors; a CPU test pins this): no numba compile at all on
-the demo, two Inductor compiles instead of four.
+the demo, two Inductor compiles instead of four. Then (H100, fresh caches: 32.6 s wall, 25.7 inside, of
+which capture 14.3 = batch 1 8.9 + batch 8 4.2, against 4.0 + 1.3 warm): Inductor's compile worker
+processes start before the model loads (``torch_compat.start_compile_workers``; torch starts them only
+when its first compile begins, and compiles each Triton kernel in this process, one after the other, until
+they answer, seconds later), and decode has 2 timed loops instead of 3 (``speed_runs.DECODE_ROUNDS``).
 
 A model with CATS thresholds (``sparsekit prune --method cats``, or ``--cats`` stacked on a weight
 method) counts as sparse even without a packed linear: its gated MLPs go onto the CATS kernels
@@ -90,7 +94,8 @@ import torch
 from torch import nn
 
 from sparsekit.errors import SparsekitError, strict_mode
-from sparsekit.evaluation.speed_runs import GIB, PREFILL_ROUNDS, PREFILL_RUNS, measure_model, measure_pair
+from sparsekit.evaluation.speed_runs import (DECODE_ROUNDS, GIB, PREFILL_ROUNDS, PREFILL_RUNS, measure_model,
+                                             measure_pair)
 from sparsekit.evaluation.speed_twin import dense_twin, pairing_obstacle
 from sparsekit.hf.models import resolve_device
 from sparsekit.hf.modules import set_submodule
@@ -103,6 +108,7 @@ from sparsekit.runtime.loader import load_packed, open_model
 from sparsekit.runtime.sparse_linear import SparseLinear, kernel
 from sparsekit.runtime.swap import densify, sparsify
 from sparsekit.runtime.timing import model_bytes
+from sparsekit.torch_compat import start_compile_workers
 
 BATCH_SIZES = (1, 8, 16, 32)
 
@@ -118,6 +124,21 @@ def dense_layers_note(dispatch: dict, n_sparse: int) -> str | None:
         return None
     return (f"{timed} of {n_sparse} sparse layers run dense: the sparse kernel is slower "
             f"than cuBLAS at every token count for {', '.join(shapes)}")
+
+
+def start_compile_workers_early(notes: list[str]) -> None:
+    """Inductor's compile worker processes started now, before the model loads (``torch_compat``), so
+    that they are up when the first compile reaches its Triton kernels instead of seconds later; when
+    they cannot be started one line in ``notes`` says so (raised under ``SPARSEKIT_STRICT``)."""
+    try:
+        start_compile_workers()
+    except Exception as e:  # noqa: BLE001 - said in notes (raised when strict)
+        why = (f"Inductor's compile workers not started before the model load ({type(e).__name__}: "
+               f"{(str(e).splitlines() or [''])[0][:200]}): the first compile starts them, and compiles its "
+               "kernels one by one until they are up (a slower cold start)")
+        if strict_mode():
+            raise SparsekitError(f"{why} (SPARSEKIT_STRICT is set: no fallback)") from e
+        notes.append(why)
 
 
 def open_measured(model_dir, device, dtype, notes: list[str]) -> nn.Module:
@@ -156,7 +177,7 @@ def restore_dense_mlps(model: nn.Module, originals: dict[str, nn.Module]) -> int
 
 
 def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_len: int = 128,
-                  new_tokens: int = 64, repeats: int = 3, cuda_graphs: bool = True,
+                  new_tokens: int = 64, repeats: int = DECODE_ROUNDS, cuda_graphs: bool = True,
                   dtype: torch.dtype = torch.float16, fuse_norms: bool = True, compile: bool = True,
                   fuse_proj: bool = True, prefer: str = "speed", prefill_rounds: int = PREFILL_ROUNDS,
                   prefill_runs: int = PREFILL_RUNS, progress: Progress | None = None) -> dict[str, Any]:
@@ -199,6 +220,8 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
 
     report(progress, "measuring speed", 0, total)
     t0 = time.perf_counter()
+    if compile:  # in the background while the model loads: up by the first compile's kernels (cold: seconds)
+        start_compile_workers_early(notes)
     model = open_measured(model_dir, dev, dtype, notes)
     cats_mlps = {name: model.get_submodule(name) for name in cats_activations(model)}
     n_cats_kernels = enable_cats(model, notes) if cats_mlps else 0

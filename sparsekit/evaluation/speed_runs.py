@@ -20,6 +20,12 @@ from sparsekit.runtime.timing import model_bytes, time_ms
 PREFILL_REPEATS = 15  # one model alone (measure_model): runs per round of _prefill_ms
 PREFILL_ROUNDS = 7  # paired (measure_pair): dense/packed prefill rounds per batch size
 PREFILL_RUNS = 3  # paired: runs per prefill round; the round's figure is their fastest
+# paired: timed decode loops per model and batch size. Graph replays barely scatter: in 7 runs of the demo
+# on H100s (2026-11-25/26, 28 paired rows) a row's three loop ratios were never more than 0.9% apart and the
+# median of the first two moved a row's ratio by at most 0.43% (sd of the rows' ratios 0.0048 with three,
+# 0.0044 with two), so a third loop (~0.22 s per batch size) bought nothing. Prefill is another matter: the
+# median of the first 5 of 7 rounds put 5 rows under 0.95x instead of 3 (sd 0.050 against 0.035): 7 stay.
+DECODE_ROUNDS = 2
 DECODE_WARMUP_STEPS = 8  # paired: untimed decode steps (graph replays) after the capture
 ORDER = ("dense", "packed")  # the order inside each paired round
 GIB = 2**30
@@ -90,7 +96,7 @@ def paired_ratios(dense_ms: Sequence[float], packed_ms: Sequence[float]) -> list
 
 
 def measure_pair(packed: nn.Module, dense: nn.Module, batch_size: int, *, prompt_len: int = 128,
-                 new_tokens: int = 64, repeats: int = 3, prefill_rounds: int = PREFILL_ROUNDS,
+                 new_tokens: int = 64, repeats: int = DECODE_ROUNDS, prefill_rounds: int = PREFILL_ROUNDS,
                  prefill_runs: int = PREFILL_RUNS, cuda_graphs: bool = True, compile: bool = True,
                  seed: int = 0, resident: dict[str, int] | None = None) -> dict[str, Any]:
     """Both models at one batch size, interleaved (both on one CUDA device; see the module docstring).
