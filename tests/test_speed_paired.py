@@ -283,9 +283,9 @@ def test_dense_twin_puts_back_the_original_cats_mlps_without_thresholds():
 
 
 # --- compiles per batch size ---------------------------------------------------------------------
-def test_the_compiled_step_compiles_twice_per_model_not_per_batch_size(monkeypatch, packed_model):
-    """Batch 1 (specialised) and one dynamic-batch graph for every batch size from 2 up: batch sizes
-    1, 8, 16, 32 compile 2 graphs per model, 4 for a packed model and its dense twin."""
+def compiles_per_run(monkeypatch, runs, new_tokens: int, steps: int) -> list[int]:
+    """The graphs Dynamo hands to the backend for each ``(model, batch size)`` of ``runs``, in order: a
+    compiled ``GreedyDecoder`` prefills 6 tokens and takes ``steps`` steps (a backend that only counts)."""
     from sparsekit.runtime import decoder
     from sparsekit.runtime.decoder import GreedyDecoder
 
@@ -298,58 +298,41 @@ def test_the_compiled_step_compiles_twice_per_model_not_per_batch_size(monkeypat
     monkeypatch.setattr(decoder, "COMPILE_OPTIONS", {"backend": counting, "fullgraph": False})
     decoder.reset_compiled_layer()
     torch._dynamo.reset()
-    twin = speed.dense_twin(packed_model)
     try:
-        per_batch = []
-        for model in (packed_model, twin):
-            for b in (1, 8, 16, 32):
-                before = len(graphs)
-                dec = GreedyDecoder(model, b, 12, use_graph=False, compile=True)
-                dec.prefill(torch.randint(0, 300, (b, 6), generator=torch.Generator().manual_seed(b)))
+        counts = []
+        for model, b in runs:
+            before = len(graphs)
+            dec = GreedyDecoder(model, b, new_tokens, use_graph=False, compile=True)
+            dec.prefill(torch.randint(0, 300, (b, 6), generator=torch.Generator().manual_seed(b)))
+            for _ in range(steps):
                 dec.step()
-                dec.step()
-                assert dec.compile and dec.notes == []
-                per_batch.append(len(graphs) - before)
-        assert per_batch == [1, 1, 0, 0] * 2
+            assert dec.compile and dec.notes == []
+            counts.append(len(graphs) - before)
+        return counts
     finally:
         torch._dynamo.reset()
         decoder.reset_compiled_layer()
+
+
+def test_the_compiled_step_compiles_twice_per_model_not_per_batch_size(monkeypatch, packed_model):
+    """Batch 1 (specialised) and one dynamic-batch graph for every batch size from 2 up: batch sizes
+    1, 8, 16, 32 compile 2 graphs per model, 4 for a packed model and its dense twin."""
+    twin = speed.dense_twin(packed_model)
+    runs = [(model, b) for model in (packed_model, twin) for b in (1, 8, 16, 32)]
+    assert compiles_per_run(monkeypatch, runs, 12, 2) == [1, 1, 0, 0] * 2
 
 
 def test_a_packed_model_left_with_no_sparse_layer_shares_the_twins_compiled_graphs(monkeypatch, packed_model):
     """Issue 20: the demo's plan runs every layer dense (small weights, untimed), so the packed model has the
     twin's modules and tensors: the twin replays the packed model's graphs, 2 compiles for both, not 4."""
-    from sparsekit.runtime import decoder
-    from sparsekit.runtime.decoder import GreedyDecoder
     from sparsekit.runtime.dispatch import plan_dispatch
 
     packed_model.half()    # the plan's dense layers are fp16, as the model is on a GPU
     rep = plan_dispatch(packed_model, prefer="speed", cache=False)
     assert rep["untimed"]["layers"] > 0 and not any(isinstance(m, SparseLinear) for m in packed_model.modules())
-    graphs = []
-
-    def counting(gm, example_inputs):
-        graphs.append(len(example_inputs))
-        return gm.forward
-
-    monkeypatch.setattr(decoder, "COMPILE_OPTIONS", {"backend": counting, "fullgraph": False})
-    decoder.reset_compiled_layer()
-    torch._dynamo.reset()
     twin = speed.dense_twin(packed_model)
-    try:
-        per_model = []
-        for b in (1, 4):
-            for model in (packed_model, twin):   # measure_pair's order
-                before = len(graphs)
-                dec = GreedyDecoder(model, b, 10, use_graph=False, compile=True)
-                dec.prefill(torch.randint(0, 300, (b, 6), generator=torch.Generator().manual_seed(b)))
-                dec.step()
-                assert dec.compile and dec.notes == []
-                per_model.append(len(graphs) - before)
-        assert per_model == [1, 0, 1, 0]
-    finally:
-        torch._dynamo.reset()
-        decoder.reset_compiled_layer()
+    runs = [(model, b) for b in (1, 4) for model in (packed_model, twin)]   # measure_pair's order
+    assert compiles_per_run(monkeypatch, runs, 10, 1) == [1, 0, 1, 0]
 
 
 def test_measure_speed_says_the_untimed_layers_in_one_note_and_keeps_each_batch_seconds(monkeypatch, packed_model):
