@@ -17,9 +17,10 @@ from numba.cuda.extending import intrinsic
 
 from .compat_numba import cuda_typing
 
-__all__ = ["bulk_copy", "cp_wait0", "cp_wait1", "cp_wait2", "decode_pair", "f2h", "fence_proxy_async", "h2f",
-           "lds32", "mbar_arrive", "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up",
-           "shfl_xor", "smem_base", "syncwarp"]
+__all__ = ["bulk_copy", "bulk_copy_mc", "cluster_rank", "cluster_sync", "cp_wait0", "cp_wait1", "cp_wait2",
+           "decode_pair", "f2h", "fence_proxy_async", "h2f", "lds32", "mbar_arrive", "mbar_arrive_remote",
+           "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up", "shfl_xor", "smem_base",
+           "syncwarp"]
 
 types, cgutils = cuda_typing()
 
@@ -206,6 +207,12 @@ _mbar_try = _asm_fn2("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p
                      "selp.u32 $0, 1, 0, p; }", "=r,r,r,~{memory}", ret=True)
 fence_proxy_async = _asm_stmt("fence.proxy.async.shared::cta;")
 _fence_mbar_init = _asm_stmt("fence.mbarrier_init.release.cluster;")
+# thread-block clusters (sm_90): this block's rank, an arrival on a barrier of another block of the cluster (at
+# the same offset in its shared memory), and every thread of the cluster meeting (barrier inits visible first)
+_cluster_rank = _asm_fn2("mov.u32 $0, %cluster_ctarank;", "=r,r,r", ret=True)
+_mbar_arrive_remote = _asm_fn2("{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $0, $1; "
+                               "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra]; }", "r,r,~{memory}")
+cluster_sync = _asm_stmt("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;")
 
 
 @intrinsic
@@ -224,6 +231,42 @@ def _bulk(typingctx, dst_addr, src, si, nbytes, mbar_addr):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+@intrinsic
+def _bulk_mc(typingctx, dst_addr, src, si, nbytes, mbar_addr, mask):
+    u = types.uint32
+    sig = types.void(u, src, types.int64, u, u, u)
+
+    def codegen(context, builder, sig, args):
+        sty = sig.args[1]
+        ary = context.make_array(sty)(context, builder, args[1])
+        sp = cgutils.get_item_pointer(context, builder, sty, ary, [args[2]], wraparound=False)
+        asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i32, _i8p, _i32, _i32, _i16]),
+                           "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
+                           "[$0], [$1], $2, [$3], $4;", "r,l,r,r,h,~{memory}", side_effect=True)
+        builder.call(asm, [args[0], builder.bitcast(sp, _i8p), args[3], args[4], builder.trunc(args[5], _i16)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def cluster_rank():
+    return _cluster_rank(np.uint32(0), np.uint32(0))
+
+
+@cuda.jit(device=True, inline=True)
+def mbar_arrive_remote(mbar, i, rank):
+    """Arrive on barrier ``i`` of ``mbar`` in the shared memory of the cluster's block ``rank``."""
+    _mbar_arrive_remote(_smem_base(mbar, i), np.uint32(rank))
+
+
+@cuda.jit(device=True, inline=True)
+def bulk_copy_mc(dst, di, src, si, nbytes, mbar, mi, mask):
+    """``bulk_copy`` into every block of the cluster in ``mask`` (bit r: rank r), at the same offsets, each
+    counting toward its own barrier ``mi``."""
+    _bulk_mc(_smem_base(dst, di), src, si, np.uint32(nbytes), _smem_base(mbar, mi), np.uint32(mask))
 
 
 @cuda.jit(device=True, inline=True)

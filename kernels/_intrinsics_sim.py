@@ -16,9 +16,10 @@ import numpy as np
 
 from .compat_numba import sim_syncthreads
 
-__all__ = ["bulk_copy", "cp_wait0", "cp_wait1", "cp_wait2", "decode_pair", "f2h", "fence_proxy_async", "h2f",
-           "lds32", "mbar_arrive", "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up",
-           "shfl_xor", "smem_base", "syncwarp"]
+__all__ = ["bulk_copy", "bulk_copy_mc", "cluster_rank", "cluster_sync", "cp_wait0", "cp_wait1", "cp_wait2",
+           "decode_pair", "f2h", "fence_proxy_async", "h2f", "lds32", "mbar_arrive", "mbar_arrive_remote",
+           "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up", "shfl_xor", "smem_base",
+           "syncwarp"]
 
 
 def _f16(bits) -> float:
@@ -99,6 +100,30 @@ def bulk_copy(dst, di, src, si, nbytes, mbar, mi):
         st = _mbar_state(mbar, mi)
         st[1] -= int(nbytes)
         _mbar_settle(st)
+
+
+def cluster_rank():
+    """This block's rank in its cluster: the simulator runs one block at a time, so clusters of one block."""
+    return np.uint32(0)
+
+
+def mbar_arrive_remote(mbar, i, rank):
+    """An arrival on barrier ``i`` of the cluster's block ``rank``: in a cluster of one, this block's."""
+    if int(rank) != 0:
+        raise RuntimeError("the simulator runs clusters of one block: no block of rank > 0")
+    mbar_arrive(mbar, i)
+
+
+def bulk_copy_mc(dst, di, src, si, nbytes, mbar, mi, mask):
+    """The multicast bulk copy into the blocks of ``mask``: in a cluster of one, ``bulk_copy``."""
+    if int(mask) != 1:
+        raise RuntimeError("the simulator runs clusters of one block: a multicast mask other than 1")
+    bulk_copy(dst, di, src, si, nbytes, mbar, mi)
+
+
+def cluster_sync():
+    """Every thread of the cluster meets: in a cluster of one, the block's barrier."""
+    sim_syncthreads()
 
 
 _SMEM_BASE = 4096   # the simulator's shared "addresses" start here, not at 0, as on a GPU (static arrays come

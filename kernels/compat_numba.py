@@ -188,14 +188,16 @@ def fast_entry(kern, args):
 FAST_LAUNCH = "the direct kernel launch (numba's own launch costs ~0.3 ms more per eager call)"
 
 
-def launch_direct(ck, blocks: int, threads: int, dyn: int, stream, flat_args, scalars) -> None:
+def launch_direct(ck, blocks: int, threads: int, dyn: int, stream, flat_args, scalars, cluster: int = 1) -> None:
     """Launch the cuda.core kernel ``ck`` with numba's argument packing: ``flat_args`` (the arrays,
-    see ``flat``) then ``scalars`` as int64."""
+    see ``flat``) then ``scalars`` as int64; ``cluster`` > 1: ``blocks`` in clusters of that many (cuda.core's
+    ``grid`` then counts clusters)."""
     from cuda.core import LaunchConfig
     from cuda.core import launch as cc_launch
 
-    key = (blocks, threads, dyn)
+    key = (blocks, threads, dyn, cluster)
     cfg = _cfgs.get(key)
     if cfg is None:
-        cfg = _cfgs[key] = LaunchConfig(grid=blocks, block=threads, shmem_size=dyn)
+        cfg = _cfgs[key] = (LaunchConfig(grid=blocks // cluster, cluster=cluster, block=threads, shmem_size=dyn)
+                            if cluster > 1 else LaunchConfig(grid=blocks, block=threads, shmem_size=dyn))
     cc_launch(stream, cfg, ck, *flat_args, *[ctypes.c_int64(s) for s in scalars])

@@ -199,12 +199,15 @@ def _keep(kern, args, device: torch.device) -> None:
         _unusable.discard(stem)
 
 
-def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int = 0) -> None:
+def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int = 0, cluster: int = 1) -> None:
     """Launch ``kern[blocks, threads]`` on torch's current stream with 1-D contiguous tensors (as
     numba arrays) then int64 scalars, directly once numba's packing of them is checked; ``dyn``
-    bytes of dynamic shared memory (past 48 KB: opted in first)."""
+    bytes of dynamic shared memory (past 48 KB: opted in first). ``cluster`` > 1: thread-block clusters of
+    that many blocks (``blocks`` a multiple of it), which numba's own launch cannot make: always direct."""
     device = tensors[0].device
     if SIM:
+        if cluster > 1:
+            raise RuntimeError("the simulator cannot launch thread-block clusters")
         kern[blocks, threads, 0, dyn](*[_as_numba(t) for t in tensors], *scalars)
         return
     fkey = (id(kern), device.index)
@@ -212,11 +215,19 @@ def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int =
         ck = _disk_kernel(kern, (*tensors, *scalars), device)
         if ck is not None:
             _fast[fkey] = ck
+    if cluster > 1 and _fast.get(fkey) is None:   # compiled and checked without a launch through numba
+        args = tuple(_as_numba(t) for t in tensors) + tuple(scalars)
+        _fast[fkey] = compat_numba.fast_entry(kern, args)
+        if _fast[fkey] is None:
+            raise RuntimeError("a thread-block cluster needs the direct launch, which is not available here")
+        _keep(kern, args, device)
     ck = _fast.get(fkey)
     if ck is not None and direct_ready(fkey, ck, dyn, device):
         flat = [f for t in tensors for f in compat_numba.flat(t.data_ptr(), t.numel(), t.element_size())]
-        compat_numba.launch_direct(ck, blocks, threads, dyn, _stream(device), flat, scalars)
+        compat_numba.launch_direct(ck, blocks, threads, dyn, _stream(device), flat, scalars, cluster)
         return
+    if cluster > 1:
+        raise RuntimeError(f"a thread-block cluster launch could not take {dyn} bytes of shared memory")
     args = tuple(_as_numba(t) for t in tensors) + tuple(scalars)
     if dyn > OPTIN_FROM and not _allow_smem(kern, args, dyn):
         raise RuntimeError(f"this numba cannot let a kernel take {dyn} bytes of shared memory (48 KB without opt-in)")

@@ -28,7 +28,8 @@ import torch
 from numba import cuda
 
 from . import kcache
-from ._intrinsics import SCRATCH_WORDS, SIM, bulk_copy, mbar_arrive, mbar_expect, mbar_init, mbar_wait
+from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, cluster_rank, cluster_sync, mbar_arrive,
+                          mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait)
 from ._sp_intrinsics import sts128
 from ._warp_intrinsics import byte_addr, lds128b, sts64b
 from ._wg_intrinsics import strip_a16, wg_commit, wg_mmad, wg_wait0, wscan, wshfl_idx, wsync
@@ -82,14 +83,15 @@ def compiled_kernels() -> dict:
     return _KERNELS
 
 
-def get_kernel(nt: int, stages: int, wg: int = 1, window: int = WINDOW, regs: int | None = None):
+def get_kernel(nt: int, stages: int, wg: int = 1, window: int = WINDOW, regs: int | None = None, cluster: int = 1):
     """Kernel for ``nt`` tokens per output tile (8 .. 128), a ring of ``stages`` (2-8) and ``wg`` consumer
     warpgroups (1, 2), one GroupTile row each; ``window``: steps per offset load (tests shorten it); ``regs``:
-    the register cap (``max_registers``). The stage's value room is an argument of the launch."""
+    the register cap (``max_registers``); ``cluster``: blocks per thread-block cluster sharing each X slab
+    (1, 2, 4; docs/kernels-notes.md "v22"). The stage's value room is an argument of the launch."""
     regs = regs or max_registers(nt, wg)
-    key = (nt, stages, wg, window, regs)
+    key = (nt, stages, wg, window, regs) + ((cluster,) if cluster > 1 else ())
     if key not in _KERNELS:
-        _KERNELS[key] = kcache.tag(_build(nt, stages, wg, window, regs), "spmm_ws", key)
+        _KERNELS[key] = kcache.tag(_build(nt, stages, wg, window, regs, cluster), "spmm_ws", key)
     return _KERNELS[key]
 
 
@@ -125,8 +127,9 @@ def _selectors(h):
     return h ^ (((h >> u32(1)) ^ u32(0xFFFFFFFF)) & u32(0x55555555))
 
 
-def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
-    assert NT in NTS and 2 <= STAGES <= 8 and WG in (1, 2) and 1 <= WIN <= 32
+def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL: int = 1):
+    assert NT in NTS and 2 <= STAGES <= 8 and WG in (1, 2) and 1 <= WIN <= 32 and CL in (1, 2, 4)
+    assert CL == 1 or WG == 1
     CW = 4 * WG
     THREADS = 32 * block_warps(WG)
     NACC = NT // 2
@@ -145,7 +148,7 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
         b0 = u32(0)
         b1 = u32(0)
         j = i + lane
-        if j < nst and lane < WIN:
+        if j < nst and lane < WIN and (CL == 1 or nr > 0):       # (a cluster's rank past the rows: none)
             gk = step_col(j, rot, nst, k0)
             gt = tr0 * GK + gk
             a0 = u32(goff[gt])
@@ -170,9 +173,12 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
             mbar_arrive(full, s)
 
     @cuda.jit(device=True, inline="always")
-    def produce(d64, scr, tid, lane, bm, vals, goff, xs, raw, empty, chunk, tr0, nr, rot, nst, k0, GK, SLOT):
+    def produce(d64, scr, tid, lane, bm, vals, goff, xs, raw, empty, chunk, tr0, nr, rot, nst, k0, GK, SLOT,
+                xempty, rank):
         """The copy warp: offsets loaded one window (32 steps) ahead; per step, lane 0's copies into a freed
-        stage, completing on "raw" (the table warp takes it from there)."""
+        stage, completing on "raw" (the table warp takes it from there). In a cluster (``CL`` > 1) each block
+        copies its own GroupTile, tells the leader (rank 0, ``xempty``) that the stage is free and expects X,
+        and the leader multicasts the X slab into every block's stage."""
         a0, a1, b0, b1 = offsets(goff, lane, 0, rot, nst, k0, tr0, nr, GK)
         n0, n1, m0, m1 = offsets(goff, lane, WIN, rot, nst, k0, tr0, nr, GK)
         for i in range(nst):
@@ -193,17 +199,26 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
                 nb = XBYTES + BITMAP_BYTES + 2 * (v1 - v0)
                 if nr > 1:
                     nb += BITMAP_BYTES + 2 * (w1 - w0)
+                if CL > 1 and nr <= 0:
+                    nb = XBYTES                          # a rank past the weight's rows: only X lands here
                 mbar_expect(raw, s, nb)
-                bulk_copy(d64, st, xs, (chunk * GK + gk) * (XBYTES >> 3), XBYTES, raw, s)
-                dst = st + ((XBYTES + TABLE_BYTES) >> 3)
-                bulk_copy(d64, dst, bm, gt * 64, BITMAP_BYTES, raw, s)
-                if v1 > v0:
-                    bulk_copy(d64, dst + (BITMAP_BYTES >> 3), vals, v0 >> 2, 2 * (v1 - v0), raw, s)
-                if nr > 1:
-                    dst += SLOT >> 3
-                    bulk_copy(d64, dst, bm, (gt + GK) * 64, BITMAP_BYTES, raw, s)
-                    if w1 > w0:
-                        bulk_copy(d64, dst + (BITMAP_BYTES >> 3), vals, w0 >> 2, 2 * (w1 - w0), raw, s)
+                if CL > 1:
+                    mbar_arrive_remote(xempty, s, 0)     # after the expect: the X bytes may land from now on
+                else:
+                    bulk_copy(d64, st, xs, (chunk * GK + gk) * (XBYTES >> 3), XBYTES, raw, s)
+                if CL == 1 or nr > 0:
+                    dst = st + ((XBYTES + TABLE_BYTES) >> 3)
+                    bulk_copy(d64, dst, bm, gt * 64, BITMAP_BYTES, raw, s)
+                    if v1 > v0:
+                        bulk_copy(d64, dst + (BITMAP_BYTES >> 3), vals, v0 >> 2, 2 * (v1 - v0), raw, s)
+                    if nr > 1:
+                        dst += SLOT >> 3
+                        bulk_copy(d64, dst, bm, (gt + GK) * 64, BITMAP_BYTES, raw, s)
+                        if w1 > w0:
+                            bulk_copy(d64, dst + (BITMAP_BYTES >> 3), vals, w0 >> 2, 2 * (w1 - w0), raw, s)
+                if CL > 1 and rank == 0:                 # every block's stage s free and expecting: one X copy
+                    mbar_wait(xempty, s, (i // STAGES) & 1)
+                    bulk_copy_mc(d64, st, xs, (chunk * GK + gk) * (XBYTES >> 3), XBYTES, raw, s, (1 << CL) - 1)
 
     @cuda.jit(**({} if SIM else {"max_registers": REGS}))
     def kernel(bm, vals, goff, xs, y, ws, cnt, M, N, GK, nch, PER, SLOT):
@@ -213,22 +228,41 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
         full = cuda.shared.array(STAGES, np.uint64)
         empty = cuda.shared.array(STAGES, np.uint64)
         raw = cuda.shared.array(STAGES, np.uint64)
+        if CL > 1:
+            xempty = cuda.shared.array(STAGES, np.uint64)  # the leader's: every block's stage free (CL arrivals)
+        else:
+            xempty = empty
         tid, warp, lane, g, t, _ = thread_ids()
         wg = warp >> 2
         wwarp = warp & 3
         ring = byte_addr(d64, 0)
         b = cuda.blockIdx.x
-        tt, k0, nst, rb, n0, tr0, nr, rot = piece(b, M, GK, PER, nch)
-        chunk = tt - rb * nch
+        if CL > 1:      # cluster b // CL: one token chunk, all of K, CL tile rows sharing X (the rotation too)
+            rank = cluster_rank()
+            tt, k0, nst, rb, n0, tr0, nr, rot = piece(b // CL, M, GK, PER, nch)
+            chunk = tt - rb * nch
+            rb = rb * CL + rank
+            tt = rb * nch + chunk
+            tr0 = rb
+            nr = min(1, (M + 63) // 64 - tr0)
+        else:
+            rank = u32(0)
+            tt, k0, nst, rb, n0, tr0, nr, rot = piece(b, M, GK, PER, nch)
+            chunk = tt - rb * nch
         if tid == 0:
             for s in range(STAGES):
                 mbar_init(raw, s, 1)
                 mbar_init(full, s, 1)
                 mbar_init(empty, s, CW)
+                if CL > 1:
+                    mbar_init(xempty, s, CL)
         cuda.syncthreads()
+        if CL > 1:
+            cluster_sync()                                   # every block's barriers set up before any remote use
         acc = ZERO
         if warp == CW:
-            produce(d64, scr, tid, lane, bm, vals, goff, xs, raw, empty, chunk, tr0, nr, rot, nst, k0, GK, SLOT)
+            produce(d64, scr, tid, lane, bm, vals, goff, xs, raw, empty, chunk, tr0, nr, rot, nst, k0, GK, SLOT,
+                    xempty, rank)
         elif warp == CW + 1:
             for j in range(nst):
                 publish(d32, d64, scr, tid, lane, raw, full, j, nr, SLOT)
@@ -265,17 +299,22 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128):
             acc_store(df, acc, acc, wg, wwarp, g, t)
         cuda.syncthreads()
         q0, q1 = split_sharers(tt, GK, PER)
-        tile_end(df, y, ws, cnt, flag, tid, M, N, tr0 * 64, n0, tt, GK, b, nst, q0, q1)
+        if CL == 1 or nr > 0:
+            tile_end(df, y, ws, cnt, flag, tid, M, N, tr0 * 64, n0, tt, GK, b, nst, q0, q1)
+        if CL > 1:
+            cluster_sync()                                   # no block leaves while another may still signal it
 
     return kernel
 
 
 def tcabme_ws_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens: int | None = None,
                      stages: int | None = None, groups: int | None = None, splits: int | None = None,
-                     window: int = WINDOW, regs: int | None = None) -> torch.Tensor:
+                     window: int = WINDOW, regs: int | None = None, cluster: int = 1) -> torch.Tensor:
     """``x @ W^T`` for fp16 ``x`` [N, K] and a TCA-BME weight ``w`` (``packed.tcabme.TcaBme``, fp16, on x's
     device) through this kernel (Hopper, or the simulator): ``[N, M]`` fp16, into ``out`` if given. The
-    keywords force the plan (``ws_plan``) and the register cap."""
+    keywords force the plan (``ws_plan``) and the register cap; ``cluster`` (2, 4; not in the simulator,
+    which runs one block at a time) shares each X slab across that many tile rows (docs/kernels-notes.md
+    "v22"; not yet run on a GPU)."""
     from . import launch
     from .sp24_ws import x_slabs
     from .io import output_for, padded
@@ -292,13 +331,15 @@ def tcabme_ws_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens
     gm, gk = w.grid
     x = padded(x, gk * 64)
     vbytes = value_room(w)
-    p, _r, wg = ws_plan(m, gk, n, launch.sm_count(x.device), tokens, stages, groups, splits, vbytes, regs)
+    if cluster > 1 and SIM:
+        raise ValueError("the simulator runs one block at a time: spmm_ws with cluster > 1 runs on a GPU only")
+    p, _r, wg = ws_plan(m, gk, n, launch.sm_count(x.device), tokens, stages, groups, splits, vbytes, regs, cluster)
     wsp, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
     vals = w.values.contiguous() if w.values.numel() else torch.zeros(8, dtype=torch.float16, device=x.device)
     tensors = (w.bitmaps.view(torch.int64), vals.view(torch.int64), w.gtile_offsets, x_slabs(x, p.nt),
                out.reshape(-1).view(torch.int16), wsp, cnt)
-    launch.launch_tensors(get_kernel(p.nt, p.stages, wg, window, regs), p.blocks, 32 * block_warps(wg), tensors,
-                          (m, n, gk, p.chunks, p.per, slot_bytes(vbytes)), dyn=p.dyn)
+    launch.launch_tensors(get_kernel(p.nt, p.stages, wg, window, regs, cluster), p.blocks, 32 * block_warps(wg),
+                          tensors, (m, n, gk, p.chunks, p.per, slot_bytes(vbytes)), dyn=p.dyn, cluster=cluster)
     return out
 
 
@@ -321,15 +362,18 @@ def value_room(w) -> int:
 
 def ws_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None, stages: int | None = None,
             groups: int | None = None, splits: int | None = None, vbytes: int = VALUE_BYTES,
-            regs: int | None = None):
+            regs: int | None = None, cluster: int = 1):
     """``(RowsPlan, 1, WG)`` of one launch for a weight whose largest GroupTile holds ``vbytes`` of values.
 
     One warpgroup (one tile row) per block by default: the H100 sweep of session 15 found two slower on
     every shape (fewer, larger blocks leave SMs idle). The blocks per SM the register cap allows
     (``max_registers``) set the rest: the ring is as deep as that many blocks' shared memory allows, 2-4
-    stages (session 16, H100: 4 beat 5 and 6 by 4-6% on 22016x4096 and 28672x8192), and a K split (powers of two, each split ``MIN_SPLIT_COLS`` columns or more) fills those
-    block slots on weights with few tile rows. ``tokens``, ``stages``, ``groups``, ``splits`` force the plan;
-    a forced plan that needs more shared memory than Hopper grants is one ``ValueError`` line."""
+    stages (session 16, H100: 4 beat 5 and 6 by 4-6% on 22016x4096 and 28672x8192), and a K split (powers of
+    two, each split ``MIN_SPLIT_COLS`` columns or more) fills those block slots on weights with few tile rows.
+    ``tokens``, ``stages``, ``groups``, ``splits`` force the plan; a forced plan that needs more shared memory
+    than Hopper grants is one ``ValueError`` line. ``cluster``
+    (2, 4): clusters of that many blocks on neighbouring tile rows, one warpgroup each and no K split (the
+    tile rows are padded to whole clusters; the padding blocks only receive X)."""
     from .sp24_plan import WG_SMEM_OPTIN, wg_tokens
     from .work import RowsPlan, split_work
 
@@ -347,7 +391,14 @@ def ws_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None, 
     ks = 1
     while ks * 2 * rb * chunks <= fit * sms and gk // (ks * 2) >= MIN_SPLIT_COLS:
         ks *= 2
+    if cluster > 1:
+        if cluster not in (2, 4) or wg != 1 or (splits or 1) > 1:
+            raise ValueError(f"spmm_ws clusters take 2 or 4 blocks of one warpgroup and no K split, got cluster "
+                             f"{cluster}, {wg} warpgroups, {splits} splits")
+        ks = 1
     ks, per, blocks = split_work(rb * chunks, gk, (ks, -(-gk // ks)), splits)
+    if cluster > 1:
+        blocks = -(-rb // cluster) * cluster * chunks
     dyn = smem_bytes(nt, st, wg, vbytes)
     if dyn > WG_SMEM_OPTIN:
         raise ValueError(f"this spmm_ws plan (tokens {nt}, stages {st}, warpgroups {wg}) needs {dyn} bytes of shared "

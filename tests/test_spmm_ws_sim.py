@@ -117,3 +117,114 @@ def test_spmm_ws_is_self_tested_before_first_use_and_a_failure_is_said(monkeypat
     matmul.reset_kernel_choice()
     said = [str(w.message) for w in seen if issubclass(w.category, SparsekitWarning)]
     assert len(said) == 1 and "spmm_ws" in said[0] and "off by 0.5" in said[0]
+
+
+def test_spmm_ws_cluster_plan_pads_the_tile_rows_and_refuses_what_it_cannot_share():
+    """Clusters (docs/kernels-notes.md "v22") take whole clusters of neighbouring tile rows, all of K each, one
+    warpgroup a block: 345 tile rows in clusters of 2 need 346 blocks per token chunk."""
+    p, _, wg = ws_plan(22016 + 64, 64, 64, cluster=2)
+    assert p.ks == 1 and wg == 1 and p.rb == 345 and p.blocks == 346 * p.chunks
+    assert ws_plan(22016, 64, 200, cluster=4)[0].blocks == 344 * 2          # two token chunks, 86 clusters each
+    assert ws_plan(4096, 172, 32)[0].ks > 1 and ws_plan(4096, 172, 32, cluster=2)[0].ks == 1
+    for bad in (dict(cluster=3), dict(cluster=2, splits=2), dict(cluster=2, groups=2)):
+        with pytest.raises(ValueError):
+            ws_plan(4096, 172, 32, **bad)
+
+
+@pytest.mark.skipif(not SIM, reason="the simulator's refusal")
+def test_spmm_ws_clusters_are_refused_in_the_simulator_in_one_line():
+    w = torch.where(torch.rand(64, 64) < 0.5, torch.randn(64, 64), 0.0).half()
+    with pytest.raises(ValueError, match="GPU only"):
+        tcabme_ws_matmul(torch.randn(1, 64).half(), encode(w), cluster=2)
+
+
+class _Bar:
+    """An mbarrier: arrivals and transaction bytes per phase; ``done(k)``: phase ``k`` has completed."""
+
+    def __init__(self, count: int):
+        self.count, self.pending, self.tx, self.phases = count, count, 0, 0
+
+    def arrive(self, nbytes: int = 0):
+        self.pending, self.tx = self.pending - 1, self.tx + nbytes
+        self.settle()
+
+    def land(self, nbytes: int):
+        self.tx -= nbytes
+        self.settle()
+
+    def settle(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phases, self.pending = self.phases + 1, self.count
+
+    def done(self, k: int) -> bool:
+        return self.phases > k
+
+
+def _cluster_protocol(ranks: int, stages: int, steps: int, seed: int, leader_waits: bool = True) -> list[str]:
+    """spmm_ws's cluster protocol (docs/kernels-notes.md "v22"; the copy warp of ``_build`` with CL > 1), run
+    in a random interleaving of every rank's copy warp and consumers and of the copies' landings. Returns the
+    violations: a multicast into a stage a rank has not yet released, a consumer taking a step whose bytes
+    are not all there, or a deadlock."""
+    import random
+
+    rnd = random.Random(seed)
+    X, W = 7, 5                                        # bytes of the X slab and of a rank's own GroupTile
+    raw = [[_Bar(1) for _ in range(stages)] for _ in range(ranks)]
+    empty = [[_Bar(1) for _ in range(stages)] for _ in range(ranks)]
+    xempty = [_Bar(ranks) for _ in range(stages)]      # the leader's
+    released = [0] * ranks                             # steps each rank's consumers are done with
+    landed = [[0] * steps for _ in range(ranks)]       # bytes of each step in each rank's stage
+    flights: list = []                                 # copies issued, not landed: (rank, step, bytes)
+    bad: list[str] = []
+
+    def copier(r):
+        for i in range(steps):
+            s = i % stages
+            if i >= stages:
+                yield lambda: empty[r][s].done(i // stages - 1)
+            raw[r][s].arrive(X + W)                    # the expect
+            xempty[s].arrive()                         # remote, to the leader
+            flights.append((r, i, W))
+            if r == 0:
+                if leader_waits:
+                    yield lambda: xempty[s].done(i // stages)
+                for q in range(ranks):
+                    if released[q] < i - stages + 1:
+                        bad.append(f"X of step {i} multicast into rank {q}'s stage before it released step "
+                                   f"{i - stages}")
+                    flights.append((q, i, X))
+
+    def consumer(r):
+        for i in range(steps):
+            s = i % stages
+            yield lambda: raw[r][s].done(i // stages)
+            if landed[r][i] != X + W:
+                bad.append(f"rank {r} took step {i} with {landed[r][i]} of {X + W} bytes")
+            released[r] = i + 1
+            empty[r][s].arrive()
+
+    procs = [[p, None] for r in range(ranks) for p in (copier(r), consumer(r))]
+    while procs or flights:
+        ready = [p for p in procs if p[1] is None or p[1]()]
+        if not ready and not flights:
+            return bad + ["deadlock"]
+        if flights and (not ready or rnd.random() < 0.5):
+            r, i, n = flights.pop(rnd.randrange(len(flights)))
+            landed[r][i] += n
+            raw[r][i % stages].land(n)
+            continue
+        p = rnd.choice(ready)
+        try:
+            p[1] = next(p[0])
+        except StopIteration:
+            procs.remove(p)
+    return bad
+
+
+def test_spmm_ws_cluster_protocol_is_safe_and_live_in_any_interleaving():
+    """A model of the cluster protocol in 300 random interleavings per shape: no multicast into a stage a
+    rank still reads, no step taken short of bytes, no deadlock; without the leader's wait it breaks."""
+    for ranks, stages in ((2, 2), (2, 4), (4, 3)):
+        for seed in range(100):
+            assert _cluster_protocol(ranks, stages, 10, seed) == []
+    assert any(_cluster_protocol(2, 2, 10, seed, leader_waits=False) for seed in range(100))

@@ -5,11 +5,11 @@ into warpgroup A registers; Hopper only), one command:
 
 1. **Correctness**: random weights (50% and 70% sparse, 2:4, kept +0.0 from ``torch.where``), odd and
    full shapes, N from 1 to 300 including odd counts, default and forced plans (warpgroups, tokens, stages,
-   splits), outputs poisoned with NaN, relative error against float64 < 1e-3; each case twice (split-K
+   splits; thread-block clusters of 2 and 4 sharing X on every shape), outputs poisoned with NaN, relative error against float64 < 1e-3; each case twice (split-K
    counters must be reset). Exits 1 on any failure, before timing.
 2. **Timing** (us per call, CUDA-graph replays rotating over weight copies that together exceed the L2):
-   cuBLAS on the dense weight, spmm_warp (``kernel="warp"``), spmm_ws, and the default plan (which takes
-   one of the two); ``x`` = cuBLAS time / the kernel's.
+   cuBLAS on the dense weight, spmm_warp (``kernel="warp"``), spmm_ws, spmm_ws in clusters of 2, and the
+   default plan (which takes one of the first two); ``x`` = cuBLAS time / the kernel's.
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ CHECK_SHAPES = [(64, 64), (200, 130), (1000, 333), (4096, 4096), (22016, 4096), 
 CHECK_NS = [1, 9, 17, 64, 100, 128, 300]
 FORCED = [dict(groups=1), dict(groups=2, tokens=8), dict(tokens=32, stages=3), dict(tokens=128, stages=2),
           dict(splits=3), dict(groups=1, splits=2, tokens=16)]
+CLUSTERS = [dict(cluster=2), dict(cluster=4, tokens=64)]   # X multicast (kernels-notes "v22"), every shape
 BENCH_SHAPES = [(22016, 4096), (28672, 8192), (8192, 28672), (4096, 11008), (12288, 4096)]
 BENCH_NS = [1, 16, 32, 64, 128]
 
@@ -56,7 +57,8 @@ def check(shapes, ns) -> int:
             for n in ns:
                 x = torch.randn(n, k, device="cuda", generator=gen).half()
                 ref = x.double() @ w.double().t()
-                for kw in [{}] + (FORCED if m * k <= 2**24 and n in (1, 17, 100) else []):
+                forced = (FORCED if m * k <= 2**24 and n in (1, 17, 100) else [])
+                for kw in [{}] + forced + (CLUSTERS if n in (1, 17, 64, 100, 128) else []):
                     for _ in range(2):
                         out = torch.full((n, m), float("nan"), dtype=torch.float16, device="cuda")
                         try:
@@ -81,8 +83,8 @@ def bench(shapes, ns, kinds) -> None:
     from sparsekit.packed.tcabme import encode
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    print("\n| M x K | sparsity | N | cuBLAS us | spmm_warp us | x | spmm_ws us | x | default x |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| M x K | sparsity | N | cuBLAS us | spmm_warp us | x | spmm_ws us | x | cluster 2 x | default x |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for m, k in shapes:
         for kind in kinds:
             cop = copies_for(m * k * 2)
@@ -93,9 +95,10 @@ def bench(shapes, ns, kinds) -> None:
                 tb, _ = time_calls([lambda w=w: F.linear(x, w) for w in dense])
                 td, _ = time_calls([lambda p=p: tcabme_matmul(x, p, kernel="warp") for p in packed])
                 tw, _ = time_calls([lambda p=p: tcabme_ws_matmul(x, p) for p in packed])
+                tc, _ = time_calls([lambda p=p: tcabme_ws_matmul(x, p, cluster=2) for p in packed])
                 ta, _ = time_calls([lambda p=p: tcabme_matmul(x, p) for p in packed])
                 print(f"| {m}x{k} | {kind} | {n} | {tb:.1f} | {td:.1f} | {tb / td:.2f} | {tw:.1f} | {tb / tw:.2f} "
-                      f"| {tb / ta:.2f} |", flush=True)
+                      f"| {tb / tc:.2f} | {tb / ta:.2f} |", flush=True)
             del dense, packed
             torch.cuda.empty_cache()
 
