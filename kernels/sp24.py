@@ -12,7 +12,7 @@ from .io import output_for, padded
 def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, kernel: str = "auto",
                 warps: int | None = None, strips: int | None = None, tokens: int | None = None,
                 splits: int | None = None, stages: int | None = None, groups: int | None = None,
-                kstep: int | None = None) -> torch.Tensor:
+                kstep: int | None = None, cluster: int = 1) -> torch.Tensor:
     """``y[N, M] = x[N, K] @ W^T`` (fp16 in and out, fp32 accumulate) for W in the 2:4 mosaic layout.
 
     ``kernel``:
@@ -26,7 +26,9 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
       ``splits``, ``stages``, ``strips`` (tile rows per warpgroup), ``groups`` (warpgroups per block) and
       ``kstep`` (tile columns per step) force its plan);
     - ``"ws"`` (``sp24_ws``: the same products, warp-specialized, Hopper only; dense tiles too, one tile row
-      per warpgroup; ``tokens``, ``splits``, ``stages``, ``strips``, ``groups`` force its plan)."""
+      per warpgroup; ``tokens``, ``splits``, ``stages``, ``strips``, ``groups`` force its plan; ``cluster`` (2,
+      4; GPU only, not yet run on one): thread-block clusters of neighbouring row blocks sharing each X slab by
+      multicast, with no K split, docs/kernels-notes.md "v22")."""
     from . import launch
     from .common import SIM
 
@@ -44,13 +46,16 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
     gm, gk = layout.grid
     kp = gk * 64
     x = padded(x, kp)
+    if cluster > 1 and kernel != "ws":
+        raise ValueError(f"clusters take the warp-specialized kernel (kernel='ws'), not kernel={kernel!r}")
     if kernel == "auto":
         kernel = sp24_plan.kernel_for(m, k, n, not SIM and launch.hopper(x.device), layout.dense.numel() > 0)
     if kernel == "rows":
         _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips)
         return out
     if kernel in ("wg", "ws"):
-        _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups, kstep, kernel == "ws")
+        _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups, kstep, kernel == "ws",
+                   cluster)
         return out
     if kernel != "warps":
         raise ValueError(f"unknown 2:4 kernel {kernel!r}: 'rows', 'warps', 'wg' or 'ws'")
@@ -79,29 +84,36 @@ def _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, s
 
 
 def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups, kstep,
-               specialized: bool = False) -> None:
+               specialized: bool = False, cluster: int = 1) -> None:
     """sp24_wg, or with ``specialized`` sp24_ws (its X as core-matrix slabs, one producer warp more; dense
-    tiles too)."""
+    tiles too), whose blocks may form clusters sharing X (``cluster``)."""
     from . import sp24_wg, sp24_ws
+    from .common import SIM
+
+    if cluster > 1 and (not specialized or cluster not in (2, 4) or (splits or 1) > 1 or SIM):
+        raise ValueError(f"clusters (got {cluster}) take 2 or 4 blocks of the warp-specialized kernel "
+                         "(kernel='ws'), no K split, on a GPU (the simulator runs one block at a time)")
 
     hybrid = layout.dense.numel() > 0
     if hybrid and not specialized:
         raise ValueError("the warpgroup 2:4 kernel (kernel='wg') takes weights whose tiles are all 2:4; this one "
                          "has dense tiles (kernel='ws' or 'rows' takes them)")
-    p, r, wg, ks = sp24_plan.wg_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, strips, groups,
-                                     kstep, specialized=specialized, hybrid=hybrid)
+    p, r, wg, ks = sp24_plan.wg_plan(m, gk, n, launch.sm_count(x.device), tokens, 1 if cluster > 1 else splits,
+                                     stages, strips, groups, kstep, specialized=specialized, hybrid=hybrid)
+    if cluster > 1:   # whole clusters of row blocks (the padding blocks only receive X)
+        p = p._replace(blocks=-(-p.rb // cluster) * cluster * p.chunks)
     ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
     y = out.reshape(-1).view(torch.int16)
     if specialized:   # all 2:4: tile t is slot t of ``sp`` (the map is read only where tiles may be dense)
         dn, sp = _buffers(layout)
         tensors = (sp.view(torch.int64), dn.view(torch.int64), layout.tiles, sp24_ws.x_slabs(x, p.nt), y, ws, cnt)
-        kern, threads = sp24_ws.get_kernel(p.nt, p.stages, r, wg, hybrid), 32 * (4 * wg + 1)
+        kern, threads = sp24_ws.get_kernel(p.nt, p.stages, r, wg, hybrid, cluster), 32 * (4 * wg + 1)
         scalars = (m, n, gk, p.chunks, p.per)
     else:             # every tile is 2:4: tile t is slot t of ``sp``, no map
         tensors = (layout.sp, x.reshape(-1).view(torch.int32), y, ws, cnt)
         kern, threads = sp24_wg.get_kernel(p.nt, p.stages, r, wg, ks), 128 * wg
         scalars = (m, n, gk, kp // 2, p.chunks, p.per)
-    launch.launch_tensors(kern, p.blocks, threads, tensors, scalars, dyn=p.dyn)
+    launch.launch_tensors(kern, p.blocks, threads, tensors, scalars, dyn=p.dyn, cluster=cluster)
 
 
 def _buffers(layout) -> tuple[torch.Tensor, torch.Tensor]:

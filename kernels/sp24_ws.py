@@ -26,7 +26,8 @@ import torch
 from numba import cuda
 
 from . import kcache
-from ._intrinsics import SCRATCH_WORDS, SIM, bulk_copy, mbar_arrive, mbar_expect, mbar_init, mbar_wait
+from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, cluster_rank, cluster_sync, mbar_arrive,
+                          mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait)
 from ._warp_intrinsics import byte_addr
 from ._wg_intrinsics import lds_a8, wg_commit, wg_hold, wg_mmad, wg_wait0
 from .block import dynamic_smem, make_tile_end, split_sharers, step_col, thread_ids
@@ -69,18 +70,20 @@ def max_registers(nt: int, r: int, wg: int) -> int:
     return min(want, (65536 // (32 * (4 * wg + 1))) & ~7)
 
 
-def get_kernel(nt: int, stages: int, r: int = 2, wg: int = 2, hybrid: bool = False):
+def get_kernel(nt: int, stages: int, r: int = 2, wg: int = 2, hybrid: bool = False, cluster: int = 1):
     """Kernel for ``nt`` tokens per output tile (8 .. 128), a ring of ``stages`` (2-8), ``r`` tile rows
     per warpgroup (1, 2) and ``wg`` consumer warpgroups (1, 2). ``hybrid``: tiles may be dense too (one
-    tile row per warpgroup)."""
-    key = (nt, stages, r, wg, hybrid)
+    tile row per warpgroup). ``cluster`` (2, 4): thread-block clusters of blocks on neighbouring tile rows whose
+    leader multicasts each X slab into all of them (spmm_ws's protocol, docs/kernels-notes.md "v22")."""
+    key = (nt, stages, r, wg, hybrid) + ((cluster,) if cluster > 1 else ())
     if key not in _KERNELS:
-        _KERNELS[key] = kcache.tag(_build(nt, stages, r, wg, hybrid), "sp24_ws", key)
+        _KERNELS[key] = kcache.tag(_build(nt, stages, r, wg, hybrid, cluster), "sp24_ws", key)
     return _KERNELS[key]
 
 
-def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False):
+def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1):
     assert NT in NTS and 2 <= STAGES <= 8 and R in (1, 2) and WG in (1, 2) and not (HY and R != 1)
+    assert CL in (1, 2, 4)
     CW = 4 * WG                           # consumer warps; the producer is warp CW
     THREADS = 32 * (CW + 1)
     NACC = NT // 2
@@ -97,9 +100,10 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False):
     u32 = np.uint32
 
     @cuda.jit(device=True, inline="always")
-    def produce(d64, sp, dn, tiles, xs, kinds, full, empty, chunk, tr0, nr, rot, nst, k0, GK):
+    def produce(d64, sp, dn, tiles, xs, kinds, full, empty, chunk, tr0, nr, rot, nst, k0, GK, xempty, rank):
         """Lane 0 of the producer warp: every step's bulk copies, each stage once the consumers freed it.
-        Hybrid: each tile's kind goes into ``kinds`` before the stage's "full" arrival publishes it."""
+        Hybrid: each tile's kind goes into ``kinds`` before the stage's "full" arrival publishes it. In a
+        cluster (``CL`` > 1) the X slab comes from the leader's multicast (see spmm_ws's ``produce``)."""
         for i in range(nst):
             s = i % STAGES
             if i >= STAGES:
@@ -115,8 +119,11 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False):
                         nbytes += TILE_BYTES if code & 1 else DENSE_BYTES
                 mbar_expect(full, s, nbytes)
             else:
-                mbar_expect(full, s, XBYTES + nr * TILE_BYTES)
-            bulk_copy(d64, w0, xs, (chunk * GK + gk) * (XBYTES >> 3), XBYTES, full, s)
+                mbar_expect(full, s, XBYTES + (nr if CL == 1 else max(nr, 0)) * TILE_BYTES)
+            if CL > 1:
+                mbar_arrive_remote(xempty, s, 0)     # after the expect: the X bytes may land from now on
+            else:
+                bulk_copy(d64, w0, xs, (chunk * GK + gk) * (XBYTES >> 3), XBYTES, full, s)
             for r in range(RW):
                 if r < nr:
                     dst = w0 + ((XBYTES + r * TB) >> 3)
@@ -128,6 +135,9 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False):
                             bulk_copy(d64, dst, dn, (code >> 1) * (DENSE_BYTES >> 3), DENSE_BYTES, full, s)
                     else:
                         bulk_copy(d64, dst, sp, ((tr0 + r) * GK + gk) * (TILE_BYTES >> 3), TILE_BYTES, full, s)
+            if CL > 1 and rank == 0:                 # every block's stage s free and expecting: one X copy
+                mbar_wait(xempty, s, (i // STAGES) & 1)
+                bulk_copy_mc(d64, w0, xs, (chunk * GK + gk) * (XBYTES >> 3), XBYTES, full, s, (1 << CL) - 1)
 
     @cuda.jit(**({} if SIM else {"max_registers": max_registers(NT, R, WG)}))
     def kernel(sp, dn, tiles, xs, y, ws, cnt, M, N, GK, nch, PER):
@@ -137,23 +147,41 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False):
         full = cuda.shared.array(STAGES, np.uint64)
         empty = cuda.shared.array(STAGES, np.uint64)
         kinds = cuda.shared.array(NKINDS, np.int32)
+        if CL > 1:
+            xempty = cuda.shared.array(STAGES, np.uint64)  # the leader's: every block's stage free (CL arrivals)
+        else:
+            xempty = empty
         tid, warp, lane, g, t, _ = thread_ids()
         wg = warp >> 2
         wwarp = warp & 3
         ring = byte_addr(d64, 0)
         b = cuda.blockIdx.x
-        tt, k0, nst, rb, n0, tr0, nr, rot = piece(b, M, GK, PER, nch)
-        chunk = tt - rb * nch
+        if CL > 1:      # cluster b // CL: one token chunk, all of K, CL row blocks sharing X (the rotation too)
+            rank = cluster_rank()
+            tt, k0, nst, rb, n0, tr0, nr, rot = piece(b // CL, M, GK, PER, nch)
+            chunk = tt - rb * nch
+            rb = rb * CL + rank
+            tt = rb * nch + chunk
+            tr0 = rb * RW
+            nr = min(RW, (M + 63) // 64 - tr0)
+        else:
+            rank = u32(0)
+            tt, k0, nst, rb, n0, tr0, nr, rot = piece(b, M, GK, PER, nch)
+            chunk = tt - rb * nch
         if tid == 0:
             for s in range(STAGES):
                 mbar_init(full, s, 1)
                 mbar_init(empty, s, CW)
+                if CL > 1:
+                    mbar_init(xempty, s, CL)
         cuda.syncthreads()
+        if CL > 1:
+            cluster_sync()                                   # every block's barriers set up before any remote use
         acc0 = ZERO
         acc1 = ZERO
         if warp == CW:
             if lane == 0:
-                produce(d64, sp, dn, tiles, xs, kinds, full, empty, chunk, tr0, nr, rot, nst, k0, GK)
+                produce(d64, sp, dn, tiles, xs, kinds, full, empty, chunk, tr0, nr, rot, nst, k0, GK, xempty, rank)
         else:
             # hybrid (R = 1): warpgroup wg's tile sits at slot wg, 2:4 strips SLOT apart, dense ones DENSE_STRIP
             aoff, moff, moff1 = strip_offsets(XBYTES + (wg * (TB - 4 * SLOT) if HY else 0), wg, wwarp, lane)
@@ -186,6 +214,9 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False):
             acc_store(df, acc0, acc1, wg, wwarp, g, t)
         cuda.syncthreads()
         q0, q1 = split_sharers(tt, GK, PER)
-        tile_end(df, y, ws, cnt, flag, tid, M, N, tr0 * 64, n0, tt, GK, b, nst, q0, q1)
+        if CL == 1 or nr > 0:
+            tile_end(df, y, ws, cnt, flag, tid, M, N, tr0 * 64, n0, tt, GK, b, nst, q0, q1)
+        if CL > 1:
+            cluster_sync()                                   # no block leaves while another may still signal it
 
     return kernel

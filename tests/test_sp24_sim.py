@@ -211,3 +211,18 @@ def test_x_slabs_put_each_value_where_the_descriptor_reads_it():
     assert flat.numel() == 2 * nt * kp
     slabs = flat.reshape(2, kp // 64, nt // 8, 8, 8, 8)         # [chunk, gk, 8-token block, K part, token, h]
     assert (slabs[1, :, 0, :, 3:, :] == 0).all() and (slabs[1, :, 0, :, :3, :] != 0).any()   # tokens 11-15: zeros
+
+
+def test_clusters_are_refused_where_they_cannot_run_in_one_line():
+    """X multicast clusters (docs/kernels-notes.md "v22") take the warp-specialized kernel without a K split,
+    on a GPU: any other request is one clear error, never a silent launch without them."""
+    g = torch.Generator().manual_seed(3)
+    w = _weight(64, 128, "2:4", g)
+    lay, x = sp24.transcode(w).to(DEV), torch.randn(2, 128, generator=g).half().to(DEV)
+    for tuning in (dict(kernel="rows", cluster=2), dict(kernel="auto", cluster=2), dict(kernel="ws", cluster=3),
+                   dict(kernel="ws", cluster=2, splits=2)):
+        with pytest.raises(ValueError, match="cluster"):
+            sp24_matmul(x, lay, **tuning)
+    if SIM:
+        with pytest.raises(ValueError, match="simulator"):
+            sp24_matmul(x, lay, kernel="ws", cluster=2)

@@ -41,6 +41,8 @@ FORCED_ROWS = [dict(splits=1), dict(splits=3), dict(tokens=8), dict(tokens=64, s
 # forced sp24_wg plans (Hopper: all-2:4 weights), checked at a few N
 FORCED_WG = [dict(tokens=t, groups=g, strips=r) for t in (8, 32, 128) for g in (1, 2) for r in (1, 2)] + \
     [dict(splits=3), dict(stages=3), dict(kstep=2, splits=3), dict(tokens=64, groups=2, strips=2, stages=4, splits=1)]
+# sp24_ws in thread-block clusters sharing X by multicast (docs/kernels-notes.md "v22"), every shape, a few N
+FORCED_CLUSTER = [dict(cluster=2), dict(cluster=4, tokens=64), dict(cluster=2, groups=1, strips=1)]
 SWEEP_ROWS = [dict(splits=s) for s in (1, 2, 3, 4, 6, 8)] + [dict(strips=2, splits=s) for s in (1, 2, 4)] + \
     [dict(tokens=t) for t in (8, 16, 32)] + [dict(stages=s) for s in (2, 3, 4, 6)]
 # NUMBA_ENABLE_CUDASIM=1 (a dry run of the checks on CPU tensors, tiny shapes only: --check-shapes)
@@ -106,6 +108,8 @@ def check(shapes, ns, quick: bool, kernels=("auto", "rows", "warps")) -> int:
                 for kn in ("wg", "ws"):
                     if kn in kernels and (name == "2:4" or kn == "ws") and n in (1, 17, 64, 129) and m * k <= 2**24:
                         variants += [dict(kernel=kn, **kw) for kw in FORCED_WG if kn == "wg" or "kstep" not in kw]
+                if "ws" in kernels and DEV == "cuda" and n in (1, 17, 64, 128):
+                    variants += [dict(kernel="ws", **kw) for kw in FORCED_CLUSTER]
                 for kw in variants:
                     out = torch.full((n, m), float("nan"), dtype=torch.float16, device=DEV)
                     try:
