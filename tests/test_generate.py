@@ -2,8 +2,10 @@
 transformers' generate, both engines agree, --json, --seed, --chat from piped stdin, one-line errors."""
 from __future__ import annotations
 
+import gc
 import json
 import re
+import weakref
 
 import pytest
 import torch
@@ -95,6 +97,47 @@ def test_cli_json_has_the_text_and_timings(tiny, loaded):
     assert r["seconds"] > 0 and r["tokens_per_s"] == pytest.approx(6 / r["seconds"])
     assert r["sampling"] == {"max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0, "seed": None}
     assert (r["device"], r["dtype"], r["engine"]) == ("cpu", "float32", "hf")
+
+
+def test_console_script_gc_policy_gives_the_same_json(tiny, loaded, monkeypatch):
+    """As the console script runs it (common.long_lived on: no GC during imports and load, then frozen)."""
+    import sparsekit.cli.generate as gen_cli
+    from sparsekit.cli.common import long_lived
+
+    model, tok = loaded
+    monkeypatch.setattr(gen_cli, "long_lived", lambda: long_lived(True))
+    try:
+        res = run(tiny, "--prompt", PROMPT, "--max-new-tokens", 6, "--device", "cpu", "--json")
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["text"] == tok.decode(_reference(model, tok, PROMPT, 6), skip_special_tokens=True)
+
+
+class _Node:
+    pass
+
+
+def test_long_lived_collects_what_died_inside_and_freezes_what_lives():
+    from sparsekit.cli.common import long_lived
+
+    with long_lived():   # pytest's process is not the console script's: nothing changes
+        assert gc.isenabled()
+    try:
+        with long_lived(True):
+            assert not gc.isenabled()
+            dead, kept = _Node(), _Node()
+            dead.me, kept.me = dead, kept     # cycles: only the collector frees them
+            gone = weakref.ref(dead)
+            del dead
+        assert gc.isenabled() and gone() is None
+        assert gc.is_tracked(kept) and not any(o is kept for o in gc.get_objects())   # frozen: out of every generation
+    finally:
+        gc.unfreeze()
+    with pytest.raises(RuntimeError), long_lived(True):
+        raise RuntimeError("the load failed")
+    assert gc.isenabled() and gc.get_freeze_count() == 0   # an error: the collector on again, nothing frozen
 
 
 def test_seed_makes_sampling_repeatable(tiny):
