@@ -71,11 +71,9 @@ dense without timing them (all of the demo's; ``runtime.dispatch``, said in one 
 runs only where a sparse layer is left, and a packed model left with no sparse layer has the dense
 twin's modules, so the twin replays the packed model's two compiled graphs instead of compiling two more
 (Dynamo's guards pass: same classes, shared tensors; a CPU test pins this): no numba compile at all on
-the demo, two Inductor compiles instead of four. Then (H100, fresh caches: 32.6 s wall, 25.7 inside, of
-which capture 14.3 = batch 1 8.9 + batch 8 4.2, against 4.0 + 1.3 warm): Inductor's compile worker
-processes start before the model loads (``torch_compat.start_compile_workers``; torch starts them only
-when its first compile begins, and compiles each Triton kernel in this process, one after the other, until
-they answer, seconds later), and decode has 2 timed loops instead of 3 (``speed_runs.DECODE_ROUNDS``).
+the demo, two Inductor compiles instead of four. Then Inductor's compile workers start before the model
+loads (``torch_compat.start_compile_workers``; torch starts them at its first compile, which compiles its
+Triton kernels one by one until they answer), and decode has 2 timed loops (``speed_runs.DECODE_ROUNDS``).
 
 A model with CATS thresholds (``sparsekit prune --method cats``, or ``--cats`` stacked on a weight
 method) counts as sparse even without a packed linear: its gated MLPs go onto the CATS kernels
