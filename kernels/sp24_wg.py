@@ -29,7 +29,7 @@ import numpy as np
 from numba import cuda
 
 from . import kcache
-from ._intrinsics import SCRATCH_WORDS, SIM, cp_wait0, cp_wait1, cp_wait2, fence_proxy_async
+from ._intrinsics import SCRATCH_WORDS, SIM, cluster_rank, cp_wait0, cp_wait1, cp_wait2, fence_proxy_async
 from ._sp_intrinsics import cp16, cp_commit, cp_wait3, cp_wait4, cp_wait5, cp_wait6
 from ._warp_intrinsics import byte_addr, lds32b
 from ._wg_intrinsics import lds_a8, wg_commit, wg_hold, wg_mma2, wg_wait0
@@ -61,9 +61,11 @@ def x_desc(addr):
 
 
 def make_tile_ops(NT: int, R: int, WG: int):
-    """``(piece, strip_offsets, operands, products, acc_store)``, the pieces sp24_wg and sp24_ws share:
+    """``(piece, strip_offsets, operands, products, acc_store, block_piece)``, the pieces sp24_wg, sp24_ws and
+    spmm_ws share:
 
-    - ``piece(b, M, GK, PER, nch)`` and ``strip_offsets(base, wg, wwarp, lane)``: see their docstrings;
+    - ``piece(b, M, GK, PER, nch)``, ``block_piece(b, M, GK, PER, nch, CL)`` and ``strip_offsets(base, wg,
+      wwarp, lane)``: see their docstrings;
     - ``operands(d64, d32, so, aoff, moff, moff1)``: a staged strip's 8 A registers and both metadata
       words (the lane's own, and lane ^ 2's: the second 32 columns'), ``so`` the tile row's strips;
     - ``products(scr, tid, xaddr, a0, m0, m0b, a1, m1, m1b, acc0, acc1)``: one tile column's products;
@@ -96,6 +98,21 @@ def make_tile_ops(NT: int, R: int, WG: int):
         return tt, k0, nst, rb, n0, tr0, min(R * WG, (M + 63) // 64 - tr0), rb % nst
 
     @_device
+    def block_piece(b, M, GK, PER, nch, CL):
+        """``piece``, then the block's token chunk and its rank in its thread-block cluster. With ``CL`` > 1,
+        block ``b`` is rank ``b % CL`` of cluster ``b // CL``, which takes one token chunk and all of K on
+        ``CL`` neighbouring row blocks, with one rotation (the warp-specialized kernels' X multicast)."""
+        if CL > 1:
+            rank = cluster_rank()
+            tt, k0, nst, rb, n0, tr0, nr, rot = piece(b // CL, M, GK, PER, nch)
+            chunk = tt - rb * nch
+            rb = rb * CL + rank
+            tr0 = rb * (R * WG)
+            return rb * nch + chunk, k0, nst, rb, n0, tr0, min(R * WG, (M + 63) // 64 - tr0), rot, chunk, rank
+        tt, k0, nst, rb, n0, tr0, nr, rot = piece(b, M, GK, PER, nch)
+        return tt, k0, nst, rb, n0, tr0, nr, rot, tt - rb * nch, np.uint32(0)
+
+    @_device
     def strip_offsets(base, wg, wwarp, lane):
         """Byte offsets in a stage of this lane's A registers and of its two metadata words in the warp's
         strip of the warpgroup's first tile row, whose strips start at ``base``."""
@@ -112,7 +129,7 @@ def make_tile_ops(NT: int, R: int, WG: int):
                 if R == 2:
                     df[n * ROWS + c0 + 64 + 8 * (oi >> 1)] = acc1[4 * jb + oi]
 
-    return piece, strip_offsets, operands, products, acc_store
+    return piece, strip_offsets, operands, products, acc_store, block_piece
 
 
 def stage_bytes(nt: int, r: int, wg: int, ks: int = 1) -> int:
@@ -153,7 +170,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int, KS: int):
     # all but the newest STAGES - 3 copy groups have landed (copies run STAGES - 2 steps ahead)
     wait = (cp_wait0, cp_wait1, cp_wait2, cp_wait3, cp_wait4, cp_wait5, cp_wait6)[STAGES - 3]
     tile_end = make_tile_end(TILE, ROWS, THREADS)
-    piece, strip_offsets, operands, products, acc_store = make_tile_ops(NT, R, WG)
+    piece, strip_offsets, operands, products, acc_store, _ = make_tile_ops(NT, R, WG)
     ZERO = (np.float32(0.0),) * NACC
     u32 = np.uint32
 

@@ -26,7 +26,7 @@ import torch
 from numba import cuda
 
 from . import kcache
-from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, cluster_rank, cluster_sync, mbar_arrive,
+from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, cluster_sync, mbar_arrive,
                           mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait)
 from ._warp_intrinsics import byte_addr
 from ._wg_intrinsics import lds_a8, wg_commit, wg_hold, wg_mmad, wg_wait0
@@ -95,7 +95,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1)
     ROWS = 64 * R * WG
     TILE = NT * ROWS
     tile_end = make_tile_end(TILE, ROWS, THREADS)
-    piece, strip_offsets, operands, products, acc_store = make_tile_ops(NT, R, WG)
+    _, strip_offsets, operands, products, acc_store, block_piece = make_tile_ops(NT, R, WG)
     ZERO = (np.float32(0.0),) * NACC
     u32 = np.uint32
 
@@ -156,18 +156,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1)
         wwarp = warp & 3
         ring = byte_addr(d64, 0)
         b = cuda.blockIdx.x
-        if CL > 1:      # cluster b // CL: one token chunk, all of K, CL row blocks sharing X (the rotation too)
-            rank = cluster_rank()
-            tt, k0, nst, rb, n0, tr0, nr, rot = piece(b // CL, M, GK, PER, nch)
-            chunk = tt - rb * nch
-            rb = rb * CL + rank
-            tt = rb * nch + chunk
-            tr0 = rb * RW
-            nr = min(RW, (M + 63) // 64 - tr0)
-        else:
-            rank = u32(0)
-            tt, k0, nst, rb, n0, tr0, nr, rot = piece(b, M, GK, PER, nch)
-            chunk = tt - rb * nch
+        tt, k0, nst, rb, n0, tr0, nr, rot, chunk, rank = block_piece(b, M, GK, PER, nch, CL)
         if tid == 0:
             for s in range(STAGES):
                 mbar_init(full, s, 1)

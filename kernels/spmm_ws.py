@@ -28,7 +28,7 @@ import torch
 from numba import cuda
 
 from . import kcache
-from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, cluster_rank, cluster_sync, mbar_arrive,
+from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, cluster_sync, mbar_arrive,
                           mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait)
 from ._sp_intrinsics import sts128
 from ._warp_intrinsics import byte_addr, lds128b, sts64b
@@ -137,7 +137,7 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
     ROWS = 64 * WG
     TILE = NT * ROWS
     tile_end = make_tile_end(TILE, ROWS, THREADS)
-    piece, _, _, _, acc_store = make_tile_ops(NT, 1, WG)
+    _, _, _, _, acc_store, block_piece = make_tile_ops(NT, 1, WG)
     ZERO = (np.float32(0.0),) * NACC
 
     @cuda.jit(device=True, inline="always")
@@ -237,18 +237,7 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
         wwarp = warp & 3
         ring = byte_addr(d64, 0)
         b = cuda.blockIdx.x
-        if CL > 1:      # cluster b // CL: one token chunk, all of K, CL tile rows sharing X (the rotation too)
-            rank = cluster_rank()
-            tt, k0, nst, rb, n0, tr0, nr, rot = piece(b // CL, M, GK, PER, nch)
-            chunk = tt - rb * nch
-            rb = rb * CL + rank
-            tt = rb * nch + chunk
-            tr0 = rb
-            nr = min(1, (M + 63) // 64 - tr0)
-        else:
-            rank = u32(0)
-            tt, k0, nst, rb, n0, tr0, nr, rot = piece(b, M, GK, PER, nch)
-            chunk = tt - rb * nch
+        tt, k0, nst, rb, n0, tr0, nr, rot, chunk, rank = block_piece(b, M, GK, PER, nch, CL)
         if tid == 0:
             for s in range(STAGES):
                 mbar_init(raw, s, 1)
