@@ -216,11 +216,8 @@ def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int =
         if ck is not None:
             _fast[fkey] = ck
     if cluster > 1 and _fast.get(fkey) is None:   # compiled and checked without a launch through numba
-        args = tuple(_as_numba(t) for t in tensors) + tuple(scalars)
-        _fast[fkey] = compat_numba.fast_entry(kern, args)
-        if _fast[fkey] is None:
+        if _numba_entry(kern, tuple(_as_numba(t) for t in tensors) + tuple(scalars), device, fkey) is None:
             raise RuntimeError("a thread-block cluster needs the direct launch, which is not available here")
-        _keep(kern, args, device)
     ck = _fast.get(fkey)
     if ck is not None and direct_ready(fkey, ck, dyn, device):
         flat = [f for t in tensors for f in compat_numba.flat(t.data_ptr(), t.numel(), t.element_size())]
@@ -233,9 +230,16 @@ def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int =
         raise RuntimeError(f"this numba cannot let a kernel take {dyn} bytes of shared memory (48 KB without opt-in)")
     kern[blocks, threads, _stream(device), dyn](*args)
     if fkey not in _fast:
-        _fast[fkey] = compat_numba.fast_entry(kern, args)
-        if _fast[fkey] is not None:
-            _keep(kern, args, device)
+        _numba_entry(kern, args, device, fkey)
+
+
+def _numba_entry(kern, args, device: torch.device, fkey):
+    """numba's compiled ``kern`` for ``args`` as the direct entry ``_fast[fkey]`` (its argument packing
+    checked), stored in the kernel cache too; None where the direct launch is not available."""
+    ck = _fast[fkey] = compat_numba.fast_entry(kern, args)
+    if ck is not None:
+        _keep(kern, args, device)
+    return ck
 
 
 def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, regs=None, wflat=None) -> bool:
