@@ -13,7 +13,8 @@ what a kernel computes. What reaches in:
 - ``opt_in_smem``: ``Dispatcher._compile_for_args`` + the code library's ``CUfunction`` +
   ``cuKernelSetAttribute`` (dynamic shared memory past 48 KB);
 - ``fast_entry`` / ``launch_direct`` / ``flat``: numba's kernel argument packing (checked once per
-  kernel against ``_Kernel._prepare_args``) and a direct ``cuda.core.launch`` of the compiled kernel;
+  kernel against ``_Kernel._prepare_args``) and a direct ``cuda.core.launch`` of the compiled kernel
+  (``grid`` counts clusters from cuda-core 0.4.0 on, blocks before);
 - ``cubin_of`` / ``load_cubin`` / ``set_max_dyn_smem``: the compiled kernel's code library (its cubin
   and entry name) for ``kcache``, and cuda.core's ``ObjectCode`` to load it back.
 
@@ -188,16 +189,28 @@ def fast_entry(kern, args):
 FAST_LAUNCH = "the direct kernel launch (numba's own launch costs ~0.3 ms more per eager call)"
 
 
+def _grid_counts_clusters() -> bool:
+    """cuda.core 0.4.0 changed ``LaunchConfig.grid`` to count clusters when ``cluster`` is set (it
+    counted blocks before, NVIDIA/cuda-python#867)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        major, minor = (int(v) for v in version("cuda-core").split(".")[:2])
+    except (PackageNotFoundError, ValueError):  # a source tree or an odd version string: a current release
+        return True
+    return (major, minor) >= (0, 4)
+
+
 def launch_direct(ck, blocks: int, threads: int, dyn: int, stream, flat_args, scalars, cluster: int = 1) -> None:
     """Launch the cuda.core kernel ``ck`` with numba's argument packing: ``flat_args`` (the arrays,
-    see ``flat``) then ``scalars`` as int64; ``cluster`` > 1: ``blocks`` in clusters of that many (cuda.core's
-    ``grid`` then counts clusters)."""
+    see ``flat``) then ``scalars`` as int64; ``cluster`` > 1: ``blocks`` in clusters of that many."""
     from cuda.core import LaunchConfig
     from cuda.core import launch as cc_launch
 
     key = (blocks, threads, dyn, cluster)
     cfg = _cfgs.get(key)
     if cfg is None:
-        cfg = _cfgs[key] = (LaunchConfig(grid=blocks // cluster, cluster=cluster, block=threads, shmem_size=dyn)
+        grid = blocks // cluster if cluster > 1 and _grid_counts_clusters() else blocks
+        cfg = _cfgs[key] = (LaunchConfig(grid=grid, cluster=cluster, block=threads, shmem_size=dyn)
                             if cluster > 1 else LaunchConfig(grid=blocks, block=threads, shmem_size=dyn))
     cc_launch(stream, cfg, ck, *flat_args, *[ctypes.c_int64(s) for s in scalars])
