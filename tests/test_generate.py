@@ -119,20 +119,25 @@ class _Node:
     pass
 
 
-def test_long_lived_collects_what_died_inside_and_freezes_what_lives():
+def test_long_lived_freezes_what_it_made_and_collects_again_after():
     from sparsekit.cli.common import long_lived
 
     with long_lived():   # pytest's process is not the console script's: nothing changes
         assert gc.isenabled()
+    gc.collect()
     try:
         with long_lived(True):
             assert not gc.isenabled()
-            dead, kept = _Node(), _Node()
-            dead.me, kept.me = dead, kept     # cycles: only the collector frees them
-            gone = weakref.ref(dead)
-            del dead
-        assert gc.isenabled() and gone() is None
+            kept = _Node()
+            kept.me = kept                    # a cycle: only the collector could free it
+        assert gc.isenabled() and gc.get_freeze_count() > 0
         assert gc.is_tracked(kept) and not any(o is kept for o in gc.get_objects())   # frozen: out of every generation
+        later = _Node()
+        later.me = later
+        gone = weakref.ref(later)
+        del later
+        gc.collect()
+        assert gone() is None                 # the collector works on what comes after
     finally:
         gc.unfreeze()
     with pytest.raises(RuntimeError), long_lived(True):

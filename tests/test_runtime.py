@@ -262,6 +262,29 @@ def test_load_packed_logits_and_generate_match_dense(packed_llama):
         assert torch.equal(model.generate(IDS, **kw), dense.generate(IDS, **kw))
 
 
+def test_load_leaves_no_tensor_storage_in_reference_cycles(packed_llama):
+    """`generate` freezes the loaded objects without a collection first (cli.common.long_lived): that is
+    sound only while what a load leaves in reference cycles holds no tensor memory."""
+    import gc
+
+    from sparsekit.runtime.loader import load
+
+    gc.collect()
+    gc.disable()
+    try:
+        model = load(str(packed_llama[1]), "cpu")
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        found = gc.collect()
+        held = [o for o in gc.garbage if isinstance(o, torch.Tensor) and o.device.type != "meta"
+                and o.untyped_storage().nbytes() > 0]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert found > 0 and model is not None    # there are cycles (functions, tuples); none holds a tensor's bytes
+    assert held == []
+
+
 def test_load_packed_errors(tmp_path, packed_llama):
     from sparsekit.runtime.loader import load_packed
 

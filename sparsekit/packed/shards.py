@@ -11,6 +11,7 @@ import json
 import os
 import re
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,17 @@ def read_header(path: Path, fix: str = "re-run `sparsekit encode`") -> tuple[dic
     return header, start
 
 
+def _check_sums(shard: str, tensors: dict[str, torch.Tensor], checksums: dict[str, str]) -> None:
+    """Each tensor's sha256 against the index, hashed on several threads (hashlib lets go of the GIL)."""
+    names = list(tensors)
+    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as pool:
+        sums = list(pool.map(lambda n: tensor_sha256(tensors[n]), names))
+    for name, got in zip(names, sums):
+        if got != checksums[name]:
+            raise SparsekitError(f"corrupt shard {shard}, tensor {name}: sha256 mismatch (its bytes were changed); "
+                                 "re-run `sparsekit encode`")
+
+
 def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
                 check_checksums: bool = True) -> PackedCheckpoint:
     """Load a packed directory: dense tensors, TcaBme weights (on ``device``), layer info, metadata.
@@ -245,13 +257,10 @@ def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
                         raise SparsekitError(
                             f"shard {shard} lacks tensor {name} listed in {INDEX_NAME}: the checkpoint is corrupt; re-run `sparsekit encode`"
                         )
-                    t = f.get_tensor(name)
-                    if name in checksums and tensor_sha256(t) != checksums[name]:
-                        raise SparsekitError(
-                            f"corrupt shard {shard}, tensor {name}: sha256 mismatch (its bytes were changed); "
-                            "re-run `sparsekit encode`"
-                        )
-                    tensors[name] = t.to(device)
+                    tensors[name] = f.get_tensor(name)
+                _check_sums(shard, {n: tensors[n] for n in names if n in checksums}, checksums)
+                for name in names:
+                    tensors[name] = tensors[name].to(device)
         except SparsekitError:
             raise
         except Exception as e:  # safetensors raises its own error types for damaged files
