@@ -146,6 +146,7 @@ def test_learned_hybrid_tiles_and_sparsity(work, learned):
     assert lm["steps"] == 24 and lm["init"] == "wanda" and lm["allocation"] == "layer"
     assert lm["loss"]["steps"] == 24 and len(lm["loss"]["curve"]) == lm["loss"]["curve_points"]
     assert lm["temperature_schedule"]["temperature"]["start"] > lm["temperature_schedule"]["temperature"]["end"]
+    assert (lm["noise"], lm["prior"]) == ([0.5, 0.0], 3.0)   # hybrid's own defaults, as recorded
 
 
 def test_learned_mask_beats_one_shot(work, learned):
@@ -203,11 +204,24 @@ def test_global_allocation_meets_global_target(work):
     assert abs(_overall(layers) - 0.3) < 0.005
 
 
+def test_pattern_defaults_fill_only_what_is_unset():
+    from sparsekit.pruning.learn import LearnConfig
+    from sparsekit.pruning.patterns import Pattern
+
+    c24, chy = (LearnConfig().for_pattern(Pattern.parse(p)) for p in ("2:4", "hybrid"))
+    assert (c24.noise, c24.prior) == ((1.0, 0.0), 4.0) and (chy.noise, chy.prior) == ((0.5, 0.0), 3.0)
+    mine = LearnConfig(noise=(0.2, 0.1), prior=2.0).for_pattern(Pattern.parse("2:4"))
+    assert (mine.noise, mine.prior) == ((0.2, 0.1), 2.0)
+    with pytest.raises(SparsekitError, match="noise schedule"):
+        LearnConfig(noise=(-1.0, 0.0))
+
+
 def test_learned_2of4_with_sparsegpt_update(work):
     said = []
     rep = _prune(work, "l24", method="sparsegpt", pattern="2:4", learn=dict(steps=3, batch_size=2, weight_update=True),
                  warn=said.append)
     assert rep["learning"]["weight_update"] is True
+    assert (rep["learning"]["noise"], rep["learning"]["prior"]) == ([1.0, 0.0], 4.0)   # 2:4's own defaults
     assert sum("weight update after --learn-mask" in m for m in said) == 1   # said once, in one line
     assert all("\n" not in m for m in said)
     _, layers = _linears(work / "l24")

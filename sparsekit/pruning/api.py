@@ -293,13 +293,14 @@ def _learn(net, calib_ids, s, meth, dev, learn, out, model, calibration, batch_s
     from sparsekit.pruning.learn.pipeline import learn_prune
     from sparsekit.pruning.patterns import Pattern
 
-    cfg = learn if learn is not None else LearnConfig(steps=0)
+    pattern = Pattern.parse(s.pattern)
+    cfg = (learn if learn is not None else LearnConfig(steps=0)).for_pattern(pattern)
     ckpt = cfg.checkpoint_dir or f"{Path(out)}-checkpoints"
     fingerprint = {"model": str(model), "method": s.method, "pattern": s.pattern, "sparsity": s.sparsity,
                    "allocation": s.allocation, "seed": s.seed, "calibration": calibration, "skip": list(s.skip),
                    **({"update": s.update, "admm_iters": s.admm_iters} if s.update else {}),
                    **cfg.fingerprint()}
-    rep = learn_prune(net, calib_ids, method=meth, pattern=Pattern.parse(s.pattern), sparsity=s.sparsity, skip=s.skip,
+    rep = learn_prune(net, calib_ids, method=meth, pattern=pattern, sparsity=s.sparsity, skip=s.skip,
                       device=dev, cfg=cfg, allocation=s.allocation, seed=s.seed, blocksize=s.blocksize,
                       percdamp=s.damp, batch_size=batch_size, checkpoint_dir=ckpt, fingerprint=fingerprint,
                       progress=progress, warn=warn, admm_iters=s.admm_iters if s.update == "admm" else None)

@@ -84,6 +84,7 @@ def learn_prune(model, calib: torch.Tensor, *, method: Method, pattern, sparsity
        ``admm_iters`` (``--update admm``) ADMM does (``sparsekit.pruning.methods.admm``), that many iterations.
     """
     t_start = time.perf_counter()
+    cfg = cfg.for_pattern(pattern)
     sparsity = 0.5 if pattern.is_nm else float(sparsity)
     check_learnable(method, pattern, sparsity, cfg.steps > 0, allocation)
     stack_name, layers = L.find_decoder_layers(model)
