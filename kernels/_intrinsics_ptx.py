@@ -17,7 +17,7 @@ from numba.cuda.extending import intrinsic
 
 from .compat_numba import cuda_typing
 
-__all__ = ["bulk_copy", "bulk_copy_mc", "cluster_rank", "cluster_sync", "cp_wait0", "cp_wait1", "cp_wait2",
+__all__ = ["bulk_copy", "bulk_copy_mc", "clock32", "cluster_rank", "cluster_sync", "cp_wait0", "cp_wait1", "cp_wait2",
            "decode_pair", "f2h", "fence_proxy_async", "h2f", "lds32", "mbar_arrive", "mbar_arrive_remote",
            "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up", "shfl_xor", "smem_base",
            "syncwarp"]
@@ -210,6 +210,7 @@ _fence_mbar_init = _asm_stmt("fence.mbarrier_init.release.cluster;")
 # thread-block clusters (sm_90): this block's rank, an arrival on a barrier of another block of the cluster (at
 # the same offset in its shared memory), and every thread of the cluster meeting (barrier inits visible first)
 _cluster_rank = _asm_fn2("mov.u32 $0, %cluster_ctarank;", "=r,r,r", ret=True)
+_clock32 = _asm_fn2("mov.u32 $0, %clock;", "=r,r,r,~{memory}", ret=True)   # the SM's cycle counter (probes)
 _mbar_arrive_remote = _asm_fn2("{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $0, $1; "
                                "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra]; }", "r,r,~{memory}")
 cluster_sync = _asm_stmt("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;")
@@ -254,6 +255,12 @@ def _bulk_mc(typingctx, dst_addr, src, si, nbytes, mbar_addr, mask):
 @cuda.jit(device=True, inline=True)
 def cluster_rank():
     return _cluster_rank(np.uint32(0), np.uint32(0))
+
+
+@cuda.jit(device=True, inline=True)
+def clock32():
+    """The low 32 bits of this SM's cycle counter (time-stamp probes; differences within one block)."""
+    return _clock32(np.uint32(0), np.uint32(0))
 
 
 @cuda.jit(device=True, inline=True)

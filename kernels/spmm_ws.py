@@ -28,7 +28,7 @@ import torch
 from numba import cuda
 
 from . import kcache
-from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, cluster_sync, mbar_arrive,
+from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, clock32, cluster_sync, mbar_arrive,
                           mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait)
 from ._sp_intrinsics import sts128
 from ._warp_intrinsics import byte_addr, lds128b, sts64b
@@ -83,15 +83,17 @@ def compiled_kernels() -> dict:
     return _KERNELS
 
 
-def get_kernel(nt: int, stages: int, wg: int = 1, window: int = WINDOW, regs: int | None = None, cluster: int = 1):
+def get_kernel(nt: int, stages: int, wg: int = 1, window: int = WINDOW, regs: int | None = None, cluster: int = 1,
+               stamps: bool = False):
     """Kernel for ``nt`` tokens per output tile (8 .. 128), a ring of ``stages`` (2-8) and ``wg`` consumer
     warpgroups (1, 2), one GroupTile row each; ``window``: steps per offset load (tests shorten it); ``regs``:
     the register cap (``max_registers``); ``cluster``: blocks per thread-block cluster sharing each X slab
-    (1, 2, 4; docs/kernels-notes.md "v22"). The stage's value room is an argument of the launch."""
+    (1, 2, 4; docs/kernels-notes.md "v22"). The stage's value room is an argument of the launch. ``stamps``: the
+    time-stamp probe build (``spmm_ws_probe``), never a product's."""
     regs = regs or max_registers(nt, wg)
-    key = (nt, stages, wg, window, regs) + ((cluster,) if cluster > 1 else ())
+    key = (nt, stages, wg, window, regs) + ((cluster,) if cluster > 1 else ()) + (("stamps",) if stamps else ())
     if key not in _KERNELS:
-        _KERNELS[key] = kcache.tag(_build(nt, stages, wg, window, regs, cluster), "spmm_ws", key)
+        _KERNELS[key] = kcache.tag(_build(nt, stages, wg, window, regs, cluster, stamps), "spmm_ws", key)
     return _KERNELS[key]
 
 
@@ -127,7 +129,13 @@ def _selectors(h):
     return h ^ (((h >> u32(1)) ^ u32(0xFFFFFFFF)) & u32(0x55555555))
 
 
-def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL: int = 1):
+@_device
+def _stamp(ws, at, t0):
+    """Probe builds: cycles since ``t0`` (exact below 2^24) into ``ws[at]``."""
+    ws[at] = np.float32(u32(clock32() - t0))
+
+
+def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL: int = 1, STAMP: bool = False):
     assert NT in NTS and 2 <= STAGES <= 8 and WG in (1, 2) and 1 <= WIN <= 32 and CL in (1, 2, 4)
     assert CL == 1 or WG == 1
     CW = 4 * WG
@@ -159,11 +167,13 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
         return a0, a1, b0, b1
 
     @cuda.jit(device=True, inline="always")
-    def publish(d32, d64, scr, tid, lane, raw, full, j, nr, SLOT):
+    def publish(d32, d64, scr, tid, lane, raw, full, j, nr, SLOT, ws, sb0, t0):
         """Step ``j``'s copies have landed ("raw"): the whole warp fills each tile row's decode table, then
         releases the stage to the consumers ("full")."""
         s = j % STAGES
         mbar_wait(raw, s, (j // STAGES) & 1)
+        if STAMP and lane == 0:
+            _stamp(ws, sb0 + j * 8 + 7, t0)
         tb = byte_addr(d64, 0) + u32(s * (XBYTES + WG * SLOT) + XBYTES)
         _publish_table(d32, d64, scr, tid, lane, tb)
         if nr > 1:
@@ -174,7 +184,7 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
 
     @cuda.jit(device=True, inline="always")
     def produce(d64, scr, tid, lane, bm, vals, goff, xs, raw, empty, chunk, tr0, nr, rot, nst, k0, GK, SLOT,
-                xempty, rank):
+                xempty, rank, ws, sb0, t0):
         """The copy warp: offsets loaded one window (32 steps) ahead; per step, lane 0's copies into a freed
         stage, completing on "raw" (the table warp takes it from there). In a cluster (``CL`` > 1) each block
         copies its own GroupTile, tells the leader (rank 0, ``xempty``) that the stage is free and expects X,
@@ -193,6 +203,8 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
                 s = i % STAGES
                 if i >= STAGES:
                     mbar_wait(empty, s, ((i // STAGES) - 1) & 1)
+                if STAMP:
+                    _stamp(ws, sb0 + i * 8 + 5, t0)
                 gk = step_col(i, rot, nst, k0)
                 gt = tr0 * GK + gk
                 st = (s * (XBYTES + WG * SLOT)) >> 3     # the stage, in 8-byte words of the dynamic array
@@ -219,6 +231,8 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
                 if CL > 1 and rank == 0:                 # every block's stage s free and expecting: one X copy
                     mbar_wait(xempty, s, (i // STAGES) & 1)
                     bulk_copy_mc(d64, st, xs, (chunk * GK + gk) * (XBYTES >> 3), XBYTES, raw, s, (1 << CL) - 1)
+                if STAMP:
+                    _stamp(ws, sb0 + i * 8 + 6, t0)
 
     @cuda.jit(**({} if SIM else {"max_registers": REGS}))
     def kernel(bm, vals, goff, xs, y, ws, cnt, M, N, GK, nch, PER, SLOT):
@@ -248,13 +262,19 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
         cuda.syncthreads()
         if CL > 1:
             cluster_sync()                                   # every block's barriers set up before any remote use
+        if STAMP:                                            # probe builds: 8 stamps per step (spmm_ws_probe)
+            t0 = clock32()
+            sb0 = b * PER * 8
+        else:
+            t0 = u32(0)
+            sb0 = 0
         acc = ZERO
         if warp == CW:
             produce(d64, scr, tid, lane, bm, vals, goff, xs, raw, empty, chunk, tr0, nr, rot, nst, k0, GK, SLOT,
-                    xempty, rank)
+                    xempty, rank, ws, sb0, t0)
         elif warp == CW + 1:
             for j in range(nst):
-                publish(d32, d64, scr, tid, lane, raw, full, j, nr, SLOT)
+                publish(d32, d64, scr, tid, lane, raw, full, j, nr, SLOT, ws, sb0, t0)
         else:
             pos = u32(8 * (g & 3) + 2 * t)          # the lane's two bits in its half-word of each BitmapTile
             lmask = (u32(1) << pos) - u32(1)
@@ -267,16 +287,26 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
             s = u32(0)                                       # this step's stage and its phase
             ph = u32(0)
             for i in range(nst):
+                if STAMP and tid == 0:
+                    _stamp(ws, sb0 + i * 8, t0)
                 acc = wg_wait0(acc)                          # the previous step's products: done, so their A
                 if i > 0 and lane == 0:                      # registers are free and their stage too (released
                     mbar_arrive(empty, sp)                   # before waiting: the producer's tables lag its
+                if STAMP and tid == 0:
+                    _stamp(ws, sb0 + i * 8 + 1, t0)
                 mbar_wait(full, s, ph)                       # copies, so it waits on this stage to go on)
+                if STAMP and tid == 0:
+                    _stamp(ws, sb0 + i * 8 + 2, t0)
                 sb = ring + s * stb                          # shared addresses throughout
                 if wg < nr:                                  # (a warpgroup past the weight's rows only keeps time)
                     da = strip_a16(scr, tid, d64, d32, sb + gofs + wvsel, sb + gofs + asel, lmask, pos)
+                    if STAMP and tid == 0:
+                        _stamp(ws, sb0 + i * 8 + 3, t0)
                     xd = x_desc(sb)                              # the K parts' descriptors: +256 bytes each
                     acc = wg_mmad(scr, tid, da, xd, xd + u64(16), xd + u64(32), xd + u64(48), acc)
                     wg_commit()
+                    if STAMP and tid == 0:
+                        _stamp(ws, sb0 + i * 8 + 4, t0)
                 sp = s
                 s += u32(1)
                 if s == u32(STAGES):

@@ -46,6 +46,23 @@ def test_spmm_ws_matches_float64(m, k, n, kind, knobs):
         assert _rel_err(p, w, x, **knobs) < 1e-3
 
 
+def test_time_stamp_probe_gives_the_product_and_ordered_stamps():
+    """The stamped build (``spmm_ws_probe``, a diagnostic) computes the same product, and each role's stamps
+    follow its own order within every step it ran."""
+    from sparsekit.kernels.spmm_ws_probe import ws_stamps
+
+    w, g = _weight(64, 64 * 5, 0.5, seed=5)
+    x = torch.randn(1, 64 * 5, generator=g).half()
+    y, st, plan = ws_stamps(x.to(DEV), encode(w).to(DEV), groups=1, stages=2)
+    ref = x.double() @ w.double().t()
+    assert ((y.cpu().double() - ref).norm() / ref.norm()).item() < 1e-3
+    assert plan["blocks"] == 1 and st.shape == (1, plan["steps"], 8) and plan["steps"] == 5
+    st = st[0].cpu()
+    assert (st[:, :5].diff(dim=1) >= 0).all() and (st[:, 5] <= st[:, 6]).all()   # consumer; copy warp
+    for slot in (0, 5, 7):                                     # each role's steps, one after another
+        assert (st[:, slot].diff() >= 0).all() and st[-1, slot] > 0
+
+
 def test_spmm_ws_copies_nothing_for_an_all_zero_tile():
     w, g = _weight(64, 128, 0.5, seed=3)
     w[:, 64:] = 0

@@ -27,7 +27,7 @@ class LearnConfig:
     holdout: float = 0.125  # fraction of the calibration windows held out to pick the best mask (0: none)
     batch_size: int = 8  # calibration windows per step
     tau: tuple[float, float] = (1.0, 0.2)  # relaxation temperature, start -> end (geometric)
-    noise: tuple[float, float] | None = None  # scale of the Gumbel/logistic noise, start -> end (linear); None: the pattern's
+    noise: tuple[float, float] | None = None  # Gumbel/logistic noise scale, start -> end (linear); None: the pattern's
     prior: float | None = None  # initial logit of the one-shot 2:4 choice of each group (others 0); None: the pattern's
     tile_prior: float = 2.0  # initial tile logits: +/- this for one-shot sparse / dense tiles
     reg: float = 1.0  # weight of the sparsity regularizer

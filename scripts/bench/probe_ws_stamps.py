@@ -1,0 +1,99 @@
+"""Where spmm_ws spends its cycles, per role and step (issue 21; docs/kernels-notes.md "v22 outcome"): one launch of
+the time-stamped build (``sparsekit.kernels.spmm_ws_probe``) per shape and token count, summarized as medians over
+every block's steady-state steps (the first ring's worth of steps left out), in SM cycles:
+
+- consumer (warp 0 of the first warpgroup): the whole step, and its parts: retiring the previous products and
+  releasing their stage, waiting for "full", decoding the A registers, issuing the products, the rest;
+- copy warp: waiting for a free stage ("empty"), issuing the step's bulk copies;
+- copies in flight: issued -> landed (the table warp sees "raw");
+- table: landed -> the consumer sees "full" (the table warp's publish, and any wait of the consumer's);
+- lead: how many cycles before the consumer wanted a stage its copies were issued.
+
+Also: the stamped and the shipped kernel's time per call (CUDA-graph replays over weight copies beyond the L2),
+so the probe's own cost is visible. GPU only::
+
+    python -m scripts.bench.probe_ws_stamps [--shapes 22016x4096] [--ns 1,32,64] [--sparsity 0.5]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from scripts.common import copies_for, cuda_or_exit, ints_arg, masked_weight, shapes_arg, time_calls
+
+
+def summarize(st: torch.Tensor, stages: int) -> dict[str, float]:
+    """Median cycles of each part over the steady-state steps of every block (``st``: [blocks, steps, 8])."""
+    st = st.double().cpu()
+    live = st[:, :, 0] > 0                                   # steps a block ran (a block's first stamp is > 0)
+    nxt = torch.roll(st[:, :, 0], -1, dims=1)
+    prev_copied = torch.roll(st[:, :, 6], 1, dims=1)
+    steady = live.clone()
+    steady[:, :stages] = False
+    steady &= torch.roll(live, -1, dims=1)                   # the next step exists too
+    steady[:, -1] = False
+    parts = {
+        "step": nxt - st[:, :, 0],
+        "retire": st[:, :, 1] - st[:, :, 0],
+        "wait full": st[:, :, 2] - st[:, :, 1],
+        "decode": st[:, :, 3] - st[:, :, 2],
+        "issue": st[:, :, 4] - st[:, :, 3],
+        "rest": nxt - st[:, :, 4],
+        "wait empty": st[:, :, 5] - prev_copied,
+        "copy issue": st[:, :, 6] - st[:, :, 5],
+        "in flight": st[:, :, 7] - st[:, :, 6],
+        "table": st[:, :, 2] - st[:, :, 7],
+        "lead": st[:, :, 1] - st[:, :, 6],
+    }
+    return {k: float(v[steady].median()) if steady.any() else float("nan") for k, v in parts.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="22016x4096,28672x8192")
+    ap.add_argument("--ns", default="1,32,64")
+    ap.add_argument("--sparsity", type=float, default=0.5)
+    args = ap.parse_args()
+    cuda_or_exit("the stamp probe")
+    from sparsekit.kernels.spmm_ws import tcabme_ws_matmul
+    from sparsekit.kernels.spmm_ws_probe import ws_stamps
+    from sparsekit.packed.tcabme import encode
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    clock = torch.cuda.get_device_properties(0).clock_rate if hasattr(torch.cuda.get_device_properties(0),
+                                                                       "clock_rate") else None
+    cols = ["step", "retire", "wait full", "decode", "issue", "rest", "wait empty", "copy issue", "in flight",
+            "table", "lead"]
+    print("| M x K | N | plan | shipped us | stamped us | " + " | ".join(cols) + " |")
+    print("|---|---:|---|---:|---:|" + "---:|" * len(cols))
+    for m, k in shapes_arg(args.shapes):
+        dense = [masked_weight(m, k, args.sparsity, gen) for _ in range(copies_for(m * k * 2))]
+        packed = [encode(w) for w in dense]
+        for n in ints_arg(args.ns):
+            x = torch.randn(n, k, device="cuda", generator=gen).half()
+            ref = x.double() @ dense[0].double().t()
+            y, st, plan = ws_stamps(x, packed[0])
+            err = float((y.double() - ref).norm() / ref.norm())
+            if not err < 1e-3:
+                print(f"FAIL {m}x{k} N={n}: the stamped build's rel err {err}", file=sys.stderr)
+                return 1
+            ts, _ = time_calls([lambda p=p: ws_stamps(x, p) for p in packed], graph=False)
+            tw, _ = time_calls([lambda p=p: tcabme_ws_matmul(x, p, splits=1) for p in packed], graph=False)
+            _, st, plan = ws_stamps(x, packed[-1])            # a copy not used last: cold in the L2
+            torch.cuda.synchronize()
+            s = summarize(st, plan["stages"])
+            desc = f"t{plan['tokens']} s{plan['stages']} b{plan['blocks']} k{plan['steps']}"
+            print(f"| {m}x{k} | {n} | {desc} | {tw:.1f} | {ts:.1f} | " + " | ".join(f"{s[c]:.0f}" for c in cols)
+                  + " |", flush=True)
+        del dense, packed
+        torch.cuda.empty_cache()
+    if clock:
+        print(f"(SM clock {clock / 1e6:.2f} GHz as torch reports it; the stamps count SM cycles)")
+    print("Eager launches for both timings (no graph: the probe allocates its buffers per call); no K split.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
