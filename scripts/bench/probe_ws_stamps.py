@@ -12,7 +12,11 @@ every block's steady-state steps (the first ring's worth of steps left out), in 
 Also: the stamped and the shipped kernel's time per call (CUDA-graph replays over weight copies beyond the L2),
 so the probe's own cost is visible. GPU only::
 
-    python -m scripts.bench.probe_ws_stamps [--shapes 22016x4096] [--ns 1,32,64] [--sparsity 0.5]
+    python -m scripts.bench.probe_ws_stamps [--shapes 22016x4096] [--ns 1,32,64] [--sparsity 0.5] [--plans default,s8,g2]
+
+``--plans``: ``default`` and forced plans, each letters and a number joined by ``-``: ``s`` stages, ``g``
+warpgroups per block, ``t`` tokens per tile (``s8-g1``: an 8-stage ring, one warpgroup); a plan the kernel
+refuses (shared memory) is one line and the sweep goes on.
 """
 from __future__ import annotations
 
@@ -50,11 +54,18 @@ def summarize(st: torch.Tensor, stages: int) -> dict[str, float]:
     return {k: float(v[steady].median()) if steady.any() else float("nan") for k, v in parts.items()}
 
 
+def plan_arg(text: str) -> dict:
+    """``s8-g2`` -> {"stages": 8, "groups": 2}; ``default`` -> {}."""
+    names = {"s": "stages", "g": "groups", "t": "tokens"}
+    return {} if text == "default" else {names[part[0]]: int(part[1:]) for part in text.split("-")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="22016x4096,28672x8192")
     ap.add_argument("--ns", default="1,32,64")
     ap.add_argument("--sparsity", type=float, default=0.5)
+    ap.add_argument("--plans", default="default")
     args = ap.parse_args()
     cuda_or_exit("the stamp probe")
     from sparsekit.kernels.spmm_ws import tcabme_ws_matmul
@@ -74,19 +85,25 @@ def main() -> int:
         for n in ints_arg(args.ns):
             x = torch.randn(n, k, device="cuda", generator=gen).half()
             ref = x.double() @ dense[0].double().t()
-            y, st, plan = ws_stamps(x, packed[0])
-            err = float((y.double() - ref).norm() / ref.norm())
-            if not err < 1e-3:
-                print(f"FAIL {m}x{k} N={n}: the stamped build's rel err {err}", file=sys.stderr)
-                return 1
-            ts, _ = time_calls([lambda p=p: ws_stamps(x, p) for p in packed], graph=False)
-            tw, _ = time_calls([lambda p=p: tcabme_ws_matmul(x, p, splits=1) for p in packed], graph=False)
-            _, st, plan = ws_stamps(x, packed[-1])            # a copy not used last: cold in the L2
-            torch.cuda.synchronize()
-            s = summarize(st, plan["stages"])
-            desc = f"t{plan['tokens']} s{plan['stages']} b{plan['blocks']} k{plan['steps']}"
-            print(f"| {m}x{k} | {n} | {desc} | {tw:.1f} | {ts:.1f} | " + " | ".join(f"{s[c]:.0f}" for c in cols)
-                  + " |", flush=True)
+            for text in args.plans.split(","):
+                kw = plan_arg(text)
+                try:
+                    y, st, plan = ws_stamps(x, packed[0], **kw)
+                except ValueError as e:
+                    print(f"| {m}x{k} | {n} | {text}: refused ({e}) |")
+                    continue
+                err = float((y.double() - ref).norm() / ref.norm())
+                if not err < 1e-3:
+                    print(f"FAIL {m}x{k} N={n} {text}: the stamped build's rel err {err}", file=sys.stderr)
+                    return 1
+                ts, _ = time_calls([lambda p=p: ws_stamps(x, p, **kw) for p in packed], graph=False)
+                tw, _ = time_calls([lambda p=p: tcabme_ws_matmul(x, p, splits=1, **kw) for p in packed], graph=False)
+                _, st, plan = ws_stamps(x, packed[-1], **kw)      # a copy not used last: cold in the L2
+                torch.cuda.synchronize()
+                s = summarize(st, plan["stages"])
+                desc = f"t{plan['tokens']} s{plan['stages']} g{plan['groups']} b{plan['blocks']} k{plan['steps']}"
+                print(f"| {m}x{k} | {n} | {desc} | {tw:.1f} | {ts:.1f} | " + " | ".join(f"{s[c]:.0f}" for c in cols)
+                      + " |", flush=True)
         del dense, packed
         torch.cuda.empty_cache()
     if clock:
