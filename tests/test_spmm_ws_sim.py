@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from sparsekit.kernels.common import SIM
-from sparsekit.kernels.spmm_ws import SMEM_RESERVED, max_registers, tcabme_ws_matmul, ws_plan
+from sparsekit.kernels.spmm_ws import tcabme_ws_matmul
+from sparsekit.kernels.spmm_ws_plan import SMEM_RESERVED, max_registers, ws_plan
 from sparsekit.packed.tcabme import TcaBme, encode
 
 from tests.test_spmm_rows_sim import _weight

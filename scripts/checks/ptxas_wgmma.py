@@ -74,12 +74,12 @@ def a_register_hazards(sass: str, window: int = 600) -> list[tuple[str, str]]:
 def _variants():
     from numba import types
 
-    from sparsekit.kernels import sp24_wg, sp24_ws, spmm_ws
+    from sparsekit.kernels import sp24_wg, sp24_ws, spmm_ws, spmm_ws_plan
 
     a16, a32, a64, af = (types.Array(t, 1, "C") for t in (types.int16, types.int32, types.int64, types.float32))
     i64 = types.int64
     for nt, st in [(8, 5), (16, 5), (32, 4), (64, 3), (128, 3)]:
-        regs = spmm_ws.max_registers(nt, 1)
+        regs = spmm_ws_plan.max_registers(nt, 1)
         yield (f"spmm_ws nt={nt} stages={st} regs={regs}", spmm_ws.get_kernel(nt, st, 1, regs=regs),
                (a64, a64, a32, a64, a16, af, a32) + (i64,) * 6, regs)
     for nt, st, r, wg, hy in [(16, 6, 2, 2, False), (32, 6, 1, 2, False), (64, 3, 1, 2, False), (64, 3, 1, 2, True)]:
