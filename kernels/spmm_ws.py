@@ -49,16 +49,18 @@ def compiled_kernels() -> dict:
 
 
 def get_kernel(nt: int, stages: int, wg: int = 1, window: int = WINDOW, regs: int | None = None, cluster: int = 1,
-               stamps: bool = False):
+               stamps: bool = False, alt: bool = False):
     """Kernel for ``nt`` tokens per output tile (8 .. 128), a ring of ``stages`` (2-8) and ``wg`` consumer
     warpgroups (1, 2), one GroupTile row each; ``window``: steps per offset load (tests shorten it); ``regs``:
     the register cap (``max_registers``); ``cluster``: blocks per thread-block cluster sharing each X slab
     (1, 2, 4; docs/kernels-notes.md "v22"). The stage's value room is an argument of the launch. ``stamps``: the
-    time-stamp probe build (``spmm_ws_probe``), never a product's."""
+    time-stamp probe build (``spmm_ws_probe``), never a product's. ``alt``: two warpgroups share one tile row
+    and take its steps in turn (docs/kernels-notes.md "v23")."""
     regs = regs or max_registers(nt, wg)
-    key = (nt, stages, wg, window, regs) + ((cluster,) if cluster > 1 else ()) + (("stamps",) if stamps else ())
+    key = ((nt, stages, wg, window, regs) + ((cluster,) if cluster > 1 else ()) + (("stamps",) if stamps else ())
+           + (("alt",) if alt else ()))
     if key not in _KERNELS:
-        _KERNELS[key] = kcache.tag(_build(nt, stages, wg, window, regs, cluster, stamps), "spmm_ws", key)
+        _KERNELS[key] = kcache.tag(_build(nt, stages, wg, window, regs, cluster, stamps, alt), "spmm_ws", key)
     return _KERNELS[key]
 
 
@@ -100,18 +102,30 @@ def _stamp(ws, at, t0):
     ws[at] = np.float32(u32(clock32() - t0))
 
 
-def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL: int = 1, STAMP: bool = False):
+def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL: int = 1, STAMP: bool = False,
+           ALT: bool = False):
     assert NT in NTS and 2 <= STAGES <= 8 and WG in (1, 2) and 1 <= WIN <= 32 and CL in (1, 2, 4)
     assert CL == 1 or WG == 1
+    assert not ALT or (WG == 2 and CL == 1)
     CW = 4 * WG
+    TG = 1 if ALT else WG                    # tile rows per block (ALT: the warpgroups take turns on one)
     THREADS = 32 * block_warps(WG)
     NACC = NT // 2
     XBYTES = NT * 128
-    ROWS = 64 * WG
+    ROWS = 64 * TG
     TILE = NT * ROWS
     tile_end = make_tile_end(TILE, ROWS, THREADS)
-    _, _, _, _, acc_store, block_piece = make_tile_ops(NT, 1, WG)
+    _, _, _, _, acc_store, block_piece = make_tile_ops(NT, 1, TG)
     ZERO = (np.float32(0.0),) * NACC
+
+    @cuda.jit(device=True, inline="always")
+    def acc_add(df, acc, wwarp, g, t):
+        """``acc_store``'s layout for one tile row, adding the warp's accumulators to what is there."""
+        c0 = wwarp * 16 + g
+        for jb in range(NT // 8):
+            for oi in range(4):
+                e = (8 * jb + 2 * t + (oi & 1)) * 64 + c0 + 8 * (oi >> 1)
+                df[e] = df[e] + acc[4 * jb + oi]
 
     @cuda.jit(device=True, inline="always")
     def offsets(goff, lane, i, rot, nst, k0, tr0, nr, GK):
@@ -139,7 +153,7 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
         mbar_wait(raw, s, (j // STAGES) & 1)
         if STAMP and lane == 0:
             _stamp(ws, sb0 + j * 8 + 7, t0)
-        tb = byte_addr(d64, 0) + u32(s * (XBYTES + WG * SLOT) + XBYTES)
+        tb = byte_addr(d64, 0) + u32(s * (XBYTES + TG * SLOT) + XBYTES)
         _publish_table(d32, d64, scr, tid, lane, tb)
         if nr > 1:
             _publish_table(d32, d64, scr, tid, lane, tb + u32(SLOT))
@@ -172,7 +186,7 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
                     _stamp(ws, sb0 + i * 8 + 5, t0)
                 gk = step_col(i, rot, nst, k0)
                 gt = tr0 * GK + gk
-                st = (s * (XBYTES + WG * SLOT)) >> 3     # the stage, in 8-byte words of the dynamic array
+                st = (s * (XBYTES + TG * SLOT)) >> 3     # the stage, in 8-byte words of the dynamic array
                 nb = XBYTES + BITMAP_BYTES + 2 * (v1 - v0)
                 if nr > 1:
                     nb += BITMAP_BYTES + 2 * (w1 - w0)
@@ -221,7 +235,7 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
             for s in range(STAGES):
                 mbar_init(raw, s, 1)
                 mbar_init(full, s, 1)
-                mbar_init(empty, s, CW)
+                mbar_init(empty, s, 4 if ALT else CW)
                 if CL > 1:
                     mbar_init(xempty, s, CL)
         cuda.syncthreads()
@@ -245,41 +259,56 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
             lmask = (u32(1) << pos) - u32(1)
             hsel = u32(lane >> 4)                     # rows 4-7 (g >= 4): the high half-word
             sp = u32(0)
-            gofs = u32(XBYTES + wg * SLOT)                  # the GroupTile in a stage: table, bitmaps, values
-            stb = u32(XBYTES + WG * SLOT)                    # a stage's bytes
+            gofs = u32(XBYTES + (0 if ALT else wg) * SLOT)  # the GroupTile in a stage: table, bitmaps, values
+            stb = u32(XBYTES + TG * SLOT)                    # a stage's bytes
+            stamper = ((tid & 127) == 0) if ALT else (tid == 0)   # (ALT: a step's own warpgroup stamps it)
             wvsel = u32(512) * hsel + u32(128) * u32(wwarp)             # the table of this warp's BitmapTiles in
             asel = u32(1024) + u32(256) * hsel + u32(64) * u32(wwarp)  # the lane's half: words, value addresses
-            s = u32(0)                                       # this step's stage and its phase
+            i0 = wg if ALT else 0                            # ALT: warpgroup w takes steps w, w + 2, ...
+            di = 2 if ALT else 1
+            s = u32(i0)                                      # this step's stage and its phase
             ph = u32(0)
-            for i in range(nst):
-                if STAMP and tid == 0:
+            for i in range(i0, nst, di):
+                if STAMP and stamper:
                     _stamp(ws, sb0 + i * 8, t0)
                 acc = wg_wait0(acc)                          # the previous step's products: done, so their A
-                if i > 0 and lane == 0:                      # registers are free and their stage too (released
+                if i >= di and lane == 0:                    # registers are free and their stage too (released
                     mbar_arrive(empty, sp)                   # before waiting: the producer's tables lag its
-                if STAMP and tid == 0:
+                if STAMP and stamper:
                     _stamp(ws, sb0 + i * 8 + 1, t0)
                 mbar_wait(full, s, ph)                       # copies, so it waits on this stage to go on)
-                if STAMP and tid == 0:
+                if STAMP and stamper:
                     _stamp(ws, sb0 + i * 8 + 2, t0)
                 sb = ring + s * stb                          # shared addresses throughout
-                if wg < nr:                                  # (a warpgroup past the weight's rows only keeps time)
+                if ALT or wg < nr:                           # (a warpgroup past the weight's rows only keeps time)
                     da = strip_a16(scr, tid, d64, d32, sb + gofs + wvsel, sb + gofs + asel, lmask, pos)
-                    if STAMP and tid == 0:
+                    if STAMP and stamper:
                         _stamp(ws, sb0 + i * 8 + 3, t0)
                     xd = x_desc(sb)                              # the K parts' descriptors: +256 bytes each
                     acc = wg_mmad(scr, tid, da, xd, xd + u64(16), xd + u64(32), xd + u64(48), acc)
                     wg_commit()
-                    if STAMP and tid == 0:
+                    if STAMP and stamper:
                         _stamp(ws, sb0 + i * 8 + 4, t0)
                 sp = s
-                s += u32(1)
-                if s == u32(STAGES):
-                    s = u32(0)
-                    ph ^= u32(1)
+                if ALT:
+                    s += u32(2)
+                    if s >= u32(STAGES):
+                        s -= u32(STAGES)
+                        ph ^= u32(1)
+                else:
+                    s += u32(1)
+                    if s == u32(STAGES):
+                        s = u32(0)
+                        ph ^= u32(1)
             acc = wg_wait0(acc)
         cuda.syncthreads()                                   # every copy consumed: the ring is free
-        if warp < CW:
+        if ALT:                                              # the second warpgroup's partial tile, then the first's
+            if warp >= 4 and warp < CW:                      # added to it
+                acc_store(df, acc, acc, 0, wwarp, g, t)
+            cuda.syncthreads()
+            if warp < 4:
+                acc_add(df, acc, wwarp, g, t)
+        elif warp < CW:
             acc_store(df, acc, acc, wg, wwarp, g, t)
         cuda.syncthreads()
         q0, q1 = split_sharers(tt, GK, PER)
@@ -293,18 +322,20 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
 
 def tcabme_ws_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens: int | None = None,
                      stages: int | None = None, groups: int | None = None, splits: int | None = None,
-                     window: int = WINDOW, regs: int | None = None, cluster: int = 1) -> torch.Tensor:
+                     window: int = WINDOW, regs: int | None = None, cluster: int = 1, alt: bool = False) -> torch.Tensor:
     """``x @ W^T`` for fp16 ``x`` [N, K] and a TCA-BME weight ``w`` (``packed.tcabme.TcaBme``, fp16, on x's
     device) through this kernel (Hopper, or the simulator): ``[N, M]`` fp16, into ``out`` if given. The
     keywords force the plan (``ws_plan``) and the register cap; ``cluster`` (2, 4; not in the simulator,
     which runs one block at a time) shares each X slab across that many tile rows (docs/kernels-notes.md
-    "v22": correct, and slower than without on every shape measured)."""
-    return ws_launch(x, w, out, tokens, stages, groups, splits, window, regs, cluster)[0]
+    "v22": correct, and slower than without on every shape measured); ``alt``: two warpgroups take turns on
+    each block's tile row (v23)."""
+    return ws_launch(x, w, out, tokens, stages, groups, splits, window, regs, cluster, alt=alt)[0]
 
 
 def ws_launch(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens: int | None = None,
               stages: int | None = None, groups: int | None = None, splits: int | None = None,
-              window: int = WINDOW, regs: int | None = None, cluster: int = 1, stamps: bool = False):
+              window: int = WINDOW, regs: int | None = None, cluster: int = 1, stamps: bool = False,
+              alt: bool = False):
     """``(y, plan, stamps)``: ``tcabme_ws_matmul``'s product with the ``RowsPlan`` it launched (None for an empty
     product). ``stamps``: the time-stamp build (``spmm_ws_probe``) writes into a zeroed float32 buffer instead
     of the split-K workspace, returned as [blocks, steps, 8] (the plan must not split K); else None."""
@@ -326,7 +357,8 @@ def ws_launch(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens: int |
     vbytes = value_room(w)
     if cluster > 1 and SIM:
         raise ValueError("the simulator runs one block at a time: spmm_ws with cluster > 1 runs on a GPU only")
-    p, _r, wg = ws_plan(m, gk, n, launch.sm_count(x.device), tokens, stages, groups, splits, vbytes, regs, cluster)
+    p, _r, wg = ws_plan(m, gk, n, launch.sm_count(x.device), tokens, stages, groups, splits, vbytes, regs, cluster,
+                        alt)
     if stamps:
         if p.partial:
             raise ValueError("the time-stamp build writes where split-K partials go: force splits=1")
@@ -337,7 +369,7 @@ def ws_launch(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens: int |
     vals = w.values.contiguous() if w.values.numel() else torch.zeros(8, dtype=torch.float16, device=x.device)
     tensors = (w.bitmaps.view(torch.int64), vals.view(torch.int64), w.gtile_offsets, x_slabs(x, p.nt),
                out.reshape(-1).view(torch.int16), wsp, cnt)
-    launch.launch_tensors(get_kernel(p.nt, p.stages, wg, window, regs, cluster, stamps), p.blocks,
+    launch.launch_tensors(get_kernel(p.nt, p.stages, wg, window, regs, cluster, stamps, alt), p.blocks,
                           32 * block_warps(wg), tensors, (m, n, gk, p.chunks, p.per, slot_bytes(vbytes)), dyn=p.dyn,
                           cluster=cluster)
     return out, p, wsp.view(p.blocks, p.per, 8) if stamps else None

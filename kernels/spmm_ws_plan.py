@@ -63,7 +63,7 @@ def value_room(w) -> int:
 
 def ws_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None, stages: int | None = None,
             groups: int | None = None, splits: int | None = None, vbytes: int = VALUE_BYTES,
-            regs: int | None = None, cluster: int = 1):
+            regs: int | None = None, cluster: int = 1, alt: bool = False):
     """``(RowsPlan, 1, WG)`` of one launch for a weight whose largest GroupTile holds ``vbytes`` of values.
 
     One warpgroup (one tile row) per block by default: the H100 sweep of session 15 found two slower on
@@ -74,34 +74,37 @@ def ws_plan(m: int, gk: int, n: int, sms: int = 132, tokens: int | None = None, 
     ``tokens``, ``stages``, ``groups``, ``splits`` force the plan; a forced plan that needs more shared memory
     than Hopper grants is one ``ValueError`` line. ``cluster``
     (2, 4): clusters of that many blocks on neighbouring tile rows, one warpgroup each and no K split (the
-    tile rows are padded to whole clusters; the padding blocks only receive X)."""
+    tile rows are padded to whole clusters; the padding blocks only receive X). ``alt``: two warpgroups share
+    each block's one tile row, taking its steps in turn (twice the consumer warps per tile row; v23)."""
     from .sp24_plan import WG_SMEM_OPTIN, wg_tokens
     from .work import RowsPlan, split_work
 
     nt = tokens or wg_tokens(n)
-    wg = groups or 1
-    if nt not in NTS or wg not in (1, 2):
-        raise ValueError(f"spmm_ws takes tokens in {NTS} and one or two warpgroups, got {nt} and {wg}")
+    wg = 2 if alt else groups or 1
+    if nt not in NTS or wg not in (1, 2) or (alt and (groups or 2) != 2):
+        raise ValueError(f"spmm_ws takes tokens in {NTS} and one or two warpgroups (two with alt), got {nt} and "
+                         f"{groups}")
+    tg = 1 if alt else wg                                    # tile rows per block
     gm = -(-m // 64)
-    rb = -(-gm // wg)
+    rb = -(-gm // tg)
     chunks = -(-n // nt)
     per_warp = -(-(regs or max_registers(nt, wg)) * 32 // 256) * 256
     fit = max(1, 65536 // (per_warp * block_warps(wg)))       # blocks per SM the registers allow
     room = SMEM_PER_SM // fit - SMEM_RESERVED
-    st = stages or max(2, min(4, room // stage_bytes(nt, wg, vbytes)))
+    st = stages or max(2, min(4, room // stage_bytes(nt, tg, vbytes)))
     ks = 1
     while ks * 2 * rb * chunks <= fit * sms and gk // (ks * 2) >= MIN_SPLIT_COLS:
         ks *= 2
     if cluster > 1:
-        if cluster not in (2, 4) or wg != 1 or (splits or 1) > 1:
+        if cluster not in (2, 4) or wg != 1 or alt or (splits or 1) > 1:
             raise ValueError(f"spmm_ws clusters take 2 or 4 blocks of one warpgroup and no K split, got cluster "
                              f"{cluster}, {wg} warpgroups, {splits} splits")
         ks = 1
     ks, per, blocks = split_work(rb * chunks, gk, (ks, -(-gk // ks)), splits)
     if cluster > 1:
         blocks = -(-rb // cluster) * cluster * chunks
-    dyn = smem_bytes(nt, st, wg, vbytes)
+    dyn = smem_bytes(nt, st, tg, vbytes)
     if dyn > WG_SMEM_OPTIN:
         raise ValueError(f"this spmm_ws plan (tokens {nt}, stages {st}, warpgroups {wg}) needs {dyn} bytes of shared "
                          "memory: fewer stages or tokens")
-    return RowsPlan(nt, st, wg, rb, chunks, ks, per, blocks, dyn), 1, wg
+    return RowsPlan(nt, st, tg, rb, chunks, ks, per, blocks, dyn), 1, wg

@@ -30,12 +30,12 @@ SLOTS = ("begin", "retired", "full", "decoded", "issued", "empty", "copied", "la
 
 
 def ws_stamps(x: torch.Tensor, w, tokens: int | None = None, stages: int | None = None,
-              groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+              groups: int | None = None, alt: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(y, stamps, plan)``: ``y = x @ W^T`` as ``tcabme_ws_matmul`` computes it (K not split), ``stamps``
     [blocks, steps, 8] float32 cycles (see the module docstring; steps past a block's own are zero) and the plan's
-    numbers."""
+    numbers. ``alt``: two warpgroups take the tile row's steps in turn (each step stamped by its own)."""
     if x.dim() != 2 or x.shape[0] == 0:
         raise ValueError("ws_stamps expects x [N, K] with N > 0")
-    y, p, stamps = ws_launch(x, w, None, tokens, stages, groups, 1, stamps=True)
-    return y, stamps, {"tokens": p.nt, "stages": p.stages, "groups": p.r, "blocks": p.blocks,
-                       "steps": p.per}
+    y, p, stamps = ws_launch(x, w, None, tokens, stages, groups, 1, stamps=True, alt=alt)
+    return y, stamps, {"tokens": p.nt, "stages": p.stages, "groups": 2 if alt else p.r, "blocks": p.blocks,
+                       "steps": p.per, "alt": alt}

@@ -38,6 +38,10 @@ def _rel_err(p, w, x, **knobs):
     (64, 64 * 9, 1, "strips", dict(groups=1, stages=3, window=4)),  # 9 steps, offsets loaded 4 steps at a time
                                                                # (two reloads); zero, dense, 50%, 2:4 strips
     (64, 192, 9, 0.5, dict(groups=1, splits=2, tokens=8)),     # split-K (2 + 1 columns) + fixup; 2 chunks
+    (70, 64 * 3, 1, 0.5, dict(alt=True, tokens=8, stages=4)),  # two warpgroups taking turns on a tile row: an
+                                                               # odd step count (2 + 1), M padding
+    (64, 64, 1, 0.5, dict(alt=True, stages=2)),                # one step: the second warpgroup adds zeros
+    (64, 64 * 4, 1, 0.5, dict(alt=True, splits=2, stages=2)),  # turns inside each K split, then the fixup
 ])
 def test_spmm_ws_matches_float64(m, k, n, kind, knobs):
     w, g = _weight(m, k, kind, seed=m + n, negzeros=3 if kind == 0.5 else 0)
@@ -47,21 +51,25 @@ def test_spmm_ws_matches_float64(m, k, n, kind, knobs):
         assert _rel_err(p, w, x, **knobs) < 1e-3
 
 
-def test_time_stamp_probe_gives_the_product_and_ordered_stamps():
+@pytest.mark.parametrize("alt", [False, True])
+def test_time_stamp_probe_gives_the_product_and_ordered_stamps(alt):
     """The stamped build (``spmm_ws_probe``, a diagnostic) computes the same product, and each role's stamps
-    follow its own order within every step it ran."""
+    follow its own order within every step it ran (with ``alt``, each step stamped by the warpgroup that took
+    it)."""
     from sparsekit.kernels.spmm_ws_probe import ws_stamps
 
     w, g = _weight(64, 64 * 5, 0.5, seed=5)
     x = torch.randn(1, 64 * 5, generator=g).half()
-    y, st, plan = ws_stamps(x.to(DEV), encode(w).to(DEV), groups=1, stages=2)
+    y, st, plan = ws_stamps(x.to(DEV), encode(w).to(DEV), groups=None if alt else 1, stages=2, alt=alt)
     ref = x.double() @ w.double().t()
     assert ((y.cpu().double() - ref).norm() / ref.norm()).item() < 1e-3
     assert plan["blocks"] == 1 and st.shape == (1, plan["steps"], 8) and plan["steps"] == 5
     st = st[0].cpu()
     assert (st[:, :5].diff(dim=1) >= 0).all() and (st[:, 5] <= st[:, 6]).all()   # consumer; copy warp
-    for slot in (0, 5, 7):                                     # each role's steps, one after another
+    for slot in (5, 7):                                        # each role's steps, one after another
         assert (st[:, slot].diff() >= 0).all() and st[-1, slot] > 0
+    for own in ([st[0::2], st[1::2]] if alt else [st]):       # the consumers': per warpgroup with alt
+        assert (own[:, 0].diff() >= 0).all() and own[-1, 0] > 0
 
 
 def test_spmm_ws_copies_nothing_for_an_all_zero_tile():

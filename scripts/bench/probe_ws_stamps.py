@@ -7,7 +7,9 @@ every block's steady-state steps (the first ring's worth of steps left out), in 
 - copy warp: waiting for a free stage ("empty"), issuing the step's bulk copies;
 - copies in flight: issued -> landed (the table warp sees "raw");
 - table: landed -> the consumer sees "full" (the table warp's publish, and any wait of the consumer's);
-- lead: how many cycles before the consumer wanted a stage its copies were issued.
+- lead: how many cycles before the consumer wanted a stage its copies were issued;
+- mean step (the median's skew shows a heavy tail), first full (a block's start-up: its first stage ready) and
+  span (the median block's last products issued, cycles since its start).
 
 Also: the stamped and the shipped kernel's time per call (CUDA-graph replays over weight copies beyond the L2),
 so the probe's own cost is visible. GPU only::
@@ -15,8 +17,9 @@ so the probe's own cost is visible. GPU only::
     python -m scripts.bench.probe_ws_stamps [--shapes 22016x4096] [--ns 1,32,64] [--sparsity 0.5] [--plans default,s8,g2]
 
 ``--plans``: ``default`` and forced plans, each letters and a number joined by ``-``: ``s`` stages, ``g``
-warpgroups per block, ``t`` tokens per tile (``s8-g1``: an 8-stage ring, one warpgroup); a plan the kernel
-refuses (shared memory) is one line and the sweep goes on.
+warpgroups per block, ``t`` tokens per tile (``s8-g1``: an 8-stage ring, one warpgroup), and ``a`` first for two
+warpgroups taking turns on one tile row (``a``, ``a-s6``); a plan the kernel refuses (shared memory) is one line
+and the sweep goes on.
 """
 from __future__ import annotations
 
@@ -51,13 +54,22 @@ def summarize(st: torch.Tensor, stages: int) -> dict[str, float]:
         "table": st[:, :, 2] - st[:, :, 7],
         "lead": st[:, :, 1] - st[:, :, 6],
     }
-    return {k: float(v[steady].median()) if steady.any() else float("nan") for k, v in parts.items()}
+    out = {k: float(v[steady].median()) if steady.any() else float("nan") for k, v in parts.items()}
+    out["mean step"] = float(parts["step"][steady].mean()) if steady.any() else float("nan")
+    last = live.sum(dim=1) - 1                               # each block's last step
+    rows = torch.arange(st.shape[0])
+    out["first full"] = float(st[:, 0, 2].median())          # the block's start-up: its first stage ready
+    out["span"] = float(st[rows, last, 4].median())          # the block's last products issued
+    return out
 
 
 def plan_arg(text: str) -> dict:
     """``s8-g2`` -> {"stages": 8, "groups": 2}; ``default`` -> {}."""
     names = {"s": "stages", "g": "groups", "t": "tokens"}
-    return {} if text == "default" else {names[part[0]]: int(part[1:]) for part in text.split("-")}
+    if text == "default":
+        return {}
+    return {"alt": True} if text == "a" else {**plan_arg(text[2:]), "alt": True} if text.startswith("a-") else {
+        names[part[0]]: int(part[1:]) for part in text.split("-")}
 
 
 def main() -> int:
@@ -76,7 +88,7 @@ def main() -> int:
     clock = torch.cuda.get_device_properties(0).clock_rate if hasattr(torch.cuda.get_device_properties(0),
                                                                        "clock_rate") else None
     cols = ["step", "retire", "wait full", "decode", "issue", "rest", "wait empty", "copy issue", "in flight",
-            "table", "lead"]
+            "table", "lead", "mean step", "first full", "span"]
     print("| M x K | N | plan | shipped us | stamped us | " + " | ".join(cols) + " |")
     print("|---|---:|---|---:|---:|" + "---:|" * len(cols))
     for m, k in shapes_arg(args.shapes):
@@ -101,7 +113,8 @@ def main() -> int:
                 _, st, plan = ws_stamps(x, packed[-1], **kw)      # a copy not used last: cold in the L2
                 torch.cuda.synchronize()
                 s = summarize(st, plan["stages"])
-                desc = f"t{plan['tokens']} s{plan['stages']} g{plan['groups']} b{plan['blocks']} k{plan['steps']}"
+                desc = (f"t{plan['tokens']} s{plan['stages']} g{plan['groups']}{' alt' if plan['alt'] else ''} "
+                        f"b{plan['blocks']} k{plan['steps']}")
                 print(f"| {m}x{k} | {n} | {desc} | {tw:.1f} | {ts:.1f} | " + " | ".join(f"{s[c]:.0f}" for c in cols)
                       + " |", flush=True)
         del dense, packed

@@ -5,15 +5,18 @@ into warpgroup A registers; Hopper only), one command:
 
 1. **Correctness**: random weights (50% and 70% sparse, 2:4, kept +0.0 from ``torch.where``), odd and
    full shapes, N from 1 to 300 including odd counts, default and forced plans (warpgroups, tokens, stages,
-   splits; thread-block clusters of 2 and 4 sharing X on every shape), outputs poisoned with NaN, relative error against float64 < 1e-3; each case twice (split-K
+   splits; thread-block clusters of 2 and 4 sharing X, and two warpgroups taking turns on a tile row, on
+   every shape), outputs poisoned with NaN, relative error against float64 < 1e-3; each case twice (split-K
    counters must be reset). Exits 1 on any failure, before timing.
 2. **Timing** (us per call, CUDA-graph replays rotating over weight copies that together exceed the L2):
-   cuBLAS on the dense weight, spmm_warp (``kernel="warp"``), spmm_ws, spmm_ws in clusters of 2 and 4, and the
+   cuBLAS on the dense weight, spmm_warp (``kernel="warp"``), spmm_ws, spmm_ws with each forced plan of
+   ``--variants`` (a JSON list of ``tcabme_ws_matmul`` keywords; default: clusters of 2 and 4), and the
    default plan (which takes one of the first two); ``x`` = cuBLAS time / the kernel's.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -32,6 +35,8 @@ CHECK_NS = [1, 9, 17, 64, 100, 128, 300]
 FORCED = [dict(groups=1), dict(groups=2, tokens=8), dict(tokens=32, stages=3), dict(tokens=128, stages=2),
           dict(splits=3), dict(groups=1, splits=2, tokens=16)]
 CLUSTERS = [dict(cluster=2), dict(cluster=4, tokens=64)]   # X multicast (kernels-notes "v22"), every shape
+ALTS = [dict(alt=True), dict(alt=True, stages=6), dict(alt=True, splits=2, tokens=16)]   # turns ("v23")
+VARIANTS = '[{"cluster": 2}, {"cluster": 4}]'
 BENCH_SHAPES = [(22016, 4096), (28672, 8192), (8192, 28672), (4096, 11008), (12288, 4096)]
 BENCH_NS = [1, 16, 32, 64, 128]
 
@@ -58,7 +63,7 @@ def check(shapes, ns) -> int:
                 x = torch.randn(n, k, device="cuda", generator=gen).half()
                 ref = x.double() @ w.double().t()
                 forced = (FORCED if m * k <= 2**24 and n in (1, 17, 100) else [])
-                for kw in [{}] + forced + (CLUSTERS if n in (1, 17, 64, 100, 128) else []):
+                for kw in [{}] + forced + (CLUSTERS + ALTS if n in (1, 17, 64, 100, 128) else []):
                     for _ in range(2):
                         out = torch.full((n, m), float("nan"), dtype=torch.float16, device="cuda")
                         try:
@@ -77,26 +82,26 @@ def check(shapes, ns) -> int:
     return bad
 
 
-def cluster_x(x, packed, tb: float, cluster: int) -> str:
-    """x cuBLAS of spmm_ws in clusters of ``cluster`` blocks, or "-" where the plan refuses it."""
+def forced_x(x, packed, tb: float, kw: dict) -> str:
+    """x cuBLAS of spmm_ws with the forced plan ``kw``, or "-" where the plan refuses it."""
     from sparsekit.kernels.spmm_ws import tcabme_ws_matmul
 
     try:
-        t, _ = time_calls([lambda p=p: tcabme_ws_matmul(x, p, cluster=cluster) for p in packed])
+        t, _ = time_calls([lambda p=p: tcabme_ws_matmul(x, p, **kw) for p in packed])
     except ValueError:
         return "-"
     return f"{tb / t:.2f}"
 
 
-def bench(shapes, ns, kinds) -> None:
+def bench(shapes, ns, kinds, variants: list[dict]) -> None:
     from sparsekit.kernels import tcabme_matmul
     from sparsekit.kernels.spmm_ws import tcabme_ws_matmul
     from sparsekit.packed.tcabme import encode
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    print("\n| M x K | sparsity | N | cuBLAS us | spmm_warp us | x | spmm_ws us | x | cluster 2 x | cluster 4 x "
-          "| default x |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    names = "".join(" " + ",".join(f"{k} {v}" for k, v in kw.items()) + " x |" for kw in variants)
+    print(f"\n| M x K | sparsity | N | cuBLAS us | spmm_warp us | x | spmm_ws us | x |{names} default x |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|" + "---:|" * (len(variants) + 1))
     for m, k in shapes:
         for kind in kinds:
             cop = copies_for(m * k * 2)
@@ -107,10 +112,10 @@ def bench(shapes, ns, kinds) -> None:
                 tb, _ = time_calls([lambda w=w: F.linear(x, w) for w in dense])
                 td, _ = time_calls([lambda p=p: tcabme_matmul(x, p, kernel="warp") for p in packed])
                 tw, _ = time_calls([lambda p=p: tcabme_ws_matmul(x, p) for p in packed])
-                tc = [cluster_x(x, packed, tb, c) for c in (2, 4)]
+                tc = "".join(f" {forced_x(x, packed, tb, kw)} |" for kw in variants)
                 ta, _ = time_calls([lambda p=p: tcabme_matmul(x, p) for p in packed])
                 print(f"| {m}x{k} | {kind} | {n} | {tb:.1f} | {td:.1f} | {tb / td:.2f} | {tw:.1f} | {tb / tw:.2f} "
-                      f"| {tc[0]} | {tc[1]} | {tb / ta:.2f} |", flush=True)
+                      f"|{tc} {tb / ta:.2f} |", flush=True)
             del dense, packed
             torch.cuda.empty_cache()
 
@@ -122,13 +127,14 @@ def main() -> int:
     ap.add_argument("--shapes", help="benchmark shapes MxK, e.g. 22016x4096")
     ap.add_argument("--ns", help="benchmark token counts, e.g. 1,16")
     ap.add_argument("--sparsities", default="0.5,0.7", help="benchmark sparsities")
+    ap.add_argument("--variants", default=VARIANTS, help="forced plans to time, a JSON list of keyword sets")
     args = ap.parse_args()
     cuda_or_exit("spmm_ws")
     if not args.bench_only and check(CHECK_SHAPES, CHECK_NS):
         return 1
     if not args.check_only:
         bench(shapes_arg(args.shapes) or BENCH_SHAPES, ints_arg(args.ns) or BENCH_NS,
-              [float(v) for v in args.sparsities.split(",")])
+              [float(v) for v in args.sparsities.split(",")], json.loads(args.variants))
     return 0
 
 

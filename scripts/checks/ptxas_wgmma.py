@@ -82,6 +82,10 @@ def _variants():
         regs = spmm_ws_plan.max_registers(nt, 1)
         yield (f"spmm_ws nt={nt} stages={st} regs={regs}", spmm_ws.get_kernel(nt, st, 1, regs=regs),
                (a64, a64, a32, a64, a16, af, a32) + (i64,) * 6, regs)
+    for nt, st in [(8, 4), (32, 6), (64, 4)]:                 # two warpgroups taking turns on a tile row
+        regs = spmm_ws_plan.max_registers(nt, 2)
+        yield (f"spmm_ws alt nt={nt} stages={st} regs={regs}", spmm_ws.get_kernel(nt, st, 2, regs=regs, alt=True),
+               (a64, a64, a32, a64, a16, af, a32) + (i64,) * 6, regs)
     for nt, st, r, wg, hy in [(16, 6, 2, 2, False), (32, 6, 1, 2, False), (64, 3, 1, 2, False), (64, 3, 1, 2, True)]:
         yield (f"sp24_ws nt={nt} stages={st} r={r} wg={wg} hybrid={hy}", sp24_ws.get_kernel(nt, st, r, wg, hy),
                (a64, a64, a32, a64, a16, af, a32) + (i64,) * 5, sp24_ws.max_registers(nt, r, wg))
