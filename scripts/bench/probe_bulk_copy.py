@@ -1,0 +1,57 @@
+"""Bandwidth of spmm_ws's copy skeleton by bulk-copy size (issue 21, docs/kernels-notes.md "v23"): one lane's
+bulk copies into a ring per block, nothing else (``sparsekit.kernels.copy_probe``), over ``--mbytes`` of memory
+(beyond the L2), for each step size, copies per step, ring depth and blocks per SM. GPU only::
+
+    python -m scripts.bench.probe_bulk_copy [--steps 1024,4096,16384] [--pieces 1,3] [--stages 4] [--per-sm 2,3,5]
+
+Prints TB/s per configuration (CUDA-graph replays), beside a device-to-device copy of the same bytes by torch.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from scripts.common import cuda_or_exit, ints_arg, time_calls
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mbytes", type=int, default=256)
+    ap.add_argument("--steps", default="1024,2048,4096,6144,8192,16384,32768", help="bytes a step")
+    ap.add_argument("--pieces", default="1,3", help="bulk copies a step")
+    ap.add_argument("--stages", default="4")
+    ap.add_argument("--per-sm", default="2,3,5", help="blocks per SM")
+    args = ap.parse_args()
+    cuda_or_exit("the bulk-copy probe")
+    from sparsekit.kernels.copy_probe import bulk_stream
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    src = torch.randint(0, 1 << 20, (args.mbytes << 17,), dtype=torch.int64, device="cuda")
+    dst = torch.empty_like(src)
+    tc, _ = time_calls([lambda: dst.copy_(src)])
+    print(f"torch copy of {args.mbytes} MB: {2 * src.numel() * 8 / tc / 1e6:.2f} TB/s (read + write)")
+    print("| step bytes | copies | stages | blocks / SM | TB/s |")
+    print("|---:|---:|---:|---:|---:|")
+    for step in ints_arg(args.steps):
+        for pieces in ints_arg(args.pieces):
+            for stages in ints_arg(args.stages):
+                for per in ints_arg(args.per_sm):
+                    blocks = per * sms
+                    nstep = src.numel() * 8 // (blocks * step)
+                    if nstep < stages or stages * step > 200 * 1024 or step % (16 * pieces):
+                        continue
+                    used = src[: blocks * nstep * step // 8]
+                    sink = bulk_stream(used, blocks, step, stages, pieces)
+                    want = used.view(blocks, nstep, step // 8)[:, :, 0].sum(dim=1)
+                    if not torch.equal(sink, want):
+                        print(f"FAIL step {step} pieces {pieces}: a step did not land", file=sys.stderr)
+                        return 1
+                    t, _ = time_calls([lambda: bulk_stream(used, blocks, step, stages, pieces)])
+                    print(f"| {step} | {pieces} | {stages} | {per} | {used.numel() * 8 / t / 1e6:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
