@@ -4,8 +4,9 @@ A diagnostic, never on a product path.
 
 ``bulk_stream`` launches blocks of two warps. Lane 0 of the first copies block ``b``'s contiguous share of
 ``src``, ``step_bytes`` a step in ``pieces`` equal bulk copies, into a ring of ``stages`` (waiting "empty",
-completing on "full"); lane 0 of the second waits "full", reads the stage's first word and frees it. ``sink[b]``
-gets the sum of the words read, so a test can see that every step landed.
+completing on "full"); lane 0 of the second waits "full", reads the stage's first word, keeps the stage
+``hold`` more SM cycles (a stand-in for a consumer's work on it) and frees it. ``sink[b]`` gets the sum of the
+words read, so a test can see that every step landed.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 from numba import cuda
 
-from ._intrinsics import bulk_copy, mbar_arrive, mbar_expect, mbar_init, mbar_wait
+from ._intrinsics import bulk_copy, clock32, mbar_arrive, mbar_expect, mbar_init, mbar_wait
 from .block import dynamic_smem
 
 _KERNELS: dict = {}
@@ -21,7 +22,7 @@ _KERNELS: dict = {}
 
 def _build(STAGES: int, PIECES: int):
     @cuda.jit
-    def kernel(src, sink, SW, NSTEP):
+    def kernel(src, sink, SW, NSTEP, HOLD):
         d64, _, _ = dynamic_smem()
         full = cuda.shared.array(STAGES, np.uint64)
         empty = cuda.shared.array(STAGES, np.uint64)
@@ -48,6 +49,9 @@ def _build(STAGES: int, PIECES: int):
                 s = i % STAGES
                 mbar_wait(full, s, (i // STAGES) & 1)
                 acc += np.int64(d64[s * SW])
+                t = clock32()
+                while np.int64(np.uint32(clock32() - t)) < HOLD:
+                    pass
                 mbar_arrive(empty, s)
             sink[b] = acc
         cuda.syncthreads()
@@ -55,7 +59,8 @@ def _build(STAGES: int, PIECES: int):
     return kernel
 
 
-def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4, pieces: int = 1) -> torch.Tensor:
+def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4, pieces: int = 1,
+                hold: int = 0) -> torch.Tensor:
     """Stream ``src`` (int64, ``blocks * steps * step_bytes`` bytes) through ``blocks`` rings; returns ``sink``
     [blocks] int64 (the sum of each step's first word)."""
     from . import launch
@@ -70,5 +75,5 @@ def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4
     if key not in _KERNELS:
         _KERNELS[key] = _build(stages, pieces)
     sink = torch.zeros(blocks, dtype=torch.int64, device=src.device)
-    launch.launch_tensors(_KERNELS[key], blocks, 64, (src, sink), (sw, nstep), dyn=stages * step_bytes)
+    launch.launch_tensors(_KERNELS[key], blocks, 64, (src, sink), (sw, nstep, hold), dyn=stages * step_bytes)
     return sink

@@ -1,5 +1,5 @@
 """The bulk-copy probe (``kernels/copy_probe.py``, docs/kernels-notes.md "v23"), a diagnostic: under the simulator
-every step of every block lands in its ring, in several copies a step, and the sum of the words the reader saw
+every step of every block lands in its ring, in several copies a step, held or not, and the sum of the words the reader saw
 is each block's share of the source's step heads."""
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ if not SIM and not torch.cuda.is_available():  # pragma: no cover - conftest set
     pytest.skip("neither the CUDA simulator nor a GPU", allow_module_level=True)
 
 
-@pytest.mark.parametrize("stages,pieces", [(2, 1), (3, 3)])
-def test_bulk_stream_lands_every_step(stages, pieces):
+@pytest.mark.parametrize("stages,pieces,hold", [(2, 1, 0), (3, 3, 2)])
+def test_bulk_stream_lands_every_step(stages, pieces, hold):
     src = torch.randint(0, 1 << 20, (2 * 7 * 48,), dtype=torch.int64).to(DEV)
-    sink = bulk_stream(src, 2, 48 * 8, stages=stages, pieces=pieces)
+    sink = bulk_stream(src, 2, 48 * 8, stages=stages, pieces=pieces, hold=hold)
     assert torch.equal(sink.cpu(), src.cpu().view(2, 7, 48)[:, :, 0].sum(dim=1))
 
 

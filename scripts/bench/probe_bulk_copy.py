@@ -2,7 +2,10 @@
 bulk copies into a ring per block, nothing else (``sparsekit.kernels.copy_probe``), over ``--mbytes`` of memory
 (beyond the L2), for each step size, copies per step, ring depth and blocks per SM. GPU only::
 
-    python -m scripts.bench.probe_bulk_copy [--steps 1024,4096,16384] [--pieces 1,3] [--stages 4] [--per-sm 2,3,5]
+    python -m scripts.bench.probe_bulk_copy [--steps 1024,4096,16384] [--pieces 1,3] [--stages 4] [--per-sm 2,3,5] \
+        [--holds 0,1000,2000]
+
+``--holds``: SM cycles the reader keeps each stage after it lands (a consumer's decode and products).
 
 Prints TB/s per configuration (CUDA-graph replays), beside a device-to-device copy of the same bytes by torch.
 """
@@ -23,6 +26,7 @@ def main() -> int:
     ap.add_argument("--pieces", default="1,3", help="bulk copies a step")
     ap.add_argument("--stages", default="4")
     ap.add_argument("--per-sm", default="2,3,5", help="blocks per SM")
+    ap.add_argument("--holds", default="0", help="SM cycles the reader holds each stage")
     args = ap.parse_args()
     cuda_or_exit("the bulk-copy probe")
     from sparsekit.kernels.copy_probe import bulk_stream
@@ -32,8 +36,8 @@ def main() -> int:
     dst = torch.empty_like(src)
     tc, _ = time_calls([lambda: dst.copy_(src)])
     print(f"torch copy of {args.mbytes} MB: {2 * src.numel() * 8 / tc / 1e6:.2f} TB/s (read + write)")
-    print("| step bytes | copies | stages | blocks / SM | TB/s |")
-    print("|---:|---:|---:|---:|---:|")
+    print("| step bytes | copies | stages | blocks / SM | hold cycles | TB/s |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for step in ints_arg(args.steps):
         for pieces in ints_arg(args.pieces):
             for stages in ints_arg(args.stages):
@@ -43,13 +47,15 @@ def main() -> int:
                     if nstep < stages or stages * step > 200 * 1024 or step % (16 * pieces):
                         continue
                     used = src[: blocks * nstep * step // 8]
-                    sink = bulk_stream(used, blocks, step, stages, pieces)
-                    want = used.view(blocks, nstep, step // 8)[:, :, 0].sum(dim=1)
-                    if not torch.equal(sink, want):
-                        print(f"FAIL step {step} pieces {pieces}: a step did not land", file=sys.stderr)
-                        return 1
-                    t, _ = time_calls([lambda: bulk_stream(used, blocks, step, stages, pieces)])
-                    print(f"| {step} | {pieces} | {stages} | {per} | {used.numel() * 8 / t / 1e6:.2f} |", flush=True)
+                    for hold in ints_arg(args.holds):
+                        sink = bulk_stream(used, blocks, step, stages, pieces, hold)
+                        want = used.view(blocks, nstep, step // 8)[:, :, 0].sum(dim=1)
+                        if not torch.equal(sink, want):
+                            print(f"FAIL step {step} pieces {pieces}: a step did not land", file=sys.stderr)
+                            return 1
+                        t, _ = time_calls([lambda: bulk_stream(used, blocks, step, stages, pieces, hold)])
+                        print(f"| {step} | {pieces} | {stages} | {per} | {hold} | {used.numel() * 8 / t / 1e6:.2f} |",
+                              flush=True)
     return 0
 
 
