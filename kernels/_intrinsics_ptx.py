@@ -17,10 +17,10 @@ from numba.cuda.extending import intrinsic
 
 from .compat_numba import cuda_typing
 
-__all__ = ["bulk_copy", "bulk_copy_mc", "clock32", "cluster_rank", "cluster_sync", "cp_wait0", "cp_wait1", "cp_wait2",
-           "decode_pair", "f2h", "fence_proxy_async", "h2f", "lds32", "mbar_arrive", "mbar_arrive_remote",
-           "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up", "shfl_xor", "smem_base",
-           "syncwarp"]
+__all__ = ["bulk_copy", "bulk_copy_mc", "clock32", "cluster_rank", "cluster_sync", "cp_wait0", "cp_wait1",
+           "cp_wait2", "decode_pair", "f2h", "fence_proxy_async", "gtimer32", "h2f", "lds32", "mbar_arrive",
+           "mbar_arrive_remote", "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up",
+           "shfl_xor", "smem_base", "smid", "syncwarp"]
 
 types, cgutils = cuda_typing()
 
@@ -211,6 +211,8 @@ _fence_mbar_init = _asm_stmt("fence.mbarrier_init.release.cluster;")
 # the same offset in its shared memory), and every thread of the cluster meeting (barrier inits visible first)
 _cluster_rank = _asm_fn2("mov.u32 $0, %cluster_ctarank;", "=r,r,r", ret=True)
 _clock32 = _asm_fn2("mov.u32 $0, %clock;", "=r,r,r,~{memory}", ret=True)   # the SM's cycle counter (probes)
+_smid = _asm_fn2("mov.u32 $0, %smid;", "=r,r,r", ret=True)                   # the SM a block runs on (probes)
+_gtimer32 = _asm_fn2("{ .reg .u64 t; mov.u64 t, %globaltimer; cvt.u32.u64 $0, t; }", "=r,r,r,~{memory}", ret=True)
 _mbar_arrive_remote = _asm_fn2("{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $0, $1; "
                                "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra]; }", "r,r,~{memory}")
 cluster_sync = _asm_stmt("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;")
@@ -255,6 +257,18 @@ def _bulk_mc(typingctx, dst_addr, src, si, nbytes, mbar_addr, mask):
 @cuda.jit(device=True, inline=True)
 def cluster_rank():
     return _cluster_rank(np.uint32(0), np.uint32(0))
+
+
+@cuda.jit(device=True, inline=True)
+def smid():
+    """The SM this block runs on (time-stamp probes)."""
+    return _smid(np.uint32(0), np.uint32(0))
+
+
+@cuda.jit(device=True, inline=True)
+def gtimer32():
+    """The low 32 bits of the GPU's nanosecond timer, the same on every SM (probes; differences under 4 s)."""
+    return _gtimer32(np.uint32(0), np.uint32(0))
 
 
 @cuda.jit(device=True, inline=True)

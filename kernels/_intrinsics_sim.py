@@ -16,10 +16,10 @@ import numpy as np
 
 from .compat_numba import sim_syncthreads
 
-__all__ = ["bulk_copy", "bulk_copy_mc", "clock32", "cluster_rank", "cluster_sync", "cp_wait0", "cp_wait1", "cp_wait2",
-           "decode_pair", "f2h", "fence_proxy_async", "h2f", "lds32", "mbar_arrive", "mbar_arrive_remote",
-           "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up", "shfl_xor", "smem_base",
-           "syncwarp"]
+__all__ = ["bulk_copy", "bulk_copy_mc", "clock32", "cluster_rank", "cluster_sync", "cp_wait0", "cp_wait1",
+           "cp_wait2", "decode_pair", "f2h", "fence_proxy_async", "gtimer32", "h2f", "lds32", "mbar_arrive",
+           "mbar_arrive_remote", "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up",
+           "shfl_xor", "smem_base", "smid", "syncwarp"]
 
 
 def _f16(bits) -> float:
@@ -109,6 +109,16 @@ def clock32():
     """A cycle-counter stand-in for the simulator: microseconds (1024 ns) since this module was imported, which
     takes 73 minutes to wrap; only differences mean anything."""
     return np.uint32(((time.perf_counter_ns() - _CLOCK0) >> 10) & 0xFFFFFFFF)
+
+
+def smid():
+    """The SM of the block: the simulator has one."""
+    return np.uint32(0)
+
+
+def gtimer32():
+    """The GPU timer's stand-in: nanoseconds since this module was imported, low 32 bits."""
+    return np.uint32((time.perf_counter_ns() - _CLOCK0) & 0xFFFFFFFF)
 
 
 def cluster_rank():

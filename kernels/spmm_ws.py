@@ -28,8 +28,8 @@ import torch
 from numba import cuda
 
 from . import kcache
-from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, clock32, cluster_sync, mbar_arrive,
-                          mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait)
+from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, clock32, cluster_sync, gtimer32, mbar_arrive,
+                          mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait, smid)
 from ._sp_intrinsics import sts128
 from ._warp_intrinsics import byte_addr, lds128b, sts64b
 from ._wg_intrinsics import strip_a16, wg_commit, wg_mmad, wg_wait0, wscan, wshfl_idx, wsync
@@ -100,6 +100,17 @@ def _selectors(h):
 def _stamp(ws, at, t0):
     """Probe builds: cycles since ``t0`` (exact below 2^24) into ``ws[at]``."""
     ws[at] = np.float32(u32(clock32() - t0))
+
+
+@_device
+def _block_row(ws, at, g0):
+    """Probe builds: the block's SM, then its start and end on the GPU's timer, each as two exact 16-bit halves."""
+    g1 = gtimer32()
+    ws[at] = np.float32(smid())
+    ws[at + 1] = np.float32(g0 & u32(0xFFFF))
+    ws[at + 2] = np.float32(g0 >> u32(16))
+    ws[at + 3] = np.float32(g1 & u32(0xFFFF))
+    ws[at + 4] = np.float32(g1 >> u32(16))
 
 
 def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL: int = 1, STAMP: bool = False,
@@ -241,11 +252,13 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
         cuda.syncthreads()
         if CL > 1:
             cluster_sync()                                   # every block's barriers set up before any remote use
-        if STAMP:                                            # probe builds: 8 stamps per step (spmm_ws_probe)
-            t0 = clock32()
-            sb0 = b * PER * 8
+        if STAMP:                                            # probe builds: 8 stamps per step (spmm_ws_probe),
+            t0 = clock32()                                   # then the block's row: SM, start and end (ns)
+            g0 = gtimer32()
+            sb0 = b * (PER + 1) * 8
         else:
             t0 = u32(0)
+            g0 = u32(0)
             sb0 = 0
         acc = ZERO
         if warp == CW:
@@ -314,6 +327,8 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
         q0, q1 = split_sharers(tt, GK, PER)
         if CL == 1 or nr > 0:
             tile_end(df, y, ws, cnt, flag, tid, M, N, tr0 * 64, n0, tt, GK, b, nst, q0, q1)
+        if STAMP and tid == 0:
+            _block_row(ws, sb0 + PER * 8, g0)
         if CL > 1:
             cluster_sync()                                   # no block leaves while another may still signal it
 
@@ -338,7 +353,8 @@ def ws_launch(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens: int |
               alt: bool = False):
     """``(y, plan, stamps)``: ``tcabme_ws_matmul``'s product with the ``RowsPlan`` it launched (None for an empty
     product). ``stamps``: the time-stamp build (``spmm_ws_probe``) writes into a zeroed float32 buffer instead
-    of the split-K workspace, returned as [blocks, steps, 8] (the plan must not split K); else None."""
+    of the split-K workspace, returned as [blocks, steps + 1, 8] (the plan must not split K; the last row of a
+    block: its SM, start and end, ``spmm_ws_probe``); else None."""
     from . import launch
     from .sp24_ws import x_slabs
     from .io import output_for, padded
@@ -362,7 +378,7 @@ def ws_launch(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens: int |
     if stamps:
         if p.partial:
             raise ValueError("the time-stamp build writes where split-K partials go: force splits=1")
-        wsp = torch.zeros(p.blocks * p.per * 8, dtype=torch.float32, device=x.device)
+        wsp = torch.zeros(p.blocks * (p.per + 1) * 8, dtype=torch.float32, device=x.device)
         cnt = torch.zeros(max(p.tiles, 1), dtype=torch.int32, device=x.device)
     else:
         wsp, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
@@ -372,4 +388,4 @@ def ws_launch(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens: int |
     launch.launch_tensors(get_kernel(p.nt, p.stages, wg, window, regs, cluster, stamps, alt), p.blocks,
                           32 * block_warps(wg), tensors, (m, n, gk, p.chunks, p.per, slot_bytes(vbytes)), dyn=p.dyn,
                           cluster=cluster)
-    return out, p, wsp.view(p.blocks, p.per, 8) if stamps else None
+    return out, p, wsp.view(p.blocks, p.per + 1, 8) if stamps else None

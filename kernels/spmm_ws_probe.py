@@ -33,9 +33,13 @@ def ws_stamps(x: torch.Tensor, w, tokens: int | None = None, stages: int | None 
               groups: int | None = None, alt: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(y, stamps, plan)``: ``y = x @ W^T`` as ``tcabme_ws_matmul`` computes it (K not split), ``stamps``
     [blocks, steps, 8] float32 cycles (see the module docstring; steps past a block's own are zero) and the plan's
-    numbers. ``alt``: two warpgroups take the tile row's steps in turn (each step stamped by its own)."""
+    numbers, with each block's SM (``sm``) and its start and end on the GPU's nanosecond timer (``start_ns``,
+    ``end_ns``: the timer's low 32 bits, int64). ``alt``: two warpgroups take the tile row's steps in turn (each
+    step stamped by its own)."""
     if x.dim() != 2 or x.shape[0] == 0:
         raise ValueError("ws_stamps expects x [N, K] with N > 0")
     y, p, stamps = ws_launch(x, w, None, tokens, stages, groups, 1, stamps=True, alt=alt)
-    return y, stamps, {"tokens": p.nt, "stages": p.stages, "groups": 2 if alt else p.r, "blocks": p.blocks,
-                       "steps": p.per, "alt": alt}
+    row = stamps[:, -1].to(torch.int64)
+    return y, stamps[:, :-1], {"tokens": p.nt, "stages": p.stages, "groups": 2 if alt else p.r, "blocks": p.blocks,
+                               "steps": p.per, "alt": alt, "sm": row[:, 0], "start_ns": row[:, 1] | (row[:, 2] << 16),
+                               "end_ns": row[:, 3] | (row[:, 4] << 16)}

@@ -64,6 +64,7 @@ def test_time_stamp_probe_gives_the_product_and_ordered_stamps(alt):
     ref = x.double() @ w.double().t()
     assert ((y.cpu().double() - ref).norm() / ref.norm()).item() < 1e-3
     assert plan["blocks"] == 1 and st.shape == (1, plan["steps"], 8) and plan["steps"] == 5
+    assert plan["sm"].tolist() == [0] and ((plan["end_ns"] - plan["start_ns"]) & 0xFFFFFFFF).item() > 0
     st = st[0].cpu()
     assert (st[:, :5].diff(dim=1) >= 0).all() and (st[:, 5] <= st[:, 6]).all()   # consumer; copy warp
     for slot in (5, 7):                                        # each role's steps, one after another

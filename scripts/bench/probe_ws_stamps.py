@@ -9,7 +9,9 @@ every block's steady-state steps (the first ring's worth of steps left out), in 
 - table: landed -> the consumer sees "full" (the table warp's publish, and any wait of the consumer's);
 - lead: how many cycles before the consumer wanted a stage its copies were issued;
 - mean step (the median's skew shows a heavy tail), first full (a block's start-up: its first stage ready) and
-  span (the median block's last products issued, cycles since its start).
+  span (the median block's last products issued, cycles since its start);
+- then, per launch, its blocks grouped by how many blocks their SM ran (the GPU's nanosecond timer): how long the
+  median block of each group took and when the group's last one ended.
 
 Also: the stamped and the shipped kernel's time per call (CUDA-graph replays over weight copies beyond the L2),
 so the probe's own cost is visible. GPU only::
@@ -63,6 +65,21 @@ def summarize(st: torch.Tensor, stages: int) -> dict[str, float]:
     return out
 
 
+def by_sm_load(plan: dict) -> str:
+    """The blocks grouped by how many blocks their SM ran: per group the SMs, the median block's time from
+    start to end and the latest end, in us from the launch's first start; then the whole launch."""
+    sm, start, end = plan["sm"].cpu(), plan["start_ns"].cpu(), plan["end_ns"].cpu()
+    ref = int(start.min())
+    start, end = (start - ref) & 0xFFFFFFFF, (end - ref) & 0xFFFFFFFF
+    load = torch.bincount(sm)[sm]
+    parts = []
+    for k in sorted(set(load.tolist())):
+        sel = load == k
+        parts.append(f"{k} a SM ({int(sel.sum()) // k} SMs): span {float((end - start)[sel].double().median()) / 1e3:.1f}, "
+                     f"last end {int(end[sel].max()) / 1e3:.1f}")
+    return "; ".join(parts) + f"; whole launch {int(end.max()) / 1e3:.1f} us"
+
+
 def plan_arg(text: str) -> dict:
     """``s8-g2`` -> {"stages": 8, "groups": 2}; ``default`` -> {}."""
     names = {"s": "stages", "g": "groups", "t": "tokens"}
@@ -89,6 +106,7 @@ def main() -> int:
                                                                        "clock_rate") else None
     cols = ["step", "retire", "wait full", "decode", "issue", "rest", "wait empty", "copy issue", "in flight",
             "table", "lead", "mean step", "first full", "span"]
+    loads = []
     print("| M x K | N | plan | shipped us | stamped us | " + " | ".join(cols) + " |")
     print("|---|---:|---|---:|---:|" + "---:|" * len(cols))
     for m, k in shapes_arg(args.shapes):
@@ -117,8 +135,12 @@ def main() -> int:
                         f"b{plan['blocks']} k{plan['steps']}")
                 print(f"| {m}x{k} | {n} | {desc} | {tw:.1f} | {ts:.1f} | " + " | ".join(f"{s[c]:.0f}" for c in cols)
                       + " |", flush=True)
+                loads.append(f"{m}x{k} N={n} {desc}: {by_sm_load(plan)}")
         del dense, packed
         torch.cuda.empty_cache()
+    print("\nBlocks by their SM's load (us, the stamped build, GPU timer):")
+    for line in loads:
+        print(f"- {line}")
     if clock:
         print(f"(SM clock {clock / 1e6:.2f} GHz as torch reports it; the stamps count SM cycles)")
     print("Eager launches for both timings (no graph: the probe allocates its buffers per call); no K split.")
