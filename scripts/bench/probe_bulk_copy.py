@@ -47,9 +47,9 @@ def main() -> int:
                     if nstep < stages or stages * step > 200 * 1024 or step % (16 * pieces):
                         continue
                     used = src[: blocks * nstep * step // 8]
+                    want = used.view(blocks, nstep, step // 8)[:, :, 0].sum(dim=1)
                     for hold in ints_arg(args.holds):
                         sink = bulk_stream(used, blocks, step, stages, pieces, hold)
-                        want = used.view(blocks, nstep, step // 8)[:, :, 0].sum(dim=1)
                         if not torch.equal(sink, want):
                             print(f"FAIL step {step} pieces {pieces}: a step did not land", file=sys.stderr)
                             return 1

@@ -81,12 +81,13 @@ def by_sm_load(plan: dict) -> str:
 
 
 def plan_arg(text: str) -> dict:
-    """``s8-g2`` -> {"stages": 8, "groups": 2}; ``default`` -> {}."""
+    """``s8-g2`` -> {"stages": 8, "groups": 2}; ``a-s6`` -> {"stages": 6, "alt": True}; ``default`` -> {}."""
     names = {"s": "stages", "g": "groups", "t": "tokens"}
     if text == "default":
         return {}
-    return {"alt": True} if text == "a" else {**plan_arg(text[2:]), "alt": True} if text.startswith("a-") else {
-        names[part[0]]: int(part[1:]) for part in text.split("-")}
+    parts = text.split("-")
+    plan = {names[part[0]]: int(part[1:]) for part in parts if part != "a"}
+    return {**plan, "alt": True} if "a" in parts else plan
 
 
 def main() -> int:
