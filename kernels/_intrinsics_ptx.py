@@ -20,7 +20,7 @@ from .compat_numba import cuda_typing
 __all__ = ["bulk_copy", "bulk_copy_mc", "clock32", "cluster_rank", "cluster_sync", "cp_wait0", "cp_wait1",
            "cp_wait2", "decode_pair", "f2h", "fence_proxy_async", "gtimer32", "h2f", "lds32", "mbar_arrive",
            "mbar_arrive_remote", "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up",
-           "shfl_xor", "smem_base", "smid", "syncwarp"]
+           "shfl_xor", "smem_base", "smid", "stg_h4", "syncwarp"]
 
 types, cgutils = cuda_typing()
 
@@ -337,6 +337,30 @@ def _ptr_of(typingctx, arr):
 @cuda.jit(device=True, inline=True)
 def ptr_of(arr):
     return _ptr_of(arr)
+
+
+_STG_H4 = ("{\n.reg .b16 h0, h1, h2, h3;\n.reg .b32 p0, p1;\ncvt.rn.f16.f32 h0, $1;\ncvt.rn.f16.f32 h1, $2;\n"
+           "cvt.rn.f16.f32 h2, $3;\ncvt.rn.f16.f32 h3, $4;\nmov.b32 p0, {h0, h1};\nmov.b32 p1, {h2, h3};\n"
+           "st.global.v2.b32 [$0], {p0, p1};\n}")
+
+
+@intrinsic
+def _stg_h4(typingctx, addr, a, b, c, d):
+    sig = types.void(types.uint64, types.float32, types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] + [_f32] * 4)
+        builder.call(ir.InlineAsm(fnty, _STG_H4, "l,f,f,f,f,~{memory}", side_effect=True), args)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def stg_h4(y, i, a, b, c, d):
+    """``y[i .. i + 3]`` (fp16 bits, an int16 array; ``i`` a multiple of 4) = ``a, b, c, d`` rounded to fp16, one
+    8-byte global store."""
+    _stg_h4(ptr_of(y) + np.uint64(2 * i), np.float32(a), np.float32(b), np.float32(c), np.float32(d))
 
 
 @cuda.jit(device=True, inline=True)

@@ -19,7 +19,7 @@ from .compat_numba import sim_syncthreads
 __all__ = ["bulk_copy", "bulk_copy_mc", "clock32", "cluster_rank", "cluster_sync", "cp_wait0", "cp_wait1",
            "cp_wait2", "decode_pair", "f2h", "fence_proxy_async", "gtimer32", "h2f", "lds32", "mbar_arrive",
            "mbar_arrive_remote", "mbar_expect", "mbar_init", "mbar_wait", "mma", "ptr_of", "shfl_idx", "shfl_up",
-           "shfl_xor", "smem_base", "smid", "syncwarp"]
+           "shfl_xor", "smem_base", "smid", "stg_h4", "syncwarp"]
 
 
 def _f16(bits) -> float:
@@ -198,6 +198,15 @@ def cp_wait0():
 
 
 cp_wait1 = cp_wait2 = cp_wait0
+
+
+def stg_h4(y, i, a, b, c, d):
+    """``y[i .. i + 3]`` (fp16 bits, int16; ``i`` a multiple of 4) = ``a, b, c, d`` rounded to fp16 (GPU: one
+    8-byte ``st.global``)."""
+    if i % 4:
+        raise ValueError(f"stg_h4: index {i} is not a multiple of 4 (the GPU store would be misaligned)")
+    for j, v in enumerate((a, b, c, d)):
+        y[i + j] = np.int16(f2h(v))
 
 
 def ptr_of(arr):
