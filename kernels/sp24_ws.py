@@ -70,20 +70,29 @@ def max_registers(nt: int, r: int, wg: int) -> int:
     return min(want, (65536 // (32 * (4 * wg + 1))) & ~7)
 
 
+# A diagnostic (``sp24_ws_probe.ablated``, docs/kernels-notes.md "v24"): the kernels built while it names one of
+# ABLATIONS leave that part of every step out, so their output is wrong and only their time means anything.
+ABLATIONS = ("no_products", "no_copies", "no_x", "no_weights", "no_loop")
+ablation: list = [None]
+
+
 def get_kernel(nt: int, stages: int, r: int = 2, wg: int = 2, hybrid: bool = False, cluster: int = 1):
     """Kernel for ``nt`` tokens per output tile (8 .. 128), a ring of ``stages`` (2-8), ``r`` tile rows
     per warpgroup (1, 2) and ``wg`` consumer warpgroups (1, 2). ``hybrid``: tiles may be dense too (one
     tile row per warpgroup). ``cluster`` (2, 4): thread-block clusters of blocks on neighbouring tile rows whose
     leader multicasts each X slab into all of them (spmm_ws's protocol, docs/kernels-notes.md "v22")."""
-    key = (nt, stages, r, wg, hybrid) + ((cluster,) if cluster > 1 else ())
+    ab = ablation[0]
+    key = (nt, stages, r, wg, hybrid) + ((cluster,) if cluster > 1 else ()) + ((ab,) if ab else ())
     if key not in _KERNELS:
-        _KERNELS[key] = kcache.tag(_build(nt, stages, r, wg, hybrid, cluster), "sp24_ws", key)
+        _KERNELS[key] = kcache.tag(_build(nt, stages, r, wg, hybrid, cluster, ab), "sp24_ws", key)
     return _KERNELS[key]
 
 
-def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1):
+def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1, AB: str | None = None):
     assert NT in NTS and 2 <= STAGES <= 8 and R in (1, 2) and WG in (1, 2) and not (HY and R != 1)
-    assert CL in (1, 2, 4)
+    assert CL in (1, 2, 4) and (AB is None or (AB in ABLATIONS and not HY and CL == 1))
+    NO_PRODUCTS, NO_COPIES, NO_LOOP = AB == "no_products", AB == "no_copies", AB == "no_loop"
+    X_BYTES_IN, W_TILES_IN = AB != "no_x", AB != "no_weights"
     CW = 4 * WG                           # consumer warps; the producer is warp CW
     THREADS = 32 * (CW + 1)
     NACC = NT // 2
@@ -119,10 +128,10 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1)
                         nbytes += TILE_BYTES if code & 1 else DENSE_BYTES
                 mbar_expect(full, s, nbytes)
             else:
-                mbar_expect(full, s, XBYTES + (nr if CL == 1 else max(nr, 0)) * TILE_BYTES)
+                mbar_expect(full, s, XBYTES * X_BYTES_IN + (nr if CL == 1 else max(nr, 0)) * TILE_BYTES * W_TILES_IN)
             if CL > 1:
                 mbar_arrive_remote(xempty, s, 0)     # after the expect: the X bytes may land from now on
-            else:
+            elif X_BYTES_IN:
                 bulk_copy(d64, w0, xs, (chunk * GK + gk) * (XBYTES >> 3), XBYTES, full, s)
             for r in range(RW):
                 if r < nr:
@@ -133,7 +142,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1)
                             bulk_copy(d64, dst, sp, (code >> 1) * (TILE_BYTES >> 3), TILE_BYTES, full, s)
                         else:
                             bulk_copy(d64, dst, dn, (code >> 1) * (DENSE_BYTES >> 3), DENSE_BYTES, full, s)
-                    else:
+                    elif W_TILES_IN:
                         bulk_copy(d64, dst, sp, ((tr0 + r) * GK + gk) * (TILE_BYTES >> 3), TILE_BYTES, full, s)
             if CL > 1 and rank == 0:                 # every block's stage s free and expecting: one X copy
                 mbar_wait(xempty, s, (i // STAGES) & 1)
@@ -169,19 +178,24 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1)
         acc0 = ZERO
         acc1 = ZERO
         if warp == CW:
-            if lane == 0:
+            if lane == 0 and not (NO_COPIES or NO_LOOP):
                 produce(d64, sp, dn, tiles, xs, kinds, full, empty, chunk, tr0, nr, rot, nst, k0, GK, xempty, rank)
         else:
             # hybrid (R = 1): warpgroup wg's tile sits at slot wg, 2:4 strips SLOT apart, dense ones DENSE_STRIP
             aoff, moff, moff1 = strip_offsets(XBYTES + (wg * (TB - 4 * SLOT) if HY else 0), wg, wwarp, lane)
             doff = u32(XBYTES + wg * TB + wwarp * DENSE_STRIP + lane * 16)
-            for i in range(nst):
+            for i in range(0 if NO_LOOP else nst):
                 s = i % STAGES
-                mbar_wait(full, s, (i // STAGES) & 1)       # step i's copies have landed
+                if not NO_COPIES:
+                    mbar_wait(full, s, (i // STAGES) & 1)   # step i's copies have landed
+                if NO_PRODUCTS:                              # (ablation: the stage is released at once)
+                    if lane == 0:
+                        mbar_arrive(empty, s)
+                    continue
                 acc0 = wg_wait0(acc0)                        # step i-1's products are done ...
                 if R == 2:
                     acc1 = wg_hold(acc1)
-                if i > 0 and lane == 0:
+                if i > 0 and lane == 0 and not NO_COPIES:
                     mbar_arrive(empty, (i - 1) % STAGES)     # ... so its stage may be refilled
                 sb = ring + u32(s * STAGE)
                 if HY and kinds[s * RW + wg] == 0:           # a dense tile: four m64nNk16 products

@@ -226,3 +226,25 @@ def test_clusters_are_refused_where_they_cannot_run_in_one_line():
     if SIM:
         with pytest.raises(ValueError, match="simulator"):
             sp24_matmul(x, lay, kernel="ws", cluster=2)
+
+
+def test_ws_ablations_leave_their_part_out_and_only_inside_the_block():
+    """The sp24_ws probe's ablated builds (``sp24_ws_probe``, a diagnostic): without the step loop or without the
+    products no product reaches the output (exact zeros); outside ``ablated`` the same launch is the whole
+    kernel again; an unknown name is one clear error."""
+    from sparsekit.kernels.sp24_ws_probe import ablated
+
+    g = torch.Generator().manual_seed(5)
+    w = _weight(64, 128, "2:4", g)
+    x = torch.randn(3, 128, generator=g).half()
+    lay = sp24.transcode(w)
+    kw = dict(groups=1, strips=1)
+    for mode in ("no_loop", "no_products"):
+        with ablated(mode):
+            y = sp24_matmul(x.to(DEV), lay.to(DEV), out=torch.full((3, 64), float("nan"), dtype=torch.float16,
+                                                                    device=DEV), kernel="ws", **kw)
+        assert torch.count_nonzero(y) == 0, mode   # written (no NaN left), and nothing multiplied
+    assert _rel_err(lay, w, x, kernel="ws", **kw) < 1e-3
+    with pytest.raises(ValueError, match="unknown ablation"):
+        with ablated("no_everything"):
+            pass
