@@ -10,7 +10,7 @@ from sparsekit.cli import generate as generate_cmd
 from sparsekit.cli import pack as pack_cmd
 from sparsekit.cli import prune as prune_cmd
 from sparsekit.cli import recipes as recipes_cmd
-from sparsekit.cli.common import own_process
+from sparsekit.cli.common import finish, own_process
 from sparsekit.cli.help import hide_flag_types
 
 hide_flag_types()   # no <bool> beside --help, --version, --json, ...
@@ -47,7 +47,12 @@ recipes_cmd.register(app)
 
 def main() -> None:
     own_process()   # the console script: process-wide settings are ours to make (common.long_lived)
-    app()
+    try:
+        app()
+    except SystemExit as e:
+        finish(e.code)   # after `generate`: exit without the interpreter's teardown (common.finish)
+        raise
+    finish(0)
 
 
 if __name__ == "__main__":
