@@ -30,7 +30,7 @@ from . import kcache
 from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, cluster_sync, mbar_arrive,
                           mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait)
 from ._warp_intrinsics import byte_addr
-from ._wg_intrinsics import lds_a8, wg_commit, wg_hold, wg_mmad, wg_wait0
+from ._wg_intrinsics import lds_a8, wg_commit, wg_hold, wg_mmad, wg_wait0, wsync
 from .block import dynamic_smem, make_tile_end, split_sharers, step_col, thread_ids
 from .sp24_wg import NTS, SLOT, make_tile_ops, x_desc
 from sparsekit.packed.sp24 import DENSE_STRIP_WORDS, DENSE_TILE_WORDS
@@ -66,17 +66,22 @@ def smem_bytes(nt: int, stages: int, r: int, wg: int, hybrid: bool = False) -> i
     return max(stages * stage_bytes(nt, r, wg, hybrid), nt * 64 * r * wg * 4)
 
 
-def max_registers(nt: int, r: int, wg: int) -> int:
-    """The register cap: what the consumers want (as sp24_wg), but no more than 64K registers shared by the
-    block's 4 x wg + 1 warps allow (232 x 288 threads does not fit: the launch fails for want of resources)."""
+def max_registers(nt: int, r: int, wg: int, blocks: int = 1) -> int:
+    """The register cap: what the consumers want (as sp24_wg), but no more than 64K registers shared by
+    ``blocks`` blocks of 4 x wg + 1 warps allow (232 x 288 threads does not fit: the launch fails for want of
+    resources)."""
     want = 232 if r * nt >= 128 else 168
-    return min(want, (65536 // (32 * (4 * wg + 1))) & ~7)
+    return min(want, (65536 // (32 * blocks * (4 * wg + 1))) & ~7)
 
 
-# A diagnostic (``sp24_ws_probe.ablated``, docs/kernels-notes.md "v24"): the kernels built while it names one of
-# ABLATIONS leave that part of every step out, so their output is wrong and only their time means anything.
+# Diagnostics (``sp24_ws_probe.built_as``, docs/kernels-notes.md "v24"): the kernels built while ``probe_build``
+# names one of ABLATIONS leave that part of every step out (their output is wrong: only their time means anything);
+# one of VARIANTS is the whole kernel built another way (correct), to be timed beside the default:
+# "early_release" retires the previous step's products and frees their stage before waiting for this step's
+# copies (not after); "two_blocks" caps the registers so that two blocks fit an SM.
 ABLATIONS = ("no_products", "no_copies", "no_x", "no_weights", "no_loop")
-ablation: list = [None]
+VARIANTS = ("early_release", "two_blocks")
+probe_build: list = [None]
 
 
 def get_kernel(nt: int, stages: int, r: int = 2, wg: int = 2, hybrid: bool = False, cluster: int = 1):
@@ -84,7 +89,7 @@ def get_kernel(nt: int, stages: int, r: int = 2, wg: int = 2, hybrid: bool = Fal
     per warpgroup (1, 2) and ``wg`` consumer warpgroups (1, 2). ``hybrid``: tiles may be dense too (one
     tile row per warpgroup). ``cluster`` (2, 4): thread-block clusters of blocks on neighbouring tile rows whose
     leader multicasts each X slab into all of them (spmm_ws's protocol, docs/kernels-notes.md "v22")."""
-    ab = ablation[0]
+    ab = probe_build[0]
     key = (nt, stages, r, wg, hybrid) + ((cluster,) if cluster > 1 else ()) + ((ab,) if ab else ())
     if key not in _KERNELS:
         _KERNELS[key] = kcache.tag(_build(nt, stages, r, wg, hybrid, cluster, ab), "sp24_ws", key)
@@ -93,9 +98,11 @@ def get_kernel(nt: int, stages: int, r: int = 2, wg: int = 2, hybrid: bool = Fal
 
 def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1, AB: str | None = None):
     assert NT in NTS and 2 <= STAGES <= 8 and R in (1, 2) and WG in (1, 2) and not (HY and R != 1)
-    assert CL in (1, 2, 4) and (AB is None or (AB in ABLATIONS and not HY and CL == 1))
+    assert CL in (1, 2, 4) and (AB is None or (AB in ABLATIONS + VARIANTS and not HY and CL == 1))
     NO_PRODUCTS, NO_COPIES, NO_LOOP = AB == "no_products", AB == "no_copies", AB == "no_loop"
     X_BYTES_IN, W_TILES_IN = AB != "no_x", AB != "no_weights"
+    EARLY = AB == "early_release"
+    REGS = max_registers(NT, R, WG, 2 if AB == "two_blocks" else 1)
     CW = 4 * WG                           # consumer warps; the producer is warp CW
     THREADS = 32 * (CW + 1)
     NACC = NT // 2
@@ -151,7 +158,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
                 mbar_wait(xempty, s, (i // STAGES) & 1)
                 bulk_copy_mc(d64, w0, xs, (chunk * GK + gk) * (XBYTES >> 3), XBYTES, full, s, (1 << CL) - 1)
 
-    @cuda.jit(**({} if SIM else {"max_registers": max_registers(NT, R, WG)}))
+    @cuda.jit(**({} if SIM else {"max_registers": REGS}))
     def kernel(sp, dn, tiles, xs, y, ws, cnt, M, N, GK, nch, PER):
         d64, d32, df = dynamic_smem()
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
@@ -189,17 +196,25 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
             doff = u32(XBYTES + wg * TB + wwarp * DENSE_STRIP + lane * 16)
             for i in range(0 if NO_LOOP else nst):
                 s = i % STAGES
+                if EARLY:                                    # (variant: retire and release first)
+                    acc0 = wg_wait0(acc0)
+                    if R == 2:
+                        acc1 = wg_hold(acc1)
+                    if i > 0 and lane == 0:
+                        mbar_arrive(empty, (i - 1) % STAGES)
                 if not NO_COPIES:
                     mbar_wait(full, s, (i // STAGES) & 1)   # step i's copies have landed
-                if NO_PRODUCTS:                              # (ablation: the stage is released at once)
+                if NO_PRODUCTS:                              # (ablation: the stage is released at once, once
+                    wsync(scr, tid)                          # every lane of the warp has seen it land)
                     if lane == 0:
                         mbar_arrive(empty, s)
                     continue
-                acc0 = wg_wait0(acc0)                        # step i-1's products are done ...
-                if R == 2:
-                    acc1 = wg_hold(acc1)
-                if i > 0 and lane == 0 and not NO_COPIES:
-                    mbar_arrive(empty, (i - 1) % STAGES)     # ... so its stage may be refilled
+                if not EARLY:
+                    acc0 = wg_wait0(acc0)                    # step i-1's products are done ...
+                    if R == 2:
+                        acc1 = wg_hold(acc1)
+                    if i > 0 and lane == 0 and not NO_COPIES:
+                        mbar_arrive(empty, (i - 1) % STAGES)  # ... so its stage may be refilled
                 sb = ring + u32(s * STAGE)
                 if HY and kinds[s * RW + wg] == 0:           # a dense tile: four m64nNk16 products
                     da = lds_a8(d64, sb + doff) + lds_a8(d64, sb + doff + u32(1024))

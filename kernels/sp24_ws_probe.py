@@ -1,6 +1,7 @@
-"""What each part of sp24_ws's step costs: its kernels built with one part of every step left out (docs/kernels-
-notes.md "v24"). A diagnostic, never on a product path: an ablated launch computes a wrong product (or none),
-and only its time means anything.
+"""What each part of sp24_ws's step costs, and candidate variants of it: its kernels built with one part of every
+step left out, or built another way (docs/kernels-notes.md "v24"). A diagnostic, never on a product path.
+
+An **ablation** computes a wrong product (or none), and only its time means anything:
 
 ======================  =====================================================================================
 ablation                left out
@@ -12,9 +13,14 @@ ablation                left out
 ``no_loop``             the step loop (set-up, the end of the tile, the launch, the host's ``x_slabs``)
 ======================  =====================================================================================
 
-Usage (``scripts/bench/probe_sp24_ablate.py`` times each beside the whole kernel)::
+A **variant** is the whole kernel, correct, built another way: ``early_release`` (each step first retires the
+previous step's products and frees their stage, then waits for its own copies: the producer may refill sooner)
+and ``two_blocks`` (registers capped so that two blocks fit an SM: 112 for two warpgroups, where 128-token tiles
+otherwise take 119 and one block an SM).
 
-    with ablated("no_products"):
+Usage (``scripts/bench/probe_sp24_ablate.py`` times each beside the default build)::
+
+    with built_as("no_products"):
         sp24_matmul(x, layout, kernel="ws")
 """
 from __future__ import annotations
@@ -25,17 +31,19 @@ from collections.abc import Iterator
 from . import sp24_ws
 
 ABLATIONS = sp24_ws.ABLATIONS
+VARIANTS = sp24_ws.VARIANTS
 
 
 @contextlib.contextmanager
-def ablated(mode: str | None) -> Iterator[None]:
-    """sp24_ws launches inside the block run kernels without ``mode``'s part (None: the whole kernel). Weights with
-    dense tiles and thread-block clusters are refused there (``AssertionError`` at the build)."""
-    if mode is not None and mode not in ABLATIONS:
-        raise ValueError(f"unknown ablation {mode!r}: one of {', '.join(ABLATIONS)}")
-    before = sp24_ws.ablation[0]
-    sp24_ws.ablation[0] = mode
+def built_as(mode: str | None) -> Iterator[None]:
+    """sp24_ws launches inside the block run kernels built as ``mode`` (one of ABLATIONS or VARIANTS; None: the
+    default build). Weights with dense tiles and thread-block clusters are refused there (``AssertionError`` at
+    the build)."""
+    if mode is not None and mode not in ABLATIONS + VARIANTS:
+        raise ValueError(f"unknown sp24_ws build {mode!r}: one of {', '.join(ABLATIONS + VARIANTS)}")
+    before = sp24_ws.probe_build[0]
+    sp24_ws.probe_build[0] = mode
     try:
         yield
     finally:
-        sp24_ws.ablation[0] = before
+        sp24_ws.probe_build[0] = before

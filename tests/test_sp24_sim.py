@@ -228,23 +228,26 @@ def test_clusters_are_refused_where_they_cannot_run_in_one_line():
             sp24_matmul(x, lay, kernel="ws", cluster=2)
 
 
-def test_ws_ablations_leave_their_part_out_and_only_inside_the_block():
-    """The sp24_ws probe's ablated builds (``sp24_ws_probe``, a diagnostic): without the step loop or without the
-    products no product reaches the output (exact zeros); outside ``ablated`` the same launch is the whole
+def test_ws_probe_builds_ablations_variants_and_only_inside_the_block():
+    """The sp24_ws probe's builds (``sp24_ws_probe``, a diagnostic): without the step loop or without the products
+    no product reaches the output (exact zeros); the early-release variant computes the product (a 2-stage ring,
+    so every stage is refilled through its early release); outside ``built_as`` the same launch is the default
     kernel again; an unknown name is one clear error."""
-    from sparsekit.kernels.sp24_ws_probe import ablated
+    from sparsekit.kernels.sp24_ws_probe import built_as
 
     g = torch.Generator().manual_seed(5)
-    w = _weight(64, 128, "2:4", g)
-    x = torch.randn(3, 128, generator=g).half()
+    w = _weight(64, 320, "2:4", g)
+    x = torch.randn(3, 320, generator=g).half()
     lay = sp24.transcode(w)
-    kw = dict(groups=1, strips=1)
+    kw = dict(groups=1, strips=1, stages=2)
     for mode in ("no_loop", "no_products"):
-        with ablated(mode):
+        with built_as(mode):
             y = sp24_matmul(x.to(DEV), lay.to(DEV), out=torch.full((3, 64), float("nan"), dtype=torch.float16,
                                                                     device=DEV), kernel="ws", **kw)
         assert torch.count_nonzero(y) == 0, mode   # written (no NaN left), and nothing multiplied
+    with built_as("early_release"):
+        assert _rel_err(lay, w, x, kernel="ws", **kw) < 1e-3
     assert _rel_err(lay, w, x, kernel="ws", **kw) < 1e-3
-    with pytest.raises(ValueError, match="unknown ablation"):
-        with ablated("no_everything"):
+    with pytest.raises(ValueError, match="unknown sp24_ws build"):
+        with built_as("no_everything"):
             pass
