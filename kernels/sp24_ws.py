@@ -196,25 +196,20 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
             doff = u32(XBYTES + wg * TB + wwarp * DENSE_STRIP + lane * 16)
             for i in range(0 if NO_LOOP else nst):
                 s = i % STAGES
-                if EARLY:                                    # (variant: retire and release first)
-                    acc0 = wg_wait0(acc0)
-                    if R == 2:
-                        acc1 = wg_hold(acc1)
-                    if i > 0 and lane == 0:
-                        mbar_arrive(empty, (i - 1) % STAGES)
-                if not NO_COPIES:
+                if not (EARLY or NO_COPIES):
                     mbar_wait(full, s, (i // STAGES) & 1)   # step i's copies have landed
                 if NO_PRODUCTS:                              # (ablation: the stage is released at once, once
                     wsync(scr, tid)                          # every lane of the warp has seen it land)
                     if lane == 0:
                         mbar_arrive(empty, s)
                     continue
-                if not EARLY:
-                    acc0 = wg_wait0(acc0)                    # step i-1's products are done ...
-                    if R == 2:
-                        acc1 = wg_hold(acc1)
-                    if i > 0 and lane == 0 and not NO_COPIES:
-                        mbar_arrive(empty, (i - 1) % STAGES)  # ... so its stage may be refilled
+                acc0 = wg_wait0(acc0)                        # step i-1's products are done ...
+                if R == 2:
+                    acc1 = wg_hold(acc1)
+                if i > 0 and lane == 0 and not NO_COPIES:
+                    mbar_arrive(empty, (i - 1) % STAGES)     # ... so its stage may be refilled
+                if EARLY:                                    # (variant: only then wait for step i's copies)
+                    mbar_wait(full, s, (i // STAGES) & 1)
                 sb = ring + u32(s * STAGE)
                 if HY and kinds[s * RW + wg] == 0:           # a dense tile: four m64nNk16 products
                     da = lds_a8(d64, sb + doff) + lds_a8(d64, sb + doff + u32(1024))
