@@ -29,6 +29,10 @@ def main() -> int:
     ap.add_argument("--groups", default="1,2,3", help="warpgroups per block")
     ap.add_argument("--iters", type=int, default=2000, help="calls per warpgroup")
     args = ap.parse_args()
+    ns, groups = ints_arg(args.ns), ints_arg(args.groups)
+    if not set(ns) <= {64, 128} or not set(groups) <= {1, 2, 3} or args.iters < 1:
+        print("--ns takes 64 and 128, --groups 1 to 3, --iters a positive count", file=sys.stderr)
+        return 2
     cuda_or_exit("the warpgroup MMA rate probe")
     from sparsekit.kernels.wgmma_rate import WAITS, product_rate
 
@@ -37,10 +41,10 @@ def main() -> int:
     print(f"cuBLAS 4096^3 fp16: {2 * 4096 ** 3 / (tc * 1e-6) / 1e12:.0f} TFLOP/s")
     print("| N | products | wait | warpgroups / block | us | TFLOP/s (dense-equivalent) |")
     print("|---:|---|---|---:|---:|---:|")
-    for n in ints_arg(args.ns):
+    for n in ns:
         for sparse in (True, False):
             for wait in WAITS:
-                for g in ints_arg(args.groups):
+                for g in groups:
                     r = product_rate(n, sparse, wait, g, args.iters)
                     print(f"| {n} | {'sparse' if sparse else 'dense'} | {wait} | {g} | {r['us']:.0f} | "
                           f"{r['tflops']:.0f} |", flush=True)
