@@ -201,6 +201,13 @@ def wg_tokens(n: int) -> int:
     return WG_NTS[-1]
 
 
+def ws_tokens(n: int) -> int:
+    """sp24_ws's tokens per output tile: as ``wg_tokens``, but two chunks of 64 from 65 to 128 tokens (H100,
+    docs/kernels-notes.md "v25": at 128 tokens 22016x4096 took 95.6 us against 104.7 with one chunk of 128,
+    4096x11008 60.2 against 62.2; a 64-token tile needs 87-106 registers, so two blocks share an SM)."""
+    return 64 if 64 < n <= 128 else wg_tokens(n)
+
+
 def ws_shape(m: int, k: int, nt: int) -> tuple[int, int, int]:
     """(tile rows per warpgroup, consumer warpgroups, ring depth) of sp24_ws's default plan, from the H100
     sweeps (docs/kernels-notes.md "v18 outcome"): two warpgroups on tall or K-deep weights, one elsewhere
@@ -245,7 +252,7 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
     else:
         smem_bytes = sp24_wg.smem_bytes
 
-    nt = tokens_ or wg_tokens(n)
+    nt = tokens_ or (ws_tokens(n) if specialized and smem is None else wg_tokens(n))
     tall = m >= WG_MIN_M
     gm = -(-m // 64)
     chunks = -(-n // nt)

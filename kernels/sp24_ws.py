@@ -11,11 +11,11 @@ Hopper where it measured fastest (``sp24_plan.kernel_for``).
   every tile is 2:4, so tile t is slot t of the layout). **Hybrid** weights (``hybrid``, one tile row per
   warpgroup): the tile map gives each tile's kind and slot, a dense tile is one 8192-byte copy, and the
   producer writes the kinds into shared memory before the stage's "full" arrival publishes them.
-- **Consumers**: wait "full", retire their previous products (``wgmma.wait_group 0``: the A registers of
-  a product in flight must not be overwritten, docs/kernels-notes.md "v17"), release the previous stage
-  (one arrival per warp on its "empty"), load A and both metadata words from the stage, issue one
-  ``wg_mma2`` per tile row (two m64nNk32 products) and commit; a dense tile: its 16 A registers, one
-  ``wg_mmad`` (four dense m64nNk16 products).
+- **Consumers**: retire their previous products (``wgmma.wait_group 0``: the A registers of a product in
+  flight must not be overwritten, docs/kernels-notes.md "v17"), release the previous stage (one arrival per
+  warp on its "empty", so the producer may refill it while this step's copies are still landing; up to 32
+  tokens a tile, with a ring of 6, after waiting), wait "full", load A and both metadata words from the stage, issue one ``wg_mma2`` per tile row (two m64nNk32
+  products) and commit; a dense tile: its 16 A registers, one ``wg_mmad`` (four dense m64nNk16 products).
 - **End** (``block.make_tile_end``, all warps): the fp32 tile ``[NT, 64 R WG]`` through shared memory, fp16
   out or a K split's partial summed by the last block to arrive.
 """
@@ -78,9 +78,11 @@ def max_registers(nt: int, r: int, wg: int, blocks: int = 1) -> int:
 # names one of ABLATIONS leave that part of every step out (their output is wrong: only their time means anything);
 # one of VARIANTS is the whole kernel built another way (correct), to be timed beside the default:
 # "early_release" retires the previous step's products and frees their stage before waiting for this step's
-# copies (not after); "two_blocks" caps the registers so that two blocks fit an SM.
+# copies at every tile width, "late_release" after (the default: early from 64 tokens a tile, where late was 2-7%
+# slower, late below, where early was 0-3% slower; v25); "two_blocks" caps the registers so that two blocks fit
+# an SM (no faster at 128 tokens, v25).
 ABLATIONS = ("no_products", "no_copies", "no_x", "no_weights", "no_loop")
-VARIANTS = ("early_release", "two_blocks")
+VARIANTS = ("early_release", "late_release", "two_blocks")
 probe_build: list = [None]
 
 
@@ -101,7 +103,9 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
     assert CL in (1, 2, 4) and (AB is None or (AB in ABLATIONS + VARIANTS and not HY and CL == 1))
     NO_PRODUCTS, NO_COPIES, NO_LOOP = AB == "no_products", AB == "no_copies", AB == "no_loop"
     X_BYTES_IN, W_TILES_IN = AB != "no_x", AB != "no_weights"
-    EARLY = AB == "early_release"
+    # wait for the step's copies before retiring the previous products (rings of 6 up to 32 tokens a tile), or
+    # after (3-stage rings from 64: the stage is refilled sooner; H100, docs/kernels-notes.md "v25")
+    LATE = AB in ("late_release", "no_products") or (NT <= 32 and AB != "early_release")
     REGS = max_registers(NT, R, WG, 2 if AB == "two_blocks" else 1)
     CW = 4 * WG                           # consumer warps; the producer is warp CW
     THREADS = 32 * (CW + 1)
@@ -196,8 +200,8 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
             doff = u32(XBYTES + wg * TB + wwarp * DENSE_STRIP + lane * 16)
             for i in range(0 if NO_LOOP else nst):
                 s = i % STAGES
-                if not (EARLY or NO_COPIES):
-                    mbar_wait(full, s, (i // STAGES) & 1)   # step i's copies have landed
+                if LATE and not NO_COPIES:
+                    mbar_wait(full, s, (i // STAGES) & 1)   # (variant: step i's copies first)
                 if NO_PRODUCTS:                              # (ablation: the stage is released at once, once
                     wsync(scr, tid)                          # every lane of the warp has seen it land)
                     if lane == 0:
@@ -207,9 +211,9 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
                 if R == 2:
                     acc1 = wg_hold(acc1)
                 if i > 0 and lane == 0 and not NO_COPIES:
-                    mbar_arrive(empty, (i - 1) % STAGES)     # ... so its stage may be refilled
-                if EARLY:                                    # (variant: only then wait for step i's copies)
-                    mbar_wait(full, s, (i // STAGES) & 1)
+                    mbar_arrive(empty, (i - 1) % STAGES)     # ... so its stage may be refilled at once
+                if not (LATE or NO_COPIES):
+                    mbar_wait(full, s, (i // STAGES) & 1)   # only then: step i's copies have landed
                 sb = ring + u32(s * STAGE)
                 if HY and kinds[s * RW + wg] == 0:           # a dense tile: four m64nNk16 products
                     da = lds_a8(d64, sb + doff) + lds_a8(d64, sb + doff + u32(1024))

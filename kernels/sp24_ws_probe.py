@@ -13,10 +13,11 @@ ablation                left out
 ``no_loop``             the step loop (set-up, the end of the tile, the launch, the host's ``x_slabs``)
 ======================  =====================================================================================
 
-A **variant** is the whole kernel, correct, built another way: ``early_release`` (each step first retires the
-previous step's products and frees their stage, then waits for its own copies: the producer may refill sooner)
-and ``two_blocks`` (registers capped so that two blocks fit an SM: 112 for two warpgroups, where 128-token tiles
-otherwise take 119 and one block an SM).
+A **variant** is the whole kernel, correct, built another way: ``early_release`` and ``late_release`` (at every
+tile width, each step retires the previous step's products and frees their stage before / after waiting for its
+own copies; the default does the first from 64 tokens a tile, docs/kernels-notes.md "v25") and ``two_blocks``
+(registers capped so that two blocks fit an SM: 112 for two warpgroups, where 128-token tiles otherwise take one
+SM each; no faster, v25).
 
 Usage (``scripts/bench/probe_sp24_ablate.py`` times each beside the default build)::
 

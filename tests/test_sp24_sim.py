@@ -230,8 +230,8 @@ def test_clusters_are_refused_where_they_cannot_run_in_one_line():
 
 def test_ws_probe_builds_ablations_variants_and_only_inside_the_block():
     """The sp24_ws probe's builds (``sp24_ws_probe``, a diagnostic): without the step loop or without the products
-    no product reaches the output (exact zeros); the early-release variant computes the product (a 2-stage ring,
-    so every stage is refilled through its early release); outside ``built_as`` the same launch is the default
+    no product reaches the output (exact zeros); both release orders compute the product (a 2-stage ring, so
+    every stage is refilled through its release); outside ``built_as`` the same launch is the default
     kernel again; an unknown name is one clear error."""
     from sparsekit.kernels.sp24_ws_probe import built_as
 
@@ -245,8 +245,9 @@ def test_ws_probe_builds_ablations_variants_and_only_inside_the_block():
             y = sp24_matmul(x.to(DEV), lay.to(DEV), out=torch.full((3, 64), float("nan"), dtype=torch.float16,
                                                                     device=DEV), kernel="ws", **kw)
         assert torch.count_nonzero(y) == 0, mode   # written (no NaN left), and nothing multiplied
-    with built_as("early_release"):
-        assert _rel_err(lay, w, x, kernel="ws", **kw) < 1e-3
+    for mode in ("early_release", "late_release"):   # (an 8-token tile: the default releases late)
+        with built_as(mode):
+            assert _rel_err(lay, w, x, kernel="ws", **kw) < 1e-3
     assert _rel_err(lay, w, x, kernel="ws", **kw) < 1e-3
     with pytest.raises(ValueError, match="unknown sp24_ws build"):
         with built_as("no_everything"):

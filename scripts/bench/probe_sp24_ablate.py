@@ -1,7 +1,7 @@
 """Where sp24_ws's time goes, by leaving one part of its step out, and what candidate variants of it give (issue
 22, docs/kernels-notes.md "v24"; ``sparsekit.kernels.sp24_ws_probe``): per shape and token count, cuBLAS, the
 default build, the ablations (without its products, its copies and every wait on them, X's copy, the weights'
-copies, its step loop) and the variants (``early_release``, ``two_blocks``). GPU only (Hopper)::
+copies, its step loop) and the variants (``early_release``, ``late_release``, ``two_blocks``). GPU only (Hopper)::
 
     python -m scripts.bench.probe_sp24_ablate [--shapes 22016x4096,8192x28672] [--ns 1,16,64,128] \
         [--plans '[{}, {"tokens": 128, "groups": 2, "strips": 1, "stages": 6}]'] [--builds no_products,two_blocks]
