@@ -15,7 +15,8 @@ Hopper where it measured fastest (``sp24_plan.kernel_for``).
   flight must not be overwritten, docs/kernels-notes.md "v17"), release the previous stage (one arrival per
   warp on its "empty", so the producer may refill it while this step's copies are still landing; up to 32
   tokens a tile, with a ring of 6, after waiting), wait "full", load A and both metadata words from the
-  stage, issue one ``wg_mma2`` per tile row (two m64nNk32 products) and commit; a dense tile: its 16 A registers, one ``wg_mmad`` (four dense m64nNk16 products).
+  stage, issue one ``wg_mma2`` per tile row (two m64nNk32 products) and commit; a dense tile: its 16 A
+  registers, one ``wg_mmad`` (four dense m64nNk16 products).
 - **End** (``block.make_tile_end``, all warps): the fp32 tile ``[NT, 64 R WG]`` through shared memory, fp16
   out or a K split's partial summed by the last block to arrive.
 """
