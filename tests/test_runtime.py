@@ -447,3 +447,24 @@ def test_model_bytes_counts_tied_weights_once_and_sparsify_reports_progress():
     swapped = sparsify(model, progress=lambda *a: calls.append(a))
     assert calls[-1] == ("sparsify", len(calls), len(calls)) and len(swapped) == len(calls)
 
+
+
+def test_skeletons_run_no_weight_initialiser(tmp_path, monkeypatch):
+    """Every weight of a skeleton is loaded afterwards, so building one runs none of torch's initialisers
+    (``hf.compat.no_weight_init``): the packed loader's skeleton and the streamed pruner's."""
+    from transformers import LlamaConfig
+
+    from sparsekit.hf.compat import meta_skeleton
+    from sparsekit.runtime.loader import build_skeleton
+
+    def ran(*a, **k):
+        raise AssertionError("a weight initialiser ran")
+
+    for name in ("kaiming_uniform_", "normal_", "uniform_", "zeros_", "ones_"):
+        monkeypatch.setattr(torch.nn.init, name, ran)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=100)
+    cfg.save_pretrained(tmp_path)
+    for model in (meta_skeleton(cfg, torch.float16), build_skeleton(tmp_path, torch.float16)[0]):
+        assert {p.device.type for p in model.parameters()} == {"meta"}
+        assert model.model.rotary_emb.inv_freq.device.type == "cpu"   # buffers built in __init__ stay real
