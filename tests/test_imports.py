@@ -64,3 +64,21 @@ def test_from_pretrained_registration_waits_for_transformers_quantizers():
     mods, out = fresh("import sparsekit\nimport transformers.quantizers.auto as q\n"
                       "print('REGISTERED', 'sparsekit' in q.AUTO_QUANTIZER_MAPPING)")
     assert "REGISTERED True" in out and "transformers" in mods
+
+
+@pytest.mark.parametrize("cwd, first_entry", [("root", None), ("/", "root")], ids=["python -c at the root", "-m style"])
+def test_the_tree_root_does_not_lend_its_folders_bare_names(cwd, first_entry):
+    """From the source tree's root (``""`` first on the path) or with the root's absolute path first (``python -m``),
+    ``kernels``, ``cli`` and ``recipes`` do not resolve to sparsekit's folders (``sparsekit.source_tree``):
+    transformers probes for the Hub's ``kernels`` package at import and took the folder for it, mapping every
+    installed distribution's files and importing the folder a second time. The mapped packages still import."""
+    root = str(ROOT)
+    code = (f"import sys, importlib.util\n"
+            + (f"sys.path.insert(0, {root!r})\n" if first_entry else "")
+            + "import sparsekit, sparsekit.kernels, sparsekit.cli.app\n"
+            + "found = {n: str(getattr(importlib.util.find_spec(n), 'origin', '')) for n in ('kernels', 'cli', 'recipes')}\n"
+            + f"print('FOUND', [n for n, o in found.items() if o.startswith({root!r})], 'kernels' in sys.modules)\n")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT if cwd == "root" else cwd, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "FOUND [] False" in res.stdout, res.stdout
