@@ -58,6 +58,22 @@ IDS = torch.tensor([[5, 17, 42, 99, 3, 250, 7, 64, 11, 200], [1, 2, 3, 4, 5, 6, 
 
 
 # --- SparseLinear -----------------------------------------------------------------------------
+def test_sparse_linear_counts_its_nonzeros_on_first_use_only(monkeypatch):
+    """Building a SparseLinear counts nothing (on a GPU the popcount syncs the device, once per layer of a load:
+    ~0.1 s of the demo's); ``nnz`` counts once, when asked."""
+    from sparsekit.packed.tcabme import TcaBme, encode
+    from sparsekit.runtime.sparse_linear import SparseLinear
+
+    w = torch.where(torch.rand(70, 130) > 0.6, torch.randn(70, 130), torch.zeros(())).half()
+    packed = encode(w)
+    counted = []
+    real = TcaBme.nnz.fget
+    monkeypatch.setattr(TcaBme, "nnz", property(lambda self: counted.append(1) or real(self)))
+    sl = SparseLinear.from_packed(packed)
+    assert counted == []
+    assert sl.nnz == int((w != 0).sum()) and sl.nnz == int((w != 0).sum()) and counted == [1]
+
+
 def test_sparse_linear_matches_linear_any_leading_dims():
     from sparsekit.runtime.sparse_linear import SparseLinear
 

@@ -9,15 +9,13 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
   ``sp24_from_n <= N`` (when nonzero), the 2:4 tile-mosaic kernel ``sparsekit.kernels.sp24.sp24_matmul``.
 * CUDA, ``N > dense_above`` with a kept dense copy (``runtime.dispatch``, ``prefer="speed"``) ->
   ``F.linear`` on that copy.
-* CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (the
-  decode kernel ``sparsekit.kernels.decode``), then ``F.linear`` (cuBLAS). The threshold is measured by ``scripts/checks/gpu_runtime.py`` (kernel
-  vs decode + cuBLAS per N) and recorded in docs/benchmarks.md ("End to end"); override it with
-  the environment variable ``SPARSEKIT_DENSE_ABOVE`` or per module (``layer.dense_above = n``).
-  Inside a compiled or graph-captured step the decode is ``decode_dense`` (no host sync).
-* Anything else (CPU, bf16/fp32 activations, kernels missing) -> the reference path (decode +
-  matmul in the activation dtype). On CPU this is announced once per process.
-
-The packed tensors are module buffers, so ``model.to(device)`` moves them with the rest.
+* CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (``sparsekit.kernels.decode``;
+  ``decode_dense`` inside a compiled or captured step: no host sync), then ``F.linear`` (cuBLAS). The threshold
+  was measured by ``scripts/checks/gpu_runtime.py`` (docs/benchmarks.md, "End to end"); override it with
+  ``SPARSEKIT_DENSE_ABOVE`` or per module (``layer.dense_above = n``).
+* Anything else (CPU, bf16/fp32 activations, kernels missing) -> the reference path (decode + matmul in the
+  activation dtype), announced once per process on the CPU. The packed tensors are module buffers, so
+  ``model.to(device)`` moves them with the rest.
 """
 from __future__ import annotations
 
@@ -166,18 +164,15 @@ class SparseLinear(nn.Module):
             self.register_buffer("bias", bias)
         else:
             self.bias = None
-        self.nnz = packed.nnz
+        self._nnz: int | None = None   # counted on first use (a popcount and a device sync per layer at load)
         self.n_values = int(packed.values.numel())  # the buffer may be padded past this later
-        # a dense copy of the weight for token counts above dense_above (runtime.dispatch, prefer="speed")
-        self.register_buffer("dense_copy", None, persistent=False)
-        # the 2:4 tile-mosaic layout (runtime.sp24.enable_sp24, via the dispatch plan; never saved)
-        self.register_buffer("sp24_dense", None, persistent=False)
-        self.register_buffer("sp24_sp", None, persistent=False)
-        self.register_buffer("sp24_tiles", None, persistent=False)
-        self._packed: TcaBme | None = None
-        self._packed_src: torch.Tensor | None = None
-        # what encode recorded of the weight (the loader sets them): its 64x64 tiles that are 2:4 / dense /
-        # neither (``packed.sp24.tile_census``), and the pruning pattern
+        # a dense copy of the weight for token counts above dense_above (runtime.dispatch, prefer="speed"), and
+        # the 2:4 tile-mosaic layout (runtime.sp24); never saved
+        for name in ("dense_copy", "sp24_dense", "sp24_sp", "sp24_tiles"):
+            self.register_buffer(name, None, persistent=False)
+        self._packed, self._packed_src = None, None   # the TcaBme over these buffers, and its values (``packed``)
+        # what encode recorded (the loader sets them): the weight's 64x64 tiles that are 2:4 / dense / neither
+        # (``packed.sp24.tile_census``), and the pruning pattern
         self.tile_census: dict | None = None
         self.pattern: str | None = None
 
@@ -226,6 +221,12 @@ class SparseLinear(nn.Module):
             )
             self._packed_src = self.values
         return p
+
+    @property
+    def nnz(self) -> int:
+        """Stored nonzeros (the bitmaps' popcount), counted once, on first use."""
+        self._nnz = self.packed.nnz if self._nnz is None else self._nnz
+        return self._nnz
 
     def _apply(self, fn, *args, **kwargs):
         self._packed = self._packed_src = None
