@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ._intrinsics import SIM, f2h, stg_h4
+from ._intrinsics import SIM, clock32, f2h, gtimer32, smid, stg_h4
 
 if SIM:
     from .compat_numba import sim_kernel, sim_syncthreads as _syncthreads
@@ -203,3 +203,20 @@ def split_sharers(tt, GK, PER):
     loop: fewer live registers in it)."""
     ksn = (GK + PER - 1) // PER
     return tt * ksn, tt * ksn + ksn - 1
+
+
+@_device
+def stamp(ws, at, t0):
+    """Probe builds (``spmm_ws_probe``, ``sp24_ws_probe``): cycles since ``t0`` (exact below 2^24) into ``ws[at]``."""
+    ws[at] = np.float32(np.uint32(clock32() - t0))
+
+
+@_device
+def block_row(ws, at, g0):
+    """Probe builds: the block's SM, then its start and end on the GPU's timer, each as two exact 16-bit halves."""
+    g1 = gtimer32()
+    ws[at] = np.float32(smid())
+    ws[at + 1] = np.float32(g0 & np.uint32(0xFFFF))
+    ws[at + 2] = np.float32(g0 >> np.uint32(16))
+    ws[at + 3] = np.float32(g1 & np.uint32(0xFFFF))
+    ws[at + 4] = np.float32(g1 >> np.uint32(16))

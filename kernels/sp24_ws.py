@@ -28,11 +28,11 @@ import torch.nn.functional as F
 from numba import cuda
 
 from . import kcache
-from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, cluster_sync, mbar_arrive,
-                          mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait)
+from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, clock32, cluster_sync, gtimer32,
+                          mbar_arrive, mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait)
 from ._warp_intrinsics import byte_addr
 from ._wg_intrinsics import lds_a8, wg_commit, wg_hold, wg_mmad, wg_wait0, wsync
-from .block import dynamic_smem, make_tile_end, split_sharers, step_col, thread_ids
+from .block import block_row, dynamic_smem, make_tile_end, split_sharers, stamp, step_col, thread_ids
 from .sp24_wg import NTS, SLOT, make_tile_ops, x_desc
 from sparsekit.packed.sp24 import DENSE_STRIP_WORDS, DENSE_TILE_WORDS
 
@@ -84,6 +84,8 @@ def max_registers(nt: int, r: int, wg: int, blocks: int = 1) -> int:
 # an SM (no faster at 128 tokens, v25).
 ABLATIONS = ("no_products", "no_copies", "no_x", "no_weights", "no_loop")
 VARIANTS = ("early_release", "late_release", "two_blocks")
+LATE_UP_TO = 32      # tokens a tile up to which a step waits for its copies before it releases the last stage
+STAMPS = "stamps"     # the whole kernel writing time stamps into ``ws`` (no K split; ``sp24_ws_probe.ws_stamps``)
 probe_build: list = [None]
 
 
@@ -101,12 +103,13 @@ def get_kernel(nt: int, stages: int, r: int = 2, wg: int = 2, hybrid: bool = Fal
 
 def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1, AB: str | None = None):
     assert NT in NTS and 2 <= STAGES <= 8 and R in (1, 2) and WG in (1, 2) and not (HY and R != 1)
-    assert CL in (1, 2, 4) and (AB is None or (AB in ABLATIONS + VARIANTS and not HY and CL == 1))
+    assert CL in (1, 2, 4) and (AB is None or (AB in ABLATIONS + VARIANTS + (STAMPS,) and not HY and CL == 1))
+    STAMP = AB == STAMPS
     NO_PRODUCTS, NO_COPIES, NO_LOOP = AB == "no_products", AB == "no_copies", AB == "no_loop"
     X_BYTES_IN, W_TILES_IN = AB != "no_x", AB != "no_weights"
     # wait for the step's copies before retiring the previous products (rings of 6 up to 32 tokens a tile), or
     # after (3-stage rings from 64: the stage is refilled sooner; H100, docs/kernels-notes.md "v25")
-    LATE = AB in ("late_release", "no_products") or (NT <= 32 and AB != "early_release")
+    LATE = AB in ("late_release", "no_products") or (NT <= LATE_UP_TO and AB != "early_release")
     REGS = max_registers(NT, R, WG, 2 if AB == "two_blocks" else 1)
     CW = 4 * WG                           # consumer warps; the producer is warp CW
     THREADS = 32 * (CW + 1)
@@ -124,7 +127,8 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
     u32 = np.uint32
 
     @cuda.jit(device=True, inline="always")
-    def produce(d64, sp, dn, tiles, xs, kinds, full, empty, chunk, tr0, nr, rot, nst, k0, GK, xempty, rank):
+    def produce(d64, sp, dn, tiles, xs, kinds, full, empty, chunk, tr0, nr, rot, nst, k0, GK, xempty, rank, ws, sb0,
+                t0):
         """Lane 0 of the producer warp: every step's bulk copies, each stage once the consumers freed it.
         Hybrid: each tile's kind goes into ``kinds`` before the stage's "full" arrival publishes it. In a
         cluster (``CL`` > 1) the X slab comes from the leader's multicast (see spmm_ws's ``produce``)."""
@@ -132,6 +136,8 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
             s = i % STAGES
             if i >= STAGES:
                 mbar_wait(empty, s, ((i // STAGES) - 1) & 1)
+            if STAMP:
+                stamp(ws, sb0 + i * 8 + 5, t0)       # (probe: the stage is free)
             gk = step_col(i, rot, nst, k0)
             w0 = (s * STAGE) >> 3                  # the stage, in 8-byte words of the dynamic array
             if HY:
@@ -162,6 +168,8 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
             if CL > 1 and rank == 0:                 # every block's stage s free and expecting: one X copy
                 mbar_wait(xempty, s, (i // STAGES) & 1)
                 bulk_copy_mc(d64, w0, xs, (chunk * GK + gk) * (XBYTES >> 3), XBYTES, full, s, (1 << CL) - 1)
+            if STAMP:
+                stamp(ws, sb0 + i * 8 + 6, t0)       # (probe: the step's copies issued)
 
     @cuda.jit(**({} if SIM else {"max_registers": REGS}))
     def kernel(sp, dn, tiles, xs, y, ws, cnt, M, N, GK, nch, PER):
@@ -190,19 +198,28 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
         cuda.syncthreads()
         if CL > 1:
             cluster_sync()                                   # every block's barriers set up before any remote use
+        t0 = clock32() if STAMP else u32(0)                  # probe builds: 8 stamps a step (``sp24_ws_probe``),
+        g0 = gtimer32() if STAMP else u32(0)                 # then the block's row: SM, start and end (ns)
+        sb0 = b * (PER + 1) * 8 if STAMP else 0
+        st = STAMP and tid == 0                              # (the consumers' stamps: warp 0, lane 0)
         acc0 = ZERO
         acc1 = ZERO
         if warp == CW:
             if lane == 0 and not (NO_COPIES or NO_LOOP):
-                produce(d64, sp, dn, tiles, xs, kinds, full, empty, chunk, tr0, nr, rot, nst, k0, GK, xempty, rank)
+                produce(d64, sp, dn, tiles, xs, kinds, full, empty, chunk, tr0, nr, rot, nst, k0, GK, xempty, rank,
+                        ws, sb0, t0)
         else:
             # hybrid (R = 1): warpgroup wg's tile sits at slot wg, 2:4 strips SLOT apart, dense ones DENSE_STRIP
             aoff, moff, moff1 = strip_offsets(XBYTES + (wg * (TB - 4 * SLOT) if HY else 0), wg, wwarp, lane)
             doff = u32(XBYTES + wg * TB + wwarp * DENSE_STRIP + lane * 16)
             for i in range(0 if NO_LOOP else nst):
                 s = i % STAGES
+                if st:
+                    stamp(ws, sb0 + i * 8, t0)               # (probe: the step begins)
                 if LATE and not NO_COPIES:
                     mbar_wait(full, s, (i // STAGES) & 1)   # (variant: step i's copies first)
+                    if st:
+                        stamp(ws, sb0 + i * 8 + 2, t0)       # (probe: "full")
                 if NO_PRODUCTS:                              # (ablation: the stage is released at once, once
                     wsync(scr, tid)                          # every lane of the warp has seen it land)
                     if lane == 0:
@@ -213,8 +230,12 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
                     acc1 = wg_hold(acc1)
                 if i > 0 and lane == 0 and not NO_COPIES:
                     mbar_arrive(empty, (i - 1) % STAGES)     # ... so its stage may be refilled at once
+                if st:
+                    stamp(ws, sb0 + i * 8 + 1, t0)           # (probe: retired and released)
                 if not (LATE or NO_COPIES):
                     mbar_wait(full, s, (i // STAGES) & 1)   # only then: step i's copies have landed
+                    if st:
+                        stamp(ws, sb0 + i * 8 + 2, t0)
                 sb = ring + u32(s * STAGE)
                 if HY and kinds[s * RW + wg] == 0:           # a dense tile: four m64nNk16 products
                     da = lds_a8(d64, sb + doff) + lds_a8(d64, sb + doff + u32(1024))
@@ -225,8 +246,12 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
                     a1, m1, m1b = a0, m0, m0b
                     if R == 2:
                         a1, m1, m1b = operands(d64, d32, sb + u32(4 * SLOT), aoff, moff, moff1)
+                    if st:
+                        stamp(ws, sb0 + i * 8 + 3, t0)       # (probe: A and metadata loads issued)
                     acc0, acc1 = products(scr, tid, sb, a0, m0, m0b, a1, m1, m1b, acc0, acc1)
                 wg_commit()
+                if st:
+                    stamp(ws, sb0 + i * 8 + 4, t0)           # (probe: the products issued)
             acc0 = wg_wait0(acc0)
             if R == 2:
                 acc1 = wg_hold(acc1)
@@ -237,6 +262,8 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
         q0, q1 = split_sharers(tt, GK, PER)
         if CL == 1 or nr > 0:
             tile_end(df, y, ws, cnt, flag, tid, M, N, tr0 * 64, n0, tt, GK, b, nst, q0, q1)
+        if STAMP and tid == 0:
+            block_row(ws, sb0 + PER * 8, g0)
         if CL > 1:
             cluster_sync()                                   # no block leaves while another may still signal it
 

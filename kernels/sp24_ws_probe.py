@@ -23,11 +23,30 @@ Usage (``scripts/bench/probe_sp24_ablate.py`` times each beside the default buil
 
     with built_as("no_products"):
         sp24_matmul(x, layout, kernel="ws")
+
+**Time stamps** (``ws_stamps``; ``scripts/bench/probe_ws_stamps.py --kernel sp24`` summarizes them): one launch of
+the whole kernel, no K split, whose roles write per block and step the SM cycles since the block started into a
+float32 buffer, in the slots of ``spmm_ws_probe`` where the roles match:
+
+====  ==========================================================================================
+slot  when
+====  ==========================================================================================
+0     consumer (warp 0, lane 0): the step begins
+1     consumer: the previous step's products retired and its stage released
+2     consumer: the stage is "full" (its copies landed; before slot 1 where the release is late)
+3     consumer: the A and metadata loads issued
+4     consumer: the products issued and committed
+5     producer (lane 0): the stage is free to refill ("empty"; steps < stages: at once)
+6     producer: the step's bulk copies issued
+7     (unused: no table warp)
+====  ==========================================================================================
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+
+import torch
 
 from . import sp24_ws
 
@@ -40,7 +59,7 @@ def built_as(mode: str | None) -> Iterator[None]:
     """sp24_ws launches inside the block run kernels built as ``mode`` (one of ABLATIONS or VARIANTS; None: the
     default build). Weights with dense tiles and thread-block clusters are refused there (``AssertionError`` at
     the build)."""
-    if mode is not None and mode not in ABLATIONS + VARIANTS:
+    if mode is not None and mode not in ABLATIONS + VARIANTS + (sp24_ws.STAMPS,):
         raise ValueError(f"unknown sp24_ws build {mode!r}: one of {', '.join(ABLATIONS + VARIANTS)}")
     before = sp24_ws.probe_build[0]
     sp24_ws.probe_build[0] = mode
@@ -48,3 +67,37 @@ def built_as(mode: str | None) -> Iterator[None]:
         yield
     finally:
         sp24_ws.probe_build[0] = before
+
+
+def ws_stamps(x: torch.Tensor, layout, tokens: int | None = None, stages: int | None = None,
+              strips: int | None = None, groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``(y, stamps, plan)``: ``y = x @ W^T`` as ``sp24_matmul(kernel="ws")`` computes it with K not split, for a
+    weight whose tiles are all 2:4; ``stamps`` [blocks, steps, 8] float32 cycles (the slots above; steps past a
+    block's own are zero); ``plan``: the plan's numbers, whether the release is late (slot 2 before slot 1), each
+    block's SM (``sm``) and its start and end on the GPU's nanosecond timer (low 32 bits, int64)."""
+    from . import launch, sp24_plan
+    from .io import padded
+    from .sp24 import _buffers
+
+    if x.dim() != 2 or x.shape[0] == 0 or x.dtype != torch.float16:
+        raise ValueError("ws_stamps expects fp16 x [N, K] with N > 0")
+    if layout.dense.numel() > 0:
+        raise ValueError("ws_stamps takes weights whose tiles are all 2:4")
+    (m, k), (gm, gk), n = layout.shape, layout.grid, x.shape[0]
+    p, r, wg, _ = sp24_plan.wg_plan(m, gk, n, launch.sm_count(x.device), tokens, 1, stages, strips, groups,
+                                    specialized=True)
+    buf = torch.zeros(p.blocks * (p.per + 1) * 8, dtype=torch.float32, device=x.device)
+    cnt = torch.zeros(max(p.tiles, 1), dtype=torch.int32, device=x.device)
+    y = torch.empty(n, m, dtype=torch.float16, device=x.device)
+    dn, sp = _buffers(layout)
+    xs = sp24_ws.x_slabs(padded(x, gk * 64), p.nt)
+    with built_as(sp24_ws.STAMPS):
+        kern = sp24_ws.get_kernel(p.nt, p.stages, r, wg)
+    launch.launch_tensors(kern, p.blocks, 32 * (4 * wg + 1),
+                          (sp.view(torch.int64), dn.view(torch.int64), layout.tiles, xs, y.view(-1).view(torch.int16),
+                           buf, cnt), (m, n, gk, p.chunks, p.per), dyn=p.dyn)
+    st = buf.view(p.blocks, p.per + 1, 8)
+    row = st[:, -1].to(torch.int64)
+    return y, st[:, :-1], {"tokens": p.nt, "stages": p.stages, "strips": r, "groups": wg, "blocks": p.blocks,
+                           "steps": p.per, "late": p.nt <= sp24_ws.LATE_UP_TO, "sm": row[:, 0],
+                           "start_ns": row[:, 1] | (row[:, 2] << 16), "end_ns": row[:, 3] | (row[:, 4] << 16)}

@@ -29,11 +29,11 @@ from numba import cuda
 
 from . import kcache
 from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, clock32, cluster_sync, gtimer32, mbar_arrive,
-                          mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait, smid)
+                          mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait)
 from ._sp_intrinsics import sts128
 from ._warp_intrinsics import byte_addr, lds128b, sts64b
 from ._wg_intrinsics import strip_a16, wg_commit, wg_mmad, wg_wait0, wscan, wshfl_idx, wsync
-from .block import dynamic_smem, make_tile_end, split_sharers, step_col, thread_ids
+from .block import block_row, dynamic_smem, make_tile_end, split_sharers, stamp, step_col, thread_ids
 from .sp24_wg import NTS, _device, make_tile_ops, x_desc
 from .spmm_ws_plan import (BITMAP_BYTES, TABLE_BYTES, WINDOW, block_warps, max_registers, slot_bytes, value_room,
                            ws_plan)
@@ -96,23 +96,6 @@ def _selectors(h):
     return h ^ (((h >> u32(1)) ^ u32(0xFFFFFFFF)) & u32(0x55555555))
 
 
-@_device
-def _stamp(ws, at, t0):
-    """Probe builds: cycles since ``t0`` (exact below 2^24) into ``ws[at]``."""
-    ws[at] = np.float32(u32(clock32() - t0))
-
-
-@_device
-def _block_row(ws, at, g0):
-    """Probe builds: the block's SM, then its start and end on the GPU's timer, each as two exact 16-bit halves."""
-    g1 = gtimer32()
-    ws[at] = np.float32(smid())
-    ws[at + 1] = np.float32(g0 & u32(0xFFFF))
-    ws[at + 2] = np.float32(g0 >> u32(16))
-    ws[at + 3] = np.float32(g1 & u32(0xFFFF))
-    ws[at + 4] = np.float32(g1 >> u32(16))
-
-
 def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL: int = 1, STAMP: bool = False,
            ALT: bool = False):
     assert NT in NTS and 2 <= STAGES <= 8 and WG in (1, 2) and 1 <= WIN <= 32 and CL in (1, 2, 4)
@@ -163,7 +146,7 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
         s = j % STAGES
         mbar_wait(raw, s, (j // STAGES) & 1)
         if STAMP and lane == 0:
-            _stamp(ws, sb0 + j * 8 + 7, t0)
+            stamp(ws, sb0 + j * 8 + 7, t0)
         tb = byte_addr(d64, 0) + u32(s * (XBYTES + TG * SLOT) + XBYTES)
         _publish_table(d32, d64, scr, tid, lane, tb)
         if nr > 1:
@@ -194,7 +177,7 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
                 if i >= STAGES:
                     mbar_wait(empty, s, ((i // STAGES) - 1) & 1)
                 if STAMP:
-                    _stamp(ws, sb0 + i * 8 + 5, t0)
+                    stamp(ws, sb0 + i * 8 + 5, t0)
                 gk = step_col(i, rot, nst, k0)
                 gt = tr0 * GK + gk
                 st = (s * (XBYTES + TG * SLOT)) >> 3     # the stage, in 8-byte words of the dynamic array
@@ -222,7 +205,7 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
                     mbar_wait(xempty, s, (i // STAGES) & 1)
                     bulk_copy_mc(d64, st, xs, (chunk * GK + gk) * (XBYTES >> 3), XBYTES, raw, s, (1 << CL) - 1)
                 if STAMP:
-                    _stamp(ws, sb0 + i * 8 + 6, t0)
+                    stamp(ws, sb0 + i * 8 + 6, t0)
 
     @cuda.jit(**({} if SIM else {"max_registers": REGS}))
     def kernel(bm, vals, goff, xs, y, ws, cnt, M, N, GK, nch, PER, SLOT):
@@ -283,25 +266,25 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
             ph = u32(0)
             for i in range(i0, nst, di):
                 if STAMP and stamper:
-                    _stamp(ws, sb0 + i * 8, t0)
+                    stamp(ws, sb0 + i * 8, t0)
                 acc = wg_wait0(acc)                          # the previous step's products: done, so their A
                 if i >= di and lane == 0:                    # registers are free and their stage too (released
                     mbar_arrive(empty, sp)                   # before waiting: the producer's tables lag its
                 if STAMP and stamper:
-                    _stamp(ws, sb0 + i * 8 + 1, t0)
+                    stamp(ws, sb0 + i * 8 + 1, t0)
                 mbar_wait(full, s, ph)                       # copies, so it waits on this stage to go on)
                 if STAMP and stamper:
-                    _stamp(ws, sb0 + i * 8 + 2, t0)
+                    stamp(ws, sb0 + i * 8 + 2, t0)
                 sb = ring + s * stb                          # shared addresses throughout
                 if ALT or wg < nr:                           # (a warpgroup past the weight's rows only keeps time)
                     da = strip_a16(scr, tid, d64, d32, sb + gofs + wvsel, sb + gofs + asel, lmask, pos)
                     if STAMP and stamper:
-                        _stamp(ws, sb0 + i * 8 + 3, t0)
+                        stamp(ws, sb0 + i * 8 + 3, t0)
                     xd = x_desc(sb)                              # the K parts' descriptors: +256 bytes each
                     acc = wg_mmad(scr, tid, da, xd, xd + u64(16), xd + u64(32), xd + u64(48), acc)
                     wg_commit()
                     if STAMP and stamper:
-                        _stamp(ws, sb0 + i * 8 + 4, t0)
+                        stamp(ws, sb0 + i * 8 + 4, t0)
                 sp = s
                 if ALT:
                     s += u32(2)
@@ -328,7 +311,7 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
         if CL == 1 or nr > 0:
             tile_end(df, y, ws, cnt, flag, tid, M, N, tr0 * 64, n0, tt, GK, b, nst, q0, q1)
         if STAMP and tid == 0:
-            _block_row(ws, sb0 + PER * 8, g0)
+            block_row(ws, sb0 + PER * 8, g0)
         if CL > 1:
             cluster_sync()                                   # no block leaves while another may still signal it
 

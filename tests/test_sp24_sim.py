@@ -252,3 +252,24 @@ def test_ws_probe_builds_ablations_variants_and_only_inside_the_block():
     with pytest.raises(ValueError, match="unknown sp24_ws build"):
         with built_as("no_everything"):
             pass
+
+
+def test_ws_stamps_build_computes_the_product_and_stamps_every_step_in_order():
+    """The time-stamped sp24_ws (``sp24_ws_probe.ws_stamps``, a diagnostic): the product as the shipped kernel
+    computes it; per block and step the consumer's stamps in the order of its step (an 8-token tile releases
+    late: begin, full, retired, loads, issued) and the producer's (free, then copies issued); the block's row."""
+    from sparsekit.kernels.sp24_ws_probe import ws_stamps
+
+    g = torch.Generator().manual_seed(6)
+    w = _weight(64, 320, "2:4", g)
+    x = torch.randn(3, 320, generator=g).half()
+    lay = sp24.transcode(w)
+    y, st, plan = ws_stamps(x.to(DEV), lay.to(DEV), groups=1, strips=1, stages=2)
+    ref = x.double() @ w.double().T
+    assert float((y.cpu().double() - ref).norm() / ref.norm()) < 1e-3
+    assert plan["late"] and st.shape == (plan["blocks"], plan["steps"], 8) == (1, 5, 8)
+    st = st.cpu()
+    for order in ((0, 2, 1, 3, 4), (5, 6)):
+        assert (st[:, :, list(order[1:])] >= st[:, :, list(order[:-1])]).all()
+    assert (st[:, 1:, 0] >= st[:, :-1, 4]).all() and (st[:, :, 7] == 0).all()   # steps one after another
+    assert (plan["end_ns"] >= plan["start_ns"]).all()

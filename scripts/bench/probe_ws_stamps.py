@@ -1,12 +1,15 @@
-"""Where spmm_ws spends its cycles, per role and step (issue 21; docs/kernels-notes.md "v22 outcome"): one launch of
-the time-stamped build (``sparsekit.kernels.spmm_ws_probe``) per shape and token count, summarized as medians over
-every block's steady-state steps (the first ring's worth of steps left out), in SM cycles:
+"""Where spmm_ws (issue 21; docs/kernels-notes.md "v22 outcome") or, with ``--kernel sp24``, sp24_ws (issue 22,
+"v25") spends its cycles, per role and step: one launch of the time-stamped build (``sparsekit.kernels.spmm_ws_probe``,
+``sp24_ws_probe``) per shape and token count, summarized as medians over every block's steady-state steps (the first
+ring's worth of steps left out), in SM cycles:
 
 - consumer (warp 0 of the first warpgroup): the whole step, and its parts: retiring the previous products and
-  releasing their stage, waiting for "full", decoding the A registers, issuing the products, the rest;
-- copy warp: waiting for a free stage ("empty"), issuing the step's bulk copies;
-- copies in flight: issued -> landed (the table warp sees "raw");
-- table: landed -> the consumer sees "full" (the table warp's publish, and any wait of the consumer's);
+  releasing their stage, waiting for "full" (sp24_ws up to 32 tokens a tile: first, then the retiring), decoding
+  the A registers (sp24_ws: issuing their loads), issuing the products, the rest;
+- copy warp (sp24_ws: the producer): waiting for a free stage ("empty"), issuing the step's bulk copies;
+- copies in flight: issued -> landed (the table warp sees "raw"; sp24_ws: issued -> the consumer sees "full");
+- table: landed -> the consumer sees "full" (the table warp's publish, and any wait of the consumer's; none in
+  sp24_ws);
 - lead: how many cycles before the consumer wanted a stage its copies were issued;
 - mean step (the median's skew shows a heavy tail), first full (a block's start-up: its first stage ready) and
   span (the median block's last products issued, cycles since its start);
@@ -16,12 +19,14 @@ every block's steady-state steps (the first ring's worth of steps left out), in 
 Also: the stamped and the shipped kernel's time per call (CUDA-graph replays over weight copies beyond the L2),
 so the probe's own cost is visible. GPU only::
 
-    python -m scripts.bench.probe_ws_stamps [--shapes 22016x4096] [--ns 1,32,64] [--sparsity 0.5] [--plans default,s8,g2]
+    python -m scripts.bench.probe_ws_stamps [--kernel sp24] [--shapes 22016x4096] [--ns 1,32,64] [--sparsity 0.5] \
+        [--plans default,s8,g2]
 
 ``--plans``: ``default`` and forced plans, each letters and a number joined by ``-``: ``s`` stages, ``g``
-warpgroups per block, ``t`` tokens per tile (``s8-g1``: an 8-stage ring, one warpgroup), and ``a`` first for two
-warpgroups taking turns on one tile row (``a``, ``a-s6``); a plan the kernel refuses (shared memory) is one line
-and the sweep goes on.
+warpgroups per block, ``t`` tokens per tile (``s8-g1``: an 8-stage ring, one warpgroup), ``r`` tile rows per
+warpgroup (sp24 only), and ``a`` first for two warpgroups taking turns on one tile row (``a``, ``a-s6``; spmm_ws
+only); a plan the kernel refuses (shared memory) is one line and the sweep goes on. ``--sparsity`` is ignored
+with ``--kernel sp24`` (random 2:4 weights).
 """
 from __future__ import annotations
 
@@ -33,8 +38,10 @@ import torch
 from scripts.common import copies_for, cuda_or_exit, ints_arg, masked_weight, shapes_arg, time_calls
 
 
-def summarize(st: torch.Tensor, stages: int) -> dict[str, float]:
-    """Median cycles of each part over the steady-state steps of every block (``st``: [blocks, steps, 8])."""
+def summarize(st: torch.Tensor, stages: int, late: bool = False, table: bool = True) -> dict[str, float]:
+    """Median cycles of each part over the steady-state steps of every block (``st``: [blocks, steps, 8]).
+    ``late``: the consumer waits for "full" (slot 2) before it retires and releases (slot 1); ``table``: slot 7 is
+    the table warp's "landed" (spmm_ws; sp24_ws has none: in flight then runs to the consumer's "full")."""
     st = st.double().cpu()
     live = st[:, :, 0] > 0                                   # steps a block ran (a block's first stamp is > 0)
     nxt = torch.roll(st[:, :, 0], -1, dims=1)
@@ -43,18 +50,20 @@ def summarize(st: torch.Tensor, stages: int) -> dict[str, float]:
     steady[:, :stages] = False
     steady &= torch.roll(live, -1, dims=1)                   # the next step exists too
     steady[:, -1] = False
+    begin, retired, full = st[:, :, 0], st[:, :, 1], st[:, :, 2]
+    landed = st[:, :, 7] if table else full
     parts = {
-        "step": nxt - st[:, :, 0],
-        "retire": st[:, :, 1] - st[:, :, 0],
-        "wait full": st[:, :, 2] - st[:, :, 1],
-        "decode": st[:, :, 3] - st[:, :, 2],
+        "step": nxt - begin,
+        "retire": retired - (full if late else begin),
+        "wait full": full - (begin if late else retired),
+        "decode": st[:, :, 3] - (retired if late else full),
         "issue": st[:, :, 4] - st[:, :, 3],
         "rest": nxt - st[:, :, 4],
         "wait empty": st[:, :, 5] - prev_copied,
         "copy issue": st[:, :, 6] - st[:, :, 5],
-        "in flight": st[:, :, 7] - st[:, :, 6],
-        "table": st[:, :, 2] - st[:, :, 7],
-        "lead": st[:, :, 1] - st[:, :, 6],
+        "in flight": landed - st[:, :, 6],
+        "table": full - landed if table else torch.full_like(full, float("nan")),
+        "lead": (begin if late else retired) - st[:, :, 6],
     }
     out = {k: float(v[steady].median()) if steady.any() else float("nan") for k, v in parts.items()}
     out["mean step"] = float(parts["step"][steady].mean()) if steady.any() else float("nan")
@@ -82,7 +91,7 @@ def by_sm_load(plan: dict) -> str:
 
 def plan_arg(text: str) -> dict:
     """``s8-g2`` -> {"stages": 8, "groups": 2}; ``a-s6`` -> {"stages": 6, "alt": True}; ``default`` -> {}."""
-    names = {"s": "stages", "g": "groups", "t": "tokens"}
+    names = {"s": "stages", "g": "groups", "t": "tokens", "r": "strips"}
     if text == "default":
         return {}
     parts = text.split("-")
@@ -92,15 +101,37 @@ def plan_arg(text: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernel", default="tcabme", choices=("tcabme", "sp24"), help="spmm_ws (TCA-BME) or sp24_ws (2:4)")
     ap.add_argument("--shapes", default="22016x4096,28672x8192")
     ap.add_argument("--ns", default="1,32,64")
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--plans", default="default")
     args = ap.parse_args()
+    sp24 = args.kernel == "sp24"
+    try:
+        plans = [(text, plan_arg(text)) for text in args.plans.split(",")]
+    except (KeyError, ValueError, IndexError):
+        print(f"--plans: letters s, g, t, r and a number joined by '-', or 'default' (got {args.plans!r})",
+              file=sys.stderr)
+        return 2
+    if sp24 and any(kw.get("alt") for _, kw in plans) or not sp24 and any("strips" in kw for _, kw in plans):
+        print("--plans: 'a' (two warpgroups taking turns) is spmm_ws's, 'r' (tile rows) sp24_ws's", file=sys.stderr)
+        return 2
     cuda_or_exit("the stamp probe")
-    from sparsekit.kernels.spmm_ws import tcabme_ws_matmul
-    from sparsekit.kernels.spmm_ws_probe import ws_stamps
-    from sparsekit.packed.tcabme import encode
+    if sp24:
+        from sparsekit.kernels.sp24 import sp24_matmul
+        from sparsekit.kernels.sp24_ws_probe import ws_stamps
+        from sparsekit.packed.sp24 import transcode as encode
+
+        def shipped(x, w, **kw):
+            return sp24_matmul(x, w, kernel="ws", splits=1, **kw)
+    else:
+        from sparsekit.kernels.spmm_ws import tcabme_ws_matmul
+        from sparsekit.kernels.spmm_ws_probe import ws_stamps
+        from sparsekit.packed.tcabme import encode
+
+        def shipped(x, w, **kw):
+            return tcabme_ws_matmul(x, w, splits=1, **kw)
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     clock = torch.cuda.get_device_properties(0).clock_rate if hasattr(torch.cuda.get_device_properties(0),
@@ -111,13 +142,12 @@ def main() -> int:
     print("| M x K | N | plan | shipped us | stamped us | " + " | ".join(cols) + " |")
     print("|---|---:|---|---:|---:|" + "---:|" * len(cols))
     for m, k in shapes_arg(args.shapes):
-        dense = [masked_weight(m, k, args.sparsity, gen) for _ in range(copies_for(m * k * 2))]
+        dense = [masked_weight(m, k, "2:4" if sp24 else args.sparsity, gen) for _ in range(copies_for(m * k * 2))]
         packed = [encode(w) for w in dense]
         for n in ints_arg(args.ns):
             x = torch.randn(n, k, device="cuda", generator=gen).half()
             ref = x.double() @ dense[0].double().t()
-            for text in args.plans.split(","):
-                kw = plan_arg(text)
+            for text, kw in plans:
                 try:
                     y, st, plan = ws_stamps(x, packed[0], **kw)
                 except ValueError as e:
@@ -128,12 +158,14 @@ def main() -> int:
                     print(f"FAIL {m}x{k} N={n} {text}: the stamped build's rel err {err}", file=sys.stderr)
                     return 1
                 ts, _ = time_calls([lambda p=p: ws_stamps(x, p, **kw) for p in packed], graph=False)
-                tw, _ = time_calls([lambda p=p: tcabme_ws_matmul(x, p, splits=1, **kw) for p in packed], graph=False)
+                tw, _ = time_calls([lambda p=p: shipped(x, p, **kw) for p in packed], graph=False)
                 _, st, plan = ws_stamps(x, packed[-1], **kw)      # a copy not used last: cold in the L2
                 torch.cuda.synchronize()
-                s = summarize(st, plan["stages"])
-                desc = (f"t{plan['tokens']} s{plan['stages']} g{plan['groups']}{' alt' if plan['alt'] else ''} "
-                        f"b{plan['blocks']} k{plan['steps']}")
+                s = summarize(st, plan["stages"], late=plan.get("late", False), table=not sp24)
+                shape = f"r{plan['strips']} " if sp24 else ""
+                alt = " alt" if plan.get("alt") else ""
+                desc = (f"t{plan['tokens']} s{plan['stages']} {shape}g{plan['groups']}{alt} b{plan['blocks']} "
+                        f"k{plan['steps']}")
                 print(f"| {m}x{k} | {n} | {desc} | {tw:.1f} | {ts:.1f} | " + " | ".join(f"{s[c]:.0f}" for c in cols)
                       + " |", flush=True)
                 loads.append(f"{m}x{k} N={n} {desc}: {by_sm_load(plan)}")
