@@ -217,7 +217,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
                 if st:
                     stamp(ws, sb0 + i * 8, t0)               # (probe: the step begins)
                 if LATE and not NO_COPIES:
-                    mbar_wait(full, s, (i // STAGES) & 1)   # (variant: step i's copies first)
+                    mbar_wait(full, s, (i // STAGES) & 1)   # step i's copies first (up to 32 tokens a tile)
                     if st:
                         stamp(ws, sb0 + i * 8 + 2, t0)       # (probe: "full")
                 if NO_PRODUCTS:                              # (ablation: the stage is released at once, once
