@@ -24,9 +24,9 @@ Usage (``scripts/bench/probe_sp24_ablate.py`` times each beside the default buil
     with built_as("no_products"):
         sp24_matmul(x, layout, kernel="ws")
 
-**Time stamps** (``ws_stamps``; ``scripts/bench/probe_ws_stamps.py --kernel sp24`` summarizes them): one launch of
-the whole kernel, no K split, whose roles write per block and step the SM cycles since the block started into a
-float32 buffer, in the slots of ``spmm_ws_probe`` where the roles match:
+**Time stamps** (``ws_stamps``; ``scripts/bench/probe_ws_stamps.py`` summarizes them, its kernel set to sp24): one
+launch of the whole kernel, no K split, whose roles write per block and step the SM cycles since the block started
+into a float32 buffer, in the slots of ``spmm_ws_probe`` where the roles match:
 
 ====  ==========================================================================================
 slot  when

@@ -76,7 +76,8 @@ def test_the_tree_root_does_not_lend_its_folders_bare_names(cwd, first_entry):
     code = (f"import sys, importlib.util\n"
             + (f"sys.path.insert(0, {root!r})\n" if first_entry else "")
             + "import sparsekit, sparsekit.kernels, sparsekit.cli.app\n"
-            + "found = {n: str(getattr(importlib.util.find_spec(n), 'origin', '')) for n in ('kernels', 'cli', 'recipes')}\n"
+            + "names = ('kernels', 'cli', 'recipes')\n"
+            + "found = {n: str(getattr(importlib.util.find_spec(n), 'origin', '')) for n in names}\n"
             + f"print('FOUND', [n for n, o in found.items() if o.startswith({root!r})], 'kernels' in sys.modules)\n")
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT if cwd == "root" else cwd, capture_output=True,
                          text=True, timeout=300)
