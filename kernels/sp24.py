@@ -84,9 +84,11 @@ def _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, s
 
 
 def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups, kstep,
-               specialized: bool = False, cluster: int = 1) -> None:
+               specialized: bool = False, cluster: int = 1, stamps: bool = False):
     """sp24_wg, or with ``specialized`` sp24_ws (its X as core-matrix slabs, one producer warp more; dense
-    tiles too), whose blocks may form clusters sharing X (``cluster``)."""
+    tiles too), whose blocks may form clusters sharing X (``cluster``). ``stamps`` (``sp24_ws_probe.ws_stamps``,
+    inside its ``built_as``): the kernel writes into a zeroed float32 buffer instead of the K-split workspace.
+    Returns ``(plan, tile rows, warpgroups, that buffer or None)``."""
     from . import sp24_wg, sp24_ws
     from .common import SIM
 
@@ -102,7 +104,11 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
                                      stages, strips, groups, kstep, specialized=specialized, hybrid=hybrid)
     if cluster > 1:   # whole clusters of row blocks (the padding blocks only receive X)
         p = p._replace(blocks=-(-p.rb // cluster) * cluster * p.chunks)
-    ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
+    if stamps:
+        ws = torch.zeros(p.blocks * (p.per + 1) * 8, dtype=torch.float32, device=x.device)
+        cnt = torch.zeros(max(p.tiles, 1), dtype=torch.int32, device=x.device)
+    else:
+        ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
     y = out.reshape(-1).view(torch.int16)
     if specialized:   # all 2:4: tile t is slot t of ``sp`` (the map is read only where tiles may be dense)
         dn, sp = _buffers(layout)
@@ -114,6 +120,7 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
         kern, threads = sp24_wg.get_kernel(p.nt, p.stages, r, wg, ks), 128 * wg
         scalars = (m, n, gk, kp // 2, p.chunks, p.per)
     launch.launch_tensors(kern, p.blocks, threads, tensors, scalars, dyn=p.dyn, cluster=cluster)
+    return p, r, wg, ws if stamps else None
 
 
 def _buffers(layout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,27 +75,19 @@ def ws_stamps(x: torch.Tensor, layout, tokens: int | None = None, stages: int | 
     weight whose tiles are all 2:4; ``stamps`` [blocks, steps, 8] float32 cycles (the slots above; steps past a
     block's own are zero); ``plan``: the plan's numbers, whether the release is late (slot 2 before slot 1), each
     block's SM (``sm``) and its start and end on the GPU's nanosecond timer (low 32 bits, int64)."""
-    from . import launch, sp24_plan
+    from . import launch
     from .io import padded
-    from .sp24 import _buffers
+    from .sp24 import _launch_wg
 
     if x.dim() != 2 or x.shape[0] == 0 or x.dtype != torch.float16:
         raise ValueError("ws_stamps expects fp16 x [N, K] with N > 0")
     if layout.dense.numel() > 0:
         raise ValueError("ws_stamps takes weights whose tiles are all 2:4")
-    (m, k), (gm, gk), n = layout.shape, layout.grid, x.shape[0]
-    p, r, wg, _ = sp24_plan.wg_plan(m, gk, n, launch.sm_count(x.device), tokens, 1, stages, strips, groups,
-                                    specialized=True)
-    buf = torch.zeros(p.blocks * (p.per + 1) * 8, dtype=torch.float32, device=x.device)
-    cnt = torch.zeros(max(p.tiles, 1), dtype=torch.int32, device=x.device)
+    (m, _), (_, gk), n = layout.shape, layout.grid, x.shape[0]
     y = torch.empty(n, m, dtype=torch.float16, device=x.device)
-    dn, sp = _buffers(layout)
-    xs = sp24_ws.x_slabs(padded(x, gk * 64), p.nt)
     with built_as(sp24_ws.STAMPS):
-        kern = sp24_ws.get_kernel(p.nt, p.stages, r, wg)
-    launch.launch_tensors(kern, p.blocks, 32 * (4 * wg + 1),
-                          (sp.view(torch.int64), dn.view(torch.int64), layout.tiles, xs, y.view(-1).view(torch.int16),
-                           buf, cnt), (m, n, gk, p.chunks, p.per), dyn=p.dyn)
+        p, r, wg, buf = _launch_wg(padded(x, gk * 64), layout, y, m, n, gk, gk * 64, launch, tokens, 1, stages,
+                                   strips, groups, None, specialized=True, stamps=True)
     st = buf.view(p.blocks, p.per + 1, 8)
     row = st[:, -1].to(torch.int64)
     return y, st[:, :-1], {"tokens": p.nt, "stages": p.stages, "strips": r, "groups": wg, "blocks": p.blocks,
