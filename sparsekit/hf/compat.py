@@ -17,7 +17,7 @@ would turn a feature off.
 * ``is_llama_rms_norm``: recognising the Llama-form RMSNorm by its source and ``variance_epsilon``.
 * ``is_silu``: recognising SiLU among the activation classes of ``transformers.activations``.
 * ``meta_skeleton``: a model with meta parameters and real buffers (accelerate's public
-  ``init_empty_weights(include_buffers=False)``), for streamed pruning.
+  ``init_empty_weights(include_buffers=False)``), for the packed loader and streamed pruning.
 * ``no_weight_init``: building a model without running its weight initialisers
   (``transformers.initialization.no_init_weights``, what ``from_pretrained`` itself uses; in 5.17.0 and 5.24.0).
 

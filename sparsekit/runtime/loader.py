@@ -24,7 +24,7 @@ from torch import nn
 
 from sparsekit.errors import SparsekitError, SparsekitWarning
 from sparsekit.hf import models
-from sparsekit.hf.compat import checkpoint_renamings, no_weight_init
+from sparsekit.hf.compat import checkpoint_renamings, meta_skeleton
 from sparsekit.hf.modules import set_submodule
 from sparsekit.packed.shards import INDEX_NAME, PackedCheckpoint, is_packed_dir, read_packed
 from sparsekit.runtime.cats import install_from_checkpoint
@@ -77,13 +77,9 @@ def _rename_checkpoint_keys(model: nn.Module, state: dict) -> dict:
 
 def build_skeleton(path: Path, dtype: torch.dtype):
     """The HF model from ``path/config.json``: parameters on meta, buffers real (on the CPU)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
     config = models.read_config(path, fix=_REENCODE)  # missing / not JSON / not a config: said as such
     try:
-        with init_empty_weights(include_buffers=False), no_weight_init():   # every weight is loaded afterwards
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = meta_skeleton(config, dtype)
     except ValueError as e:
         raise SparsekitError(f"{path}: {config.model_type!r} is not a causal LM transformers can build ({e})")
     return model, config
