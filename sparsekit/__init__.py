@@ -5,9 +5,10 @@ Heavy modules are imported lazily so that ``import sparsekit`` stays cheap. Modu
 from the exported function names on purpose: importing ``sparsekit.foo`` sets the package
 attribute ``foo`` to the module, which would shadow a function of the same name.
 
-Run from the source tree's root, ``import sparsekit`` keeps the bare names of its mapped folders (``kernels``, ...)
-from resolving to them (``sparsekit.source_tree``). It also registers the ``"sparsekit"`` quantizer with transformers, so that
-``AutoModelForCausalLM.from_pretrained(packed_dir)`` works (lazily: ``sparsekit.autoregister``).
+Run from the source tree's root, ``import sparsekit`` keeps the bare names of its mapped folders
+(``kernels``, ...) from resolving to them (``sparsekit.source_tree``). It also registers the
+``"sparsekit"`` quantizer with transformers, so that ``AutoModelForCausalLM.from_pretrained(packed_dir)``
+works (lazily: ``sparsekit.autoregister``).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import importlib
 
 from sparsekit import autoregister, source_tree
 
-source_tree.hide_bare_folders()   # from the source tree's root, ``kernels`` is not sparsekit's folder (transformers probes it)
+source_tree.hide_bare_folders()   # from the tree's root, ``kernels`` is not sparsekit's folder (transformers probes it)
 
 __version__ = "0.1.0"
 
