@@ -185,6 +185,29 @@ def test_static_cache_greedy_matches_hf_generate():
         dec.step()
 
 
+def test_decoder_attention_never_takes_cudnn_and_leaves_the_choice_as_it_was():
+    """Prefill and decode steps run attention without cuDNN's backend (its first call compiles kernels at run time:
+    issue 20), whatever the process had chosen; outside the decoder the choice is as before."""
+    from sparsekit.runtime.decoder import GreedyDecoder
+
+    model = pruned_tiny("llama")
+    seen = []
+
+    def spy(module, args, kwargs):
+        seen.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+
+    hook = model.model.layers[0].self_attn.register_forward_pre_hook(spy, with_kwargs=True)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        GreedyDecoder(model, batch_size=2, max_len=12, use_graph=False).generate(IDS[:, :6], 3)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        hook.remove()
+        torch.backends.cuda.enable_cudnn_sdp(before)
+    assert seen == [(False, True)] * 3          # the prefill and two steps
+
+
 @pytest.mark.parametrize("fuse", [False, True])
 def test_compiled_decode_step_matches_and_compiles_once(monkeypatch, fuse):
     """Regional compilation: one compiled decoder layer serves every layer (the packed value

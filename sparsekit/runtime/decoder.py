@@ -23,6 +23,11 @@ leaves the model it is given as it is: give ``compile=True`` a model whose packe
 equalized (``fusion.equalize_packed_sizes`` / ``prepare_for_decode``), else every distinct size
 compiles its own graph.
 
+Attention runs on torch's flash, memory-efficient or math kernels, never cuDNN's (``ATTENTION_BACKENDS``): torch
+2.11 picks cuDNN's for the masked fp16 calls of a static-cache decode, and its first call builds and compiles
+kernels at run time, 1.0 s for the prefill and 0.7 s for the decode step on a fresh H100 and ~0.1 s each on a
+warm one, while the prebuilt kernels answer their first call in 36 / 0.1 ms (issue 20, docs/benchmarks.md).
+
 ``use_graph=False`` (or no GPU) runs the very same step eagerly: the fallback, and the reference
 the graph is checked against (scripts/checks/gpu_runtime.py). Prompts in a batch share one length
 (no padding); decoding is greedy and ignores EOS, which is what speed measurement needs.
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from sparsekit.errors import SparsekitError, strict_mode
 from sparsekit.hf.compat import (LayerView, cache_kwarg, cache_layer, cache_layers, decode_forward_kwargs,
@@ -45,6 +51,7 @@ def _layer_call(layer, hidden_states, layer_cache, cache_name, args, kwargs):
 
 
 _compiled_layer_call = None
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]   # (module doc)
 COMPILE_OPTIONS: dict = {"backend": "inductor", "fullgraph": False}  # tests use aot_eager + fullgraph
 
 
@@ -123,7 +130,8 @@ class GreedyDecoder:
         if self._has_cache_position:
             kw["cache_position"] = pos[0]
         kw[self._cache_name] = self.cache
-        out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **kw)
+        with sdpa_kernel(ATTENTION_BACKENDS):
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **kw)
         return out.logits[:, -1, :]
 
     def _step_body(self) -> None:
