@@ -113,7 +113,7 @@ def test_rounds_interleave_dense_and_packed_after_every_warm_up(monkeypatch, pac
     r = speed.measure_pair(packed_model, dense, 4, prompt_len=8, new_tokens=4, repeats=3, prefill_rounds=3,
                            prefill_runs=2)
     want = [("decode", w) for _ in range(3) for w in ("dense", "packed")]
-    want += [("prefill", w) for _ in range(3) for w in ("dense", "dense", "packed", "packed")]
+    want += [("prefill", w) for _ in range(3) for w in ("dense", "packed", "packed", "dense")]   # ABBA in a round
     assert rig.timed == want
     # every build, capture and untimed step comes before the first timed call
     setup = rig.log[:rig.first_timed]

@@ -18,7 +18,8 @@ the dense twin (``speed_twin.dense_twin``) shares every tensor of the packed mod
 there is none. Per batch size: each model's decoder is built, prefilled and its decode step captured
 (compiling at the first two batch sizes), and a few untimed steps replayed; then ``repeats`` decode
 rounds and ``PREFILL_ROUNDS`` prefill rounds alternate dense, packed, dense, packed, ... A prefill round
-is the fastest of ``PREFILL_RUNS`` runs. The ratio reported is the **median of the per-round paired
+is each model's fastest of ``PREFILL_RUNS`` runs, taking turns dense, packed, packed, dense, ... (the host's
+pace drifts: on an H100 the second side of 34 of 56 demo rounds of identical matmuls came out slower). The ratio reported is the **median of the per-round paired
 ratios** (packed tokens/s over dense, i.e. dense time over packed time, in the same round), so a slow
 phase of the host (for seconds after a ``torch.compile``; a prefill of the demo is ~17 ms of launching a
 few hundred kernels, bound by the host) hits both sides of a pair alike instead of one model's whole

@@ -150,10 +150,13 @@ def measure_pair(packed: nn.Module, dense: nn.Module, batch_size: int, *, prompt
             seconds["decode"] = time.perf_counter() - t
             t = time.perf_counter()
             runs: dict[str, list[list[float]]] = {k: [] for k in models}
-            for _ in range(prefill_rounds):
-                for which in ORDER:
-                    dec = decs[which]
-                    runs[which].append([time_ms(lambda: dec.prefill(ids)) for _ in range(prefill_runs)])
+            for _ in range(prefill_rounds):   # a round's runs alternate ABBA: dense, packed, packed, dense, ...
+                for which in ORDER:           # (a host that drifts slower within a round slows both sides alike)
+                    runs[which].append([])
+                for j in range(prefill_runs):
+                    for which in (ORDER if j % 2 == 0 else ORDER[::-1]):
+                        dec = decs[which]
+                        runs[which][-1].append(time_ms(lambda: dec.prefill(ids)))
             seconds["prefill"] = time.perf_counter() - t
         finally:
             gc.enable()
