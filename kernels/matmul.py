@@ -52,6 +52,18 @@ def default_kernel(device: torch.device, m: int, k: int, n: int) -> str:
     return "ws" if ws_wanted(m, k, n) and not SIM and launch.hopper(device) and ws_checked(device) else "warp"
 
 
+def slab_tokens(device: torch.device, m: int, k: int, n: int) -> int:
+    """The tokens a tile of the X slabs that ``tcabme_matmul`` (no tuning) reads for an ``m x k`` weight at ``n``
+    tokens, where its kernel is spmm_ws (``sp24_ws.x_slabs`` at that width); 0 where the kernel reads X itself.
+    Decides as ``tcabme_matmul`` does (``SPARSEKIT_KERNEL``, then the default plan and spmm_ws's self-test)."""
+    from .sp24_plan import wg_tokens
+
+    kernel = kernel_choice()
+    if kernel == "default":
+        kernel = default_kernel(device, m, -(-k // 64) * 64, n)
+    return wg_tokens(n) if kernel == "ws" and n > 0 else 0
+
+
 def ws_checked(device: torch.device) -> bool:
     """Whether spmm_ws passed its self-test here: one small product against the reference, run at the first
     call that would take spmm_ws (not at load: models without large weights never compile it). Inside a CUDA
@@ -113,7 +125,8 @@ def kernels_available() -> bool:
     return _available
 
 
-def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning) -> torch.Tensor:
+def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, slabs: torch.Tensor | None = None,
+                  **tuning) -> torch.Tensor:
     """``y[N, M] = x[N, K] @ W^T`` for a TCA-BME weight ``w`` (fp16 in, fp32 accumulate, fp16 out).
 
     ``x``: fp16, 2-D, on the same CUDA device as ``w``. The kernel runs on
@@ -125,7 +138,8 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
     GroupTile row per block, the X slice shared by its 4 warps, K split across blocks), whose knobs are
     ``tokens`` (8/16/32/64 per block), ``splits``, ``stages``, ``regs``; ``kernel="ws"`` spmm_ws (Hopper;
     knobs ``tokens``, ``stages``, ``groups``, ``splits``, ``regs``); ``kernel="warp"`` spmm_warp's plan;
-    ``kernel="default"`` the default plan (``default_kernel``) whatever ``SPARSEKIT_KERNEL`` says.
+    ``kernel="default"`` the default plan (``default_kernel``) whatever ``SPARSEKIT_KERNEL`` says. ``slabs``: X
+    already rewritten as spmm_ws reads it (``slab_tokens``), used where spmm_ws runs.
     """
     from . import launch
     from .common import SIM
@@ -145,7 +159,7 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
     if n == 0 or m == 0:
         return out
     kp = w.grid[1] * 64
-    x = padded(x, kp)
+    x0, x = x, padded(x, kp)      # (spmm_ws pads X itself: it takes x0)
     if kp == 0 or w.values.numel() == 0:   # nothing stored: the product is zero
         return out.zero_()
     kernel = tuning.pop("kernel", None)
@@ -162,7 +176,7 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, **tuning)
     elif kernel == "ws":
         from .spmm_ws import tcabme_ws_matmul
 
-        tcabme_ws_matmul(x, w, out, **tuning)
+        tcabme_ws_matmul(x0, w, out, slabs=slabs, **tuning)
     else:
         launch.launch(x, w, out, **tuning)
     return out

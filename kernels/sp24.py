@@ -12,7 +12,7 @@ from .io import output_for, padded
 def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, kernel: str = "auto",
                 warps: int | None = None, strips: int | None = None, tokens: int | None = None,
                 splits: int | None = None, stages: int | None = None, groups: int | None = None,
-                kstep: int | None = None, cluster: int = 1) -> torch.Tensor:
+                kstep: int | None = None, cluster: int = 1, slabs: torch.Tensor | None = None) -> torch.Tensor:
     """``y[N, M] = x[N, K] @ W^T`` (fp16 in and out, fp32 accumulate) for W in the 2:4 mosaic layout.
 
     ``kernel``:
@@ -28,7 +28,10 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
     - ``"ws"`` (``sp24_ws``: the same products, warp-specialized, Hopper only; dense tiles too, one tile row
       per warpgroup; ``tokens``, ``splits``, ``stages``, ``strips``, ``groups`` force its plan; ``cluster`` (2,
       4; GPU only, not yet run on one): thread-block clusters of neighbouring row blocks sharing each X slab by
-      multicast, with no K split, docs/kernels-notes.md "v22")."""
+      multicast, with no K split, docs/kernels-notes.md "v22").
+
+    ``slabs``: X already rewritten as sp24_ws reads it (``slab_tokens`` says for which tile width; the runtime
+    makes them inside a compiled step); used where sp24_ws runs, ignored by the other kernels."""
     from . import launch
     from .common import SIM
 
@@ -55,7 +58,7 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
         return out
     if kernel in ("wg", "ws"):
         _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups, kstep, kernel == "ws",
-                   cluster)
+                   cluster, slabs=slabs)
         return out
     if kernel != "warps":
         raise ValueError(f"unknown 2:4 kernel {kernel!r}: 'rows', 'warps', 'wg' or 'ws'")
@@ -84,7 +87,7 @@ def _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, s
 
 
 def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups, kstep,
-               specialized: bool = False, cluster: int = 1, stamps: bool = False):
+               specialized: bool = False, cluster: int = 1, stamps: bool = False, slabs=None):
     """sp24_wg, or with ``specialized`` sp24_ws (its X as core-matrix slabs, one producer warp more; dense
     tiles too), whose blocks may form clusters sharing X (``cluster``). ``stamps`` (``sp24_ws_probe.ws_stamps``,
     inside its ``built_as``): the kernel writes into a zeroed float32 buffer instead of the K-split workspace.
@@ -112,7 +115,8 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
     y = out.reshape(-1).view(torch.int16)
     if specialized:   # all 2:4: tile t is slot t of ``sp`` (the map is read only where tiles may be dense)
         dn, sp = _buffers(layout)
-        tensors = (sp.view(torch.int64), dn.view(torch.int64), layout.tiles, sp24_ws.x_slabs(x, p.nt), y, ws, cnt)
+        tensors = (sp.view(torch.int64), dn.view(torch.int64), layout.tiles, sp24_ws.slabs_or_make(x, p.nt, slabs),
+                   y, ws, cnt)
         kern, threads = sp24_ws.get_kernel(p.nt, p.stages, r, wg, hybrid, cluster), 32 * (4 * wg + 1)
         scalars = (m, n, gk, p.chunks, p.per)
     else:             # every tile is 2:4: tile t is slot t of ``sp``, no map
@@ -121,6 +125,17 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
         scalars = (m, n, gk, kp // 2, p.chunks, p.per)
     launch.launch_tensors(kern, p.blocks, threads, tensors, scalars, dyn=p.dyn, cluster=cluster)
     return p, r, wg, ws if stamps else None
+
+
+def slab_tokens(device: torch.device, m: int, k: int, n: int, hybrid: bool) -> int:
+    """The tokens a tile of the X slabs that ``sp24_matmul(kernel="auto")`` reads for an ``m x k`` weight (with
+    dense tiles: ``hybrid``) at ``n`` tokens, where its kernel is sp24_ws; 0 where the kernel reads X itself."""
+    from . import launch
+    from .common import SIM
+
+    if n < 1 or sp24_plan.kernel_for(m, k, n, not SIM and launch.hopper(device), hybrid) != "ws":
+        return 0
+    return sp24_plan.wg_plan(m, -(-k // 64), n, launch.sm_count(device), specialized=True, hybrid=hybrid)[0].nt
 
 
 def _buffers(layout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,7 +43,7 @@ _KERNELS: dict = {}
 
 
 def x_slabs(x: torch.Tensor, nt: int) -> torch.Tensor:
-    """``x`` [N, Kp] (fp16, Kp a multiple of 64) as int64 words of slabs [chunks][Kp / 64][nt x 64]: token
+    """``x`` [N, Kp] (fp16, Kp a multiple of 64) as int64 words of slabs [chunks x Kp / 64, nt x 16]: token
     chunk c and tile column gk's slab holds tokens c nt .. c nt + nt - 1 (zeros past N) as 8x8 core matrices,
     8-token blocks 1024 bytes apart, the 8 K parts of a block 128 bytes apart, a token's 8 values (16 bytes)
     at 16 x its place in the block: the layout the descriptor reads (``sp24_wg``)."""
@@ -54,7 +54,23 @@ def x_slabs(x: torch.Tensor, nt: int) -> torch.Tensor:
     # a token's 8 values of a K part as two int64 words: the permute moves a quarter of the elements (H100:
     # 3.8 -> 2.8 us at 128 tokens x 4096, 12.5 -> 5.1 at 128 x 28672, 50 -> 25 at 512 x 28672)
     v = x.contiguous().view(torch.int64).reshape(chunks, nt // 8, 8, kp // 64, 8, 2)   # [c, blk, r8, gk, part, h/4]
-    return v.permute(0, 3, 1, 4, 2, 5).contiguous().reshape(-1)
+    return v.permute(0, 3, 1, 4, 2, 5).contiguous().reshape(chunks * kp // 64, nt * 16)
+
+
+def slabs_or_make(x: torch.Tensor, nt: int, slabs: torch.Tensor | None) -> torch.Tensor:
+    """``x_slabs(x, nt)`` as one row of int64 words, or ``slabs`` where the caller made them already (int64 or
+    fp16, [chunks x Kp / 64, one slab] as ``x_slabs`` lays them out: ``runtime.slabs`` makes them in a compiled
+    step, where the rewrite joins the kernel that wrote X); slabs of another tile width or token count are a
+    ``ValueError``."""
+    if slabs is None:
+        return x_slabs(x, nt).reshape(-1)
+    n, kp = x.shape
+    rows = -(-n // nt) * kp // 64
+    if slabs.dim() != 2 or slabs.shape[0] != rows or slabs.shape[1] * slabs.element_size() != nt * 128 \
+            or not slabs.is_contiguous():
+        raise ValueError(f"X slabs of shape {tuple(slabs.shape)} ({slabs.dtype}) do not fit {n} tokens x {kp} in "
+                         f"tiles of {nt} tokens ({rows} slabs of {nt * 128} bytes): make them at the kernel's width")
+    return slabs.reshape(-1).view(torch.int64)
 
 
 def stage_bytes(nt: int, r: int, wg: int, hybrid: bool = False) -> int:

@@ -202,7 +202,7 @@ def test_x_slabs_put_each_value_where_the_descriptor_reads_it():
 
     n, kp, nt = 11, 128, 8
     x = torch.arange(n * kp, dtype=torch.float32).reshape(n, kp).half()
-    flat = x_slabs(x, nt).view(torch.float16)
+    flat = x_slabs(x, nt).view(torch.float16).reshape(-1)
     for tok, col in ((0, 0), (3, 9), (10, 127), (7, 64)):
         c, r = divmod(tok, nt)
         gk, kk = divmod(col, 64)

@@ -12,6 +12,8 @@ census fits, times both kernels, and keeps each layout only where the 2:4 kernel
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -20,15 +22,17 @@ from sparsekit.packed.sp24 import Sp24Layout, transcode
 
 
 @torch.library.custom_op("sparsekit::sp24_mm", mutates_args=())
-def sp24_mm(x: torch.Tensor, dense: torch.Tensor, sp: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
-    """``x[N, K] @ W^T`` through the 2:4 mosaic kernel, as one torch op (kept whole by ``torch.compile``)."""
+def sp24_mm(x: torch.Tensor, dense: torch.Tensor, sp: torch.Tensor, tiles: torch.Tensor, out_features: int,
+            slabs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x[N, K] @ W^T`` through the 2:4 mosaic kernel, as one torch op (kept whole by ``torch.compile``);
+    ``slabs``: X as sp24_ws reads it (``runtime.slabs``)."""
     from sparsekit.kernels.sp24 import sp24_matmul
 
-    return sp24_matmul(x, Sp24Layout(dense=dense, sp=sp, tiles=tiles, shape=(out_features, x.shape[1])))
+    return sp24_matmul(x, Sp24Layout(dense=dense, sp=sp, tiles=tiles, shape=(out_features, x.shape[1])), slabs=slabs)
 
 
 @sp24_mm.register_fake
-def _sp24_mm_fake(x, dense, sp, tiles, out_features):
+def _sp24_mm_fake(x, dense, sp, tiles, out_features, slabs=None):
     return x.new_empty((x.shape[0], out_features))
 
 

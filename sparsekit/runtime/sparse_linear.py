@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,8 @@ from torch import nn
 from sparsekit.hf.modules import weight_out_in
 from sparsekit.errors import SparsekitError, SparsekitWarning
 from sparsekit.packed.tcabme import TcaBme, decode, encode
+from sparsekit.runtime.slabs import sp24_slabs, tcabme_slabs
+from sparsekit.runtime.sp24 import sp24_mm
 
 # Kernel up to and including this many tokens, decode + cuBLAS above: measured on an H100 with
 # scripts/checks/gpu_runtime.py (7B shapes, 50%, eager calls; see docs/benchmarks.md, "End to end").
@@ -113,20 +115,20 @@ def kernels_ready() -> bool:
 
 @torch.library.custom_op("sparsekit::tcabme_mm", mutates_args=())
 def tcabme_mm(x: torch.Tensor, bitmaps: torch.Tensor, values: torch.Tensor, gtile_offsets: torch.Tensor,
-              strip_offsets: torch.Tensor, out_features: int, use_kernel: bool) -> torch.Tensor:
-    """``x[N, K] @ W^T`` for W given by its TCA-BME tensors, as one torch op (so ``torch.compile``
-    keeps it whole inside a compiled decode step): the bundled kernel when ``use_kernel``, else
-    decode + matmul in x's dtype."""
+              strip_offsets: torch.Tensor, out_features: int, use_kernel: bool,
+              slabs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x[N, K] @ W^T`` for W given by its TCA-BME tensors, as one torch op (kept whole inside a compiled step):
+    the bundled kernel when ``use_kernel`` (``slabs``: X as spmm_ws reads it), else decode + matmul in x's dtype."""
     w = TcaBme(bitmaps=bitmaps, values=values, gtile_offsets=gtile_offsets, strip_offsets=strip_offsets,
                shape=(out_features, x.shape[1]))
     if use_kernel:  # the kernel reads values through the offsets: a padded tail is harmless
-        return kernel()(x, w)
+        return kernel()(x, w) if slabs is None else kernel()(x, w, slabs=slabs)
     w.values = values[: int(gtile_offsets[-1])]  # drop padding added by fusion.equalize_packed_sizes
     return F.linear(x, decode(w).to(x.dtype))
 
 
 @tcabme_mm.register_fake
-def _tcabme_mm_fake(x, bitmaps, values, gtile_offsets, strip_offsets, out_features, use_kernel):
+def _tcabme_mm_fake(x, bitmaps, values, gtile_offsets, strip_offsets, out_features, use_kernel, slabs=None):
     return x.new_empty((x.shape[0], out_features))
 
 
@@ -322,23 +324,21 @@ class SparseLinear(nn.Module):
         dc = self.dense_copy
         if (dc is not None and self.bias is None and x.dtype == dc.dtype and x.is_cuda
                 and x.numel() > self.dense_above * self.in_features):
-            # above the crossover with a dense copy (prefill, large batches): the dense layer's own call,
-            # nothing else. Eager prefill of a small model is bound by Python per call, and the general
-            # path below costs a few microseconds more per linear (issue 20: packed prefill 0.95-0.97x
-            # dense on the demo with every prefill matmul on the same dense copies).
+            # above the crossover with a dense copy (prefill, large batches): the dense layer's own call, nothing
+            # else. Eager prefill of a small model is bound by Python per call, and the general path below costs a
+            # few us more per linear (issue 20: packed prefill 0.95-0.97x dense on the same dense copies, the demo).
             return F.linear(x, dc)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         n = x2.shape[0]
         if x2.is_cuda:
+            xc = x2.contiguous()        # (the slabs: X rewritten for the kernel outside its op, runtime.slabs)
             if self.sp24_at(n) and x2.dtype == torch.float16 and kernels_ready():
-                from sparsekit.runtime.sp24 import sp24_mm
-
-                y = sp24_mm(x2.contiguous(), self.sp24_dense, self.sp24_sp, self.sp24_tiles, self.out_features)
+                y = sp24_mm(xc, self.sp24_dense, self.sp24_sp, self.sp24_tiles, self.out_features, sp24_slabs(self, xc))
             elif (n <= self.dense_above and x2.dtype == torch.float16 and self.values.dtype == torch.float16
                     and kernels_ready()):
-                y = tcabme_mm(x2.contiguous(), self.bitmaps, self.values, self.gtile_offsets,
-                              self.strip_offsets, self.out_features, True)
+                y = tcabme_mm(xc, self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets,
+                              self.out_features, True, tcabme_slabs(self, xc))
             elif self.dense_copy is not None and x2.dtype == self.dense_copy.dtype:  # kept by dispatch
                 y = F.linear(x2, self.dense_copy)
             elif torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
