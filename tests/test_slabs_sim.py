@@ -68,21 +68,26 @@ def test_spmm_ws_takes_the_callers_slabs():
         tcabme_ws_matmul(x, pw, tokens=16, slabs=slabs_mod.slabs(x, 8))
 
 
+def _layer_on_the_kernels(monkeypatch, seed: int, n: int):
+    """A 50% ``SparseLinear`` [64, 200] on the bundled kernels (the simulator's here), ``n`` tokens of X, its
+    float64 product, and the tile widths of every ``x_slabs`` rewrite from then on."""
+    from sparsekit.runtime import sparse_linear
+    from sparsekit.runtime.sparse_linear import SparseLinear
+
+    w, g = _weight(64, 200, 0.5, seed)
+    x = torch.randn(n, 200, generator=g).half().to(DEV)
+    monkeypatch.setattr(sparse_linear, "kernel", lambda: matmul.tcabme_matmul)
+    made: list[int] = []
+    real = sp24_ws.x_slabs
+    monkeypatch.setattr(sp24_ws, "x_slabs", lambda *a: made.append(a[1]) or real(*a))
+    return SparseLinear(encode(w)).to(DEV), x, x.cpu().double() @ w.double().t(), made
+
+
 def test_sparse_linear_passes_slabs_only_where_its_kernel_reads_them(monkeypatch):
     """``tcabme_slabs`` asks the kernels which one will run (``matmul.slab_tokens``): with spmm_ws chosen
     (``SPARSEKIT_KERNEL=ws``) X is rewritten once, by the caller, and the product is the same; with spmm_warp
     no slabs are made."""
-    from sparsekit.runtime import sparse_linear
-    from sparsekit.runtime.sparse_linear import SparseLinear
-
-    w, g = _weight(64, 200, 0.5, 23)
-    x = torch.randn(5, 200, generator=g).half().to(DEV)
-    layer = SparseLinear(encode(w)).to(DEV)
-    monkeypatch.setattr(sparse_linear, "kernel", lambda: matmul.tcabme_matmul)
-    made = []
-    real = sp24_ws.x_slabs
-    monkeypatch.setattr(sp24_ws, "x_slabs", lambda *a: made.append(a[1]) or real(*a))
-    ref = x.cpu().double() @ w.double().t()
+    layer, x, ref, made = _layer_on_the_kernels(monkeypatch, 23, 5)
     for choice, rewrites in (("ws", [8]), ("warp", [])):
         monkeypatch.setenv("SPARSEKIT_KERNEL", choice)
         matmul.reset_kernel_choice()
@@ -97,16 +102,7 @@ def test_sparse_linear_passes_slabs_only_where_its_kernel_reads_them(monkeypatch
 def test_a_compiled_call_makes_the_slabs_in_its_own_graph(monkeypatch):
     """Under ``torch.compile`` (one graph, no break) the slabs are the traced fp16 copy, never ``x_slabs``'s
     rewrite, and the product is right: the layout Inductor would write is the one spmm_ws reads."""
-    from sparsekit.runtime import sparse_linear
-    from sparsekit.runtime.sparse_linear import SparseLinear
-
-    w, g = _weight(64, 200, 0.5, 24)
-    x = torch.randn(6, 200, generator=g).half().to(DEV)
-    layer = SparseLinear(encode(w)).to(DEV)
-    monkeypatch.setattr(sparse_linear, "kernel", lambda: matmul.tcabme_matmul)
-    made = []
-    real = sp24_ws.x_slabs
-    monkeypatch.setattr(sp24_ws, "x_slabs", lambda *a: made.append(a[1]) or real(*a))
+    layer, x, ref, made = _layer_on_the_kernels(monkeypatch, 24, 6)
     monkeypatch.setenv("SPARSEKIT_KERNEL", "ws")
     matmul.reset_kernel_choice()
     torch._dynamo.reset()
@@ -116,5 +112,4 @@ def test_a_compiled_call_makes_the_slabs_in_its_own_graph(monkeypatch):
         matmul.reset_kernel_choice()
         torch._dynamo.reset()
     assert made == []
-    ref = x.cpu().double() @ w.double().t()
     assert float((y.cpu().double() - ref).norm() / ref.norm()) < 1e-3
