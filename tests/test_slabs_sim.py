@@ -44,10 +44,10 @@ def test_compiled_layout_is_the_bytes_of_x_slabs(monkeypatch, n, k, nt):
 
 def test_sp24_ws_takes_the_callers_slabs_and_refuses_slabs_that_do_not_fit():
     g = torch.Generator().manual_seed(21)
-    w = _weight24(128, 192, "2:4", g)
+    w = _weight24(64, 192, "2:4", g)
     x = torch.randn(11, 192, generator=g).half().to(DEV)
     lay = sp24.transcode(w).to(DEV)
-    kw = dict(kernel="ws", groups=2, strips=1, tokens=8, splits=2)
+    kw = dict(kernel="ws", groups=1, strips=1, tokens=8, splits=2)
     want = sp24_matmul(x, lay, **kw)
     given = sp24_matmul(x, lay, slabs=sp24_ws.x_slabs(x, 8), **kw)
     assert torch.equal(given, want)
