@@ -52,16 +52,19 @@ def default_kernel(device: torch.device, m: int, k: int, n: int) -> str:
     return "ws" if ws_wanted(m, k, n) and not SIM and launch.hopper(device) and ws_checked(device) else "warp"
 
 
+def planned_kernel(device: torch.device, m: int, kp: int, n: int, kernel: str | None = None) -> str:
+    """The kernel ``tcabme_matmul`` runs without tuning keywords for an ``m x kp`` weight (K padded to 64) at
+    ``n`` tokens: ``kernel``, else ``SPARSEKIT_KERNEL``'s choice; "default" is the default plan's."""
+    kernel = kernel or kernel_choice()
+    return default_kernel(device, m, kp, n) if kernel == "default" else kernel
+
+
 def slab_tokens(device: torch.device, m: int, k: int, n: int) -> int:
     """The tokens a tile of the X slabs that ``tcabme_matmul`` (no tuning) reads for an ``m x k`` weight at ``n``
-    tokens, where its kernel is spmm_ws (``sp24_ws.x_slabs`` at that width); 0 where the kernel reads X itself.
-    Decides as ``tcabme_matmul`` does (``SPARSEKIT_KERNEL``, then the default plan and spmm_ws's self-test)."""
+    tokens, where its kernel is spmm_ws (``sp24_ws.x_slabs`` at that width); 0 where the kernel reads X itself."""
     from .sp24_plan import wg_tokens
 
-    kernel = kernel_choice()
-    if kernel == "default":
-        kernel = default_kernel(device, m, -(-k // 64) * 64, n)
-    return wg_tokens(n) if kernel == "ws" and n > 0 else 0
+    return wg_tokens(n) if n > 0 and planned_kernel(device, m, -(-k // 64) * 64, n) == "ws" else 0
 
 
 def ws_checked(device: torch.device) -> bool:
@@ -165,10 +168,8 @@ def tcabme_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, slabs: to
     kernel = tuning.pop("kernel", None)
     if kernel is not None and kernel not in KERNELS:
         raise ValueError(f"unknown TCA-BME kernel {kernel!r}: one of {', '.join(KERNELS)}")
-    if kernel is None and not tuning:
-        kernel = kernel_choice()
-    if kernel == "default" and not tuning:
-        kernel = default_kernel(x.device, m, kp, n)
+    if not tuning:
+        kernel = planned_kernel(x.device, m, kp, n, kernel)
     if kernel == "rows":
         from .launch_rows import launch_rows
 

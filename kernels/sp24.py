@@ -52,7 +52,7 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
     if cluster > 1 and kernel != "ws":
         raise ValueError(f"clusters take the warp-specialized kernel (kernel='ws'), not kernel={kernel!r}")
     if kernel == "auto":
-        kernel = sp24_plan.kernel_for(m, k, n, not SIM and launch.hopper(x.device), layout.dense.numel() > 0)
+        kernel = auto_kernel(x.device, m, k, n, layout.dense.numel() > 0)
     if kernel == "rows":
         _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips)
         return out
@@ -127,13 +127,21 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
     return p, r, wg, ws if stamps else None
 
 
+def auto_kernel(device: torch.device, m: int, k: int, n: int, hybrid: bool) -> str:
+    """The kernel ``sp24_matmul(kernel="auto")`` runs for an ``m x k`` weight (with dense tiles: ``hybrid``) at
+    ``n`` tokens on ``device`` (``sp24_plan.kernel_for``; the warpgroup kernels on a Hopper GPU only)."""
+    from . import launch
+    from .common import SIM
+
+    return sp24_plan.kernel_for(m, k, n, not SIM and launch.hopper(device), hybrid)
+
+
 def slab_tokens(device: torch.device, m: int, k: int, n: int, hybrid: bool) -> int:
     """The tokens a tile of the X slabs that ``sp24_matmul(kernel="auto")`` reads for an ``m x k`` weight (with
     dense tiles: ``hybrid``) at ``n`` tokens, where its kernel is sp24_ws; 0 where the kernel reads X itself."""
     from . import launch
-    from .common import SIM
 
-    if n < 1 or sp24_plan.kernel_for(m, k, n, not SIM and launch.hopper(device), hybrid) != "ws":
+    if n < 1 or auto_kernel(device, m, k, n, hybrid) != "ws":
         return 0
     return sp24_plan.wg_plan(m, -(-k // 64), n, launch.sm_count(device), specialized=True, hybrid=hybrid)[0].nt
 

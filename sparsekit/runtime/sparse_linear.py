@@ -292,16 +292,18 @@ class SparseLinear(nn.Module):
                    if t is not None)
 
     def sp24_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x[N, K] @ W^T + b`` through the 2:4 tile-mosaic kernel whatever N is (CUDA, fp16; for measurements)."""
-        from sparsekit.runtime.sp24 import sp24_mm
-
-        y = sp24_mm(x.contiguous(), self.sp24_dense, self.sp24_sp, self.sp24_tiles, self.out_features)
+        """``x[N, K] @ W^T + b`` through the 2:4 tile-mosaic kernel whatever N is (CUDA, fp16; ``forward`` at its
+        token counts, and measurements), X rewritten for it outside the op where it reads slabs (``runtime.slabs``)."""
+        xc = x.contiguous()
+        y = sp24_mm(xc, self.sp24_dense, self.sp24_sp, self.sp24_tiles, self.out_features, sp24_slabs(self, xc))
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x[N, K] @ W^T + b`` through the sparse kernel whatever N is (CUDA, fp16; for measurements)."""
-        y = tcabme_mm(x.contiguous(), self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets,
-                      self.out_features, True)
+        """``x[N, K] @ W^T + b`` through the sparse kernel whatever N is (CUDA, fp16; ``forward`` at its token
+        counts, and measurements), with the slabs as ``sp24_forward``."""
+        xc = x.contiguous()
+        y = tcabme_mm(xc, self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets, self.out_features,
+                      True, tcabme_slabs(self, xc))
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     @property
@@ -332,13 +334,11 @@ class SparseLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         n = x2.shape[0]
         if x2.is_cuda:
-            xc = x2.contiguous()        # (the slabs: X rewritten for the kernel outside its op, runtime.slabs)
             if self.sp24_at(n) and x2.dtype == torch.float16 and kernels_ready():
-                y = sp24_mm(xc, self.sp24_dense, self.sp24_sp, self.sp24_tiles, self.out_features, sp24_slabs(self, xc))
+                return self.sp24_forward(x2).reshape(*lead, self.out_features)
             elif (n <= self.dense_above and x2.dtype == torch.float16 and self.values.dtype == torch.float16
                     and kernels_ready()):
-                y = tcabme_mm(xc, self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets,
-                              self.out_features, True, tcabme_slabs(self, xc))
+                return self.kernel_forward(x2).reshape(*lead, self.out_features)
             elif self.dense_copy is not None and x2.dtype == self.dense_copy.dtype:  # kept by dispatch
                 y = F.linear(x2, self.dense_copy)
             elif torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
