@@ -119,7 +119,8 @@ def speed_table(report: dict[str, Any]):
     plan = report.get("dispatch") or {}
     lines = []
     if report.get("measurement") == "interleaved":
-        lines.append(f"x: packed/dense, median of {report.get('prefill_rounds')} prefill and {report.get('repeats')} "
+        pairs = (report.get('prefill_rounds') or 0) * (report.get('prefill_runs') or 0)
+        lines.append(f"x: packed/dense, median of {pairs} prefill pairs and {report.get('repeats')} "
                      "decode rounds, interleaved")
     elif report.get("measurement") == "sequential":
         lines.append("x: packed/dense, each alone, one model after the other (see the warning)")

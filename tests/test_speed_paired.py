@@ -121,22 +121,25 @@ def test_rounds_interleave_dense_and_packed_after_every_warm_up(monkeypatch, pac
     for which in ("packed", "dense"):
         assert (which, "build") in setup and (which, "capture") in setup
         assert setup.count((which, "step")) == speed_runs.DECODE_WARMUP_STEPS
-    assert len(r["paired"]["prefill_x"]) == 3 and len(r["paired"]["decode_x"]) == 3
+    assert len(r["paired"]["prefill_x"]) == 3 * 2 and len(r["paired"]["decode_x"]) == 3
 
 
-def test_the_ratio_is_the_median_of_the_paired_rounds(monkeypatch, packed_model):
-    """Hand-computed: prefill rounds (fastest of 2 runs) dense 10 / 11 / 14 ms, packed 11 / 10 / 13 ms ->
-    paired ratios 10/11, 11/10, 14/13 -> median 14/13 (fastest over fastest would say 1.0, the medians of
-    all runs 13/11.5). Decode loops of 4 steps: dense 2.0 / 2.1 / 2.4, packed 2.2 / 1.0 / 3.0 ms a step ->
-    ratios 0.909, 2.1, 0.8 -> median 2.0/2.2 (the medians' ratio would be 2.1/2.2)."""
+def test_the_ratio_is_the_median_of_the_paired_runs(monkeypatch, packed_model):
+    """Hand-computed: 3 prefill rounds of 2 runs a model, in the order dense, packed, packed, dense. Dense runs
+    10, 12 | 11, 20 | 30, 14 ms, packed 12, 11 | 10, 10.5 | 13, 40 ms -> each run over the other model's run
+    beside it: 10/12, 12/11, 11/10, 20/10.5, 30/13, 14/40 -> median (12/11 + 11/10) / 2 (the rounds' fastest
+    paired would say 14/13, fastest over fastest 1.0, the medians of all runs 13/11.5). Decode loops of 4 steps:
+    dense 2.0 / 2.1 / 2.4, packed 2.2 / 1.0 / 3.0 ms a step -> ratios 0.909, 2.1, 0.8 -> median 2.0/2.2 (the
+    medians' ratio would be 2.1/2.2)."""
     rig = Rig(monkeypatch)
     rig.script = {("prefill", "dense"): [10, 12, 11, 20, 30, 14], ("prefill", "packed"): [12, 11, 10, 10.5, 13, 40],
                   ("decode", "dense"): [8.0, 8.4, 9.6], ("decode", "packed"): [8.8, 4.0, 12.0]}
     r = speed.measure_pair(packed_model, speed.dense_twin(packed_model), 2, prompt_len=8, new_tokens=4, repeats=3,
                            prefill_rounds=3, prefill_runs=2)
-    assert r["paired"]["prefill_round_ms"] == {"dense": [10, 11, 14], "packed": [11, 10, 13]}
-    assert r["paired"]["prefill_x"] == pytest.approx([10 / 11, 11 / 10, 14 / 13])
-    assert r["ratio"]["prefill_tok_s"] == pytest.approx(14 / 13)
+    assert r["paired"]["prefill_run_ms"] == {"dense": [[10, 12], [11, 20], [30, 14]],
+                                             "packed": [[12, 11], [10, 10.5], [13, 40]]}
+    assert r["paired"]["prefill_x"] == pytest.approx([10 / 12, 12 / 11, 11 / 10, 20 / 10.5, 30 / 13, 14 / 40])
+    assert r["ratio"]["prefill_tok_s"] == pytest.approx((12 / 11 + 11 / 10) / 2)
     assert r["ratio"]["decode_tok_s"] == pytest.approx(2.0 / 2.2)
     assert r["paired"]["decode_x"] == pytest.approx([2.0 / 2.2, 2.1 / 1.0, 2.4 / 3.0])
     p, d = r["packed"], r["dense"]
@@ -162,7 +165,7 @@ def test_measure_speed_pairs_the_packed_model_with_a_dense_twin(monkeypatch, pac
     assert rig.models["dense"] and all(m is not packed_model for m in rig.models["dense"])
     for row in rep["rows"]:
         assert row["interleaved"] and set(row["ratio"]) == {"prefill_tok_s", "decode_tok_s"}
-        assert len(row["paired"]["prefill_x"]) == 3 and len(row["paired"]["decode_x"]) == 2
+        assert len(row["paired"]["prefill_x"]) == 3 * 2 and len(row["paired"]["decode_x"]) == 2
         for which in ("packed", "dense"):
             assert {"prefill_ms", "prefill_ms_median", "prefill_tok_s", "ms_per_token", "decode_tok_s",
                     "peak_mem_gib", "compiled"} <= set(row[which])
@@ -413,7 +416,7 @@ def test_speed_table_with_its_caption_fits_80_columns(measurement):
     from tests.test_runtime import fake_report
 
     report = fake_report()
-    report.update(measurement=measurement, prefill_rounds=7, repeats=3, sparse_layers=120, cats_mlps=30,
+    report.update(measurement=measurement, prefill_rounds=7, prefill_runs=3, repeats=3, sparse_layers=120, cats_mlps=30,
                   cats_kernel_mlps=0, weights_gib={"packed": 0.2512, "dense": 0.2512},
                   dispatch={"prefer": "speed", "dense_copy_bytes": 2**28, "groups": [{}], "dense_layers": {"a": 1}})
     for row in report["rows"]:
@@ -426,6 +429,6 @@ def test_speed_table_with_its_caption_fits_80_columns(measurement):
     body = [line.split() for line in text.splitlines() if line.strip().split(" ")[0] in ("1", "8", "16", "32")]
     assert [cells[0] for cells in body] == ["1", "8", "16", "32"] and all(len(c) == 9 for c in body)
     if measurement == "interleaved":
-        assert "x: packed/dense, median of 7 prefill and 3 decode rounds, interleaved" in text  # one line
+        assert "x: packed/dense, median of 21 prefill pairs and 3 decode rounds, interleaved" in text  # one line
     else:
         assert "x: packed/dense, each alone, one model after the other (see the warning)" in text

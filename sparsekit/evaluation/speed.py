@@ -17,15 +17,16 @@ twin (``speed_twin.dense_twin``) shares every tensor of the packed model outside
 and those become ``nn.Linear`` on their dispatch dense copy, or decoded where there is none. Per batch size:
 each model's decoder is built, prefilled and its decode step captured (compiling at the first two batch
 sizes), and a few untimed steps replayed; then ``repeats`` decode rounds and ``PREFILL_ROUNDS`` prefill rounds
-alternate dense, packed, dense, packed, ... A prefill round is each model's fastest of ``PREFILL_RUNS`` runs,
-taking turns dense, packed, packed, dense, ... (the host's pace drifts: on an H100 the second side of 34 of 56
-demo rounds of identical matmuls came out slower). The ratio reported is the **median of the per-round paired
-ratios** (packed tokens/s over dense, i.e. dense time over packed time, in the same round), so a slow phase of
-the host (for seconds after a ``torch.compile``; a prefill of the demo is ~17 ms of launching a few hundred
-kernels, bound by the host) hits both sides of a pair alike instead of one model's whole phase. Decode is
+alternate dense, packed, dense, packed, ... A prefill round is ``PREFILL_RUNS`` runs of each model, taking
+turns dense, packed, packed, dense, ... (the host's pace drifts: on an H100 the second side of 34 of 56 demo
+rounds of identical matmuls came out slower), and each run is paired with the other model's run beside it. The
+prefill ratio reported is the **median of those paired ratios** (packed tokens/s over dense, i.e. dense time
+over packed time), so a slow phase of the host (for seconds after a ``torch.compile``; a prefill of the demo is
+~20 ms of launching a few hundred kernels, bound by the host) hits both sides of a pair alike instead of one
+model's whole phase. Decode is
 paired the same way because that costs nothing: the same timed loops as before, only ordered alternately.
 Prefill is timed last in each batch size, furthest from its compile. The rows keep each model's absolute
-figures (fastest prefill, median decode step) and, under ``paired``, every round's ratio and milliseconds.
+figures (fastest prefill, median decode step) and, under ``paired``, every pair's ratio and milliseconds.
 
 Sequential (the fallback). Where the dense twin and both models' KV caches and activations would not
 fit in the free GPU memory (``speed_twin.pairing_obstacle``: an estimate from the parameter bytes and

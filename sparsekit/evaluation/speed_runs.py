@@ -19,7 +19,11 @@ from sparsekit.runtime.timing import model_bytes, time_ms
 
 PREFILL_REPEATS = 15  # one model alone (measure_model): runs per round of _prefill_ms
 PREFILL_ROUNDS = 7  # paired (measure_pair): dense/packed prefill rounds per batch size
-PREFILL_RUNS = 3  # paired: runs per prefill round; the round's figure is their fastest
+PREFILL_RUNS = 3  # paired: runs per prefill round, each paired with the other model's run beside it (ABBA)
+# Why pairs of runs, not of rounds' fastest runs: on the demo the dispatch plan runs every layer dense, so the two
+# models are module for module the same (H200, 2026-11-27: 30 ABBA pairs gave medians 0.993-1.011), yet eval
+# --speed's round-fastest pairs put one row at 0.947 of 8. A host that swings 21 -> 41 ms within a batch size
+# moves a round's fastest runs apart in time; adjacent runs share the host's state.
 # paired: timed decode loops per model and batch size. Graph replays barely scatter: in 7 runs of the demo
 # on H100s (2026-11-25/26, 28 paired rows) a row's three loop ratios were never more than 0.9% apart and the
 # median of the first two moved a row's ratio by at most 0.43% (sd of the rows' ratios 0.0048 with three,
@@ -88,10 +92,10 @@ def measure_model(model: nn.Module, batch_size: int, *, prompt_len: int = 128, n
 
 
 def paired_ratios(dense_ms: Sequence[float], packed_ms: Sequence[float]) -> list[float]:
-    """Round by round, the packed model's speed over the dense one's: dense time / packed time
+    """Pair by pair, the packed model's speed over the dense one's: dense time / packed time
     (``> 1``: packed is faster). The report's ratio is their median."""
     if len(dense_ms) != len(packed_ms) or not dense_ms:
-        raise ValueError(f"paired rounds need as many dense as packed figures, got {len(dense_ms)} and {len(packed_ms)}")
+        raise ValueError(f"pairs need as many dense as packed figures, got {len(dense_ms)} and {len(packed_ms)}")
     return [d / p for d, p in zip(dense_ms, packed_ms)]
 
 
@@ -104,8 +108,9 @@ def measure_pair(packed: nn.Module, dense: nn.Module, batch_size: int, *, prompt
     Returns ``{"packed": {...}, "dense": {...}, "ratio": {...}, "paired": {...}, "seconds": {...}}``:
     per model what :func:`measure_model` reports (``prefill_ms`` the fastest run of all rounds,
     ``prefill_ms_median`` the median of all runs, ``ms_per_token`` the median of the decode loops);
-    ``ratio`` the medians of the per-round paired ratios (packed tokens/s over dense); ``paired`` the
-    per-round ratios and each round's figure in ms; ``seconds`` the wall time of capture, decode and
+    ``ratio`` the medians of the paired ratios (packed tokens/s over dense): prefill runs paired with the
+    other model's run beside them, decode loops round by round; ``paired`` those ratios and the figures in ms
+    (``prefill_run_ms``: per model, per round, its runs); ``seconds`` the wall time of capture, decode and
     prefill. ``resident`` (``{"packed": bytes, "dense": bytes}``, default ``model_bytes`` of each) is
     what each model itself holds: the rest of what is allocated is the other's, out of its peak.
     A ``torch.cuda.OutOfMemoryError`` propagates (the caller measures that batch size one model at a time)."""
@@ -177,13 +182,12 @@ def measure_pair(packed: nn.Module, dense: nn.Module, batch_size: int, *, prompt
                            "prefill_tok_s": tokens / (fastest / 1e3),
                            "ms_per_token": step,
                            "decode_tok_s": batch_size / (step / 1e3)})
-    round_ms = {k: [min(rnd) for rnd in runs[k]] for k in models}
-    prefill_x = paired_ratios(round_ms["dense"], round_ms["packed"])
+    prefill_x = [x for rd, rp in zip(runs["dense"], runs["packed"]) for x in paired_ratios(rd, rp)]
     decode_x = paired_ratios(step_ms["dense"], step_ms["packed"])
     return {"packed": out["packed"], "dense": out["dense"],
             "ratio": {"prefill_tok_s": statistics.median(prefill_x), "decode_tok_s": statistics.median(decode_x)},
             "paired": {"prefill_x": prefill_x, "decode_x": decode_x,
-                       "prefill_round_ms": round_ms, "decode_round_ms": step_ms},
+                       "prefill_run_ms": runs, "decode_round_ms": step_ms},
             "seconds": seconds, "notes": notes}
 
 
