@@ -110,9 +110,16 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = F
     - Below WS_MIN_N tokens elsewhere, rows (22016x4096 1.59 at one token against wg's 1.50).
     - Weights with dense tiles: rows. sp24_ws takes them (``kernel="ws"``) but measured slower: 22016x4096
       at 35% (hybrid) 1.05 / 1.08 / 0.67 / 0.77 at 1 / 16 / 32 / 64 tokens against rows' 1.32 / 1.24 /
-      1.06 / 0.78."""
+      1.06 / 0.78.
+    - "wg" also on K-deep weights of WG_FEW_MAX_M rows or fewer up to WG_FEW_N tokens, with the ring and split
+      ``wg_plan`` gives them (H100, docs/kernels-notes.md "v27"): 4096x11008 24.8 / 25.0 / 25.7 us at 1 / 2 /
+      4 tokens against rows' 26.9 / 26.7 / 27.1 (1.44x cuBLAS at one token against 1.32); 4096x14336 30.7 /
+      31.0 / 31.2 against 31.9 / 32.3 / 32.5. At 8 tokens rows was as fast or faster; on 8192x28672 and
+      5120x13824 the two were within 1% at 1-4 tokens."""
     tall, deep = m >= WG_MIN_M, k >= WG_DEEP_K
     if wg_ok and not hybrid and tall and deep and n <= WS_MIN_N:
+        return "wg"
+    if wg_ok and not hybrid and deep and m <= WG_FEW_MAX_M and n <= WG_FEW_N:
         return "wg"
     if wg_ok and not hybrid and (m >= WS_MIN_M or deep) and WS_MIN_N <= n <= WS_MAX_N:
         return "ws"
@@ -129,12 +136,12 @@ def rows_tokens(n: int) -> int:
     return nt
 
 
-def rows_splits(blocks: int, gk: int, sms: int = 132, n: int = 1) -> tuple[int, int]:
+def rows_splits(blocks: int, gk: int, sms: int = 132, n: int = 1, per_sm: int | None = None) -> tuple[int, int]:
     """(splits, tile columns per split) for ``blocks`` blocks per split: the largest power of two that
     keeps the launch within ROWS_MAX_BLOCKS_PER_SM blocks per SM (half that from ROWS_FEW_BLOCKS_N
-    tokens on) and every split at ROWS_MIN_STEPS columns or more (GPU sweeps on an H200,
-    docs/kernels-notes.md "v13-sp rows" and "v14"); no empty split."""
-    cap = ROWS_MAX_BLOCKS_PER_SM // (2 if n >= ROWS_FEW_BLOCKS_N else 1)
+    tokens on; ``per_sm`` instead where given) and every split at ROWS_MIN_STEPS columns or more (GPU sweeps
+    on an H200, docs/kernels-notes.md "v13-sp rows" and "v14"); no empty split."""
+    cap = per_sm or ROWS_MAX_BLOCKS_PER_SM // (2 if n >= ROWS_FEW_BLOCKS_N else 1)
     ks = 1
     while blocks * ks * 2 <= cap * sms and gk // (ks * 2) >= ROWS_MIN_STEPS:
         ks *= 2
@@ -183,7 +190,7 @@ def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = Non
 WG_NTS = (8, 16, 32, 64, 128)   # tokens per output tile; more run as further chunks of the same launch
 WG_SMEM_MAX = 160 * 1024        # dynamic shared bytes per block the default plan may take (one block per SM)
 WG_SMEM_OPTIN = 200 * 1024      # the most a forced plan may take (Hopper's opt-in limit is 227 KB)
-WG_STAGES = 4                   # ring depth (6 and 8 measured no faster on the H100)
+WG_STAGES = 4                   # ring depth (6 and 8 measured no faster on the H100, but see WG_FEW_STAGES)
 WG_MIN_M = 16384                # kernel_for: tall weights (this many rows or more) ...
 WG_DEEP_K = 8192                # ... and K-deep ones (this many columns or more)
 WS_MIN_M = 12288                # sp24_ws on weights of this many rows or more (or K-deep ones) ...
@@ -191,6 +198,10 @@ WS_MIN_N = 16                   # ... from this many tokens (sp24_wg below it, o
 WS_MAX_N = 256                  # ... up to this many (the widest measured)
 WS_STAGES_FEW, WS_STAGES_MANY = 6, 3   # sp24_ws's ring up to 32 tokens a tile, and from 64 (H100 sweep)
 WS_MIN_SPLIT_COLS = 40          # sp24_ws's K split leaves every split this many tile columns or more
+WG_FEW_N = 4                    # kernel_for: sp24_wg up to this many tokens on K-deep weights of ...
+WG_FEW_MAX_M = 4096             # ... at most this many rows (a 7B or 8B model's down projection), with
+WG_FEW_STAGES = 6               # this deep a ring and a K split of about WG_FEW_PER_SM blocks per SM
+WG_FEW_PER_SM = 2
 
 
 def wg_tokens(n: int) -> int:
@@ -236,7 +247,9 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
     (256 rows share one X slice) and whole tiles (no K split), which the H100 sweep found fastest on
     22016x4096 and 28672x8192 from 16 to 256 tokens (86 and 112 blocks: fewer than the SMs, but a split
     costs more); elsewhere one tile row per warpgroup, two warpgroups from 64 tokens on, and the K split
-    of ``rows_splits``. The ring: WG_STAGES deep, shallower where WG_SMEM_MAX needs it. ``specialized``:
+    of ``rows_splits``. The ring: WG_STAGES deep, shallower where WG_SMEM_MAX needs it. ``kernel_for``'s
+    few-token case (K-deep weights of WG_FEW_MAX_M rows or fewer, up to WG_FEW_N tokens): a ring of
+    WG_FEW_STAGES and a split of about WG_FEW_PER_SM blocks per SM (4096x11008: 4 splits, not 8). ``specialized``:
     sp24_ws's plan (its ring holds whole tiles and one X slab per stage; no ``kstep``): the shape of
     ``ws_shape`` and, on weights that are not tall, the K split of ``ws_splits``; ``hybrid`` (dense tiles
     too): one tile row per warpgroup, tile slots of a dense tile's size; ``smem`` (``(nt, stages, r, wg) ->
@@ -273,8 +286,9 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
         r = strips_ or (2 if tall else 1)
         wg = groups_ or (2 if (tall or nt >= 64) and m > 64 * r else 1)
         rb = -(-gm // (r * wg))
-        rule = (1, gk) if tall else rows_splits(rb * chunks, gk, sms, n)
-        st = stages_ or WG_STAGES
+        few = n <= WG_FEW_N and m <= WG_FEW_MAX_M and gk * 64 >= WG_DEEP_K   # kernel_for's few-token case
+        rule = (1, gk) if tall else rows_splits(rb * chunks, gk, sms, n, WG_FEW_PER_SM if few else None)
+        st = stages_ or (WG_FEW_STAGES if few else WG_STAGES)
     ks, per, blocks = split_work(rb * chunks, gk, None if splits_ else rule, splits_)
     ksz = kstep_ or 1
     while not stages_ and st > 3 and smem_bytes(nt, st, r, wg, ksz) > WG_SMEM_MAX:

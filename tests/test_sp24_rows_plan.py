@@ -58,7 +58,9 @@ def test_a_forced_plan_too_big_for_shared_memory_is_one_clear_error():
     (22016, 4096, 256, "ws"), (22016, 4096, 257, "rows"),
     (28672, 8192, 1, "wg"), (28672, 8192, 16, "wg"), (28672, 8192, 17, "ws"), (28672, 8192, 256, "ws"),
     (28672, 8192, 512, "rows"),
-    (8192, 28672, 8, "rows"), (8192, 28672, 16, "ws"), (8192, 28672, 128, "ws"), (4096, 11008, 64, "ws"),
+    (8192, 28672, 1, "rows"), (8192, 28672, 8, "rows"), (8192, 28672, 16, "ws"),
+    (4096, 11008, 1, "wg"), (4096, 11008, 4, "wg"), (4096, 11008, 5, "rows"), (4096, 14336, 2, "wg"),
+    (4096, 4096, 1, "warps"), (5120, 13824, 1, "rows"), (8192, 28672, 128, "ws"), (4096, 11008, 64, "ws"),
     (4096, 4096, 16, "warps"), (4096, 4096, 64, "rows"), (12288, 4096, 8, "rows"), (12288, 4096, 64, "ws"),
     (8192, 4096, 64, "rows"),
 ])
@@ -80,6 +82,15 @@ def test_every_wg_plan_fits_and_covers_n(m, n):
     assert (p.chunks - 1) * p.nt < n <= p.chunks * p.nt
     assert p.rb * p.r * 64 >= m > (p.rb - 1) * p.r * 64        # every tile row in exactly one row block
     assert p.blocks == p.tiles * p.ks and (p.ks - 1) * p.per < gk <= p.ks * p.per
+
+
+@pytest.mark.parametrize("m,gk,n,splits,stages", [
+    (4096, 172, 1, 4, 6), (4096, 172, 4, 4, 6), (4096, 224, 2, 4, 6),    # the few-token case (H100 sweep's picks)
+    (4096, 172, 5, 8, 4), (8192, 448, 1, 4, 4), (4096, 64, 1, 4, 4),      # elsewhere the rule of rows_splits
+])
+def test_the_few_token_wg_plan_on_deep_weights_splits_less_with_a_deeper_ring(m, gk, n, splits, stages):
+    p = sp24_plan.wg_plan(m, gk, n)[0]
+    assert (p.ks, p.stages) == (splits, stages)
 
 
 def test_a_forced_wg_plan_too_big_is_one_clear_error():
