@@ -9,9 +9,6 @@ Checked against torch 2.11 (the GPU image) and 2.13.0 (the CPU build CI installs
 * ``start_compile_workers``: ``torch._inductor.async_compile.maybe_warm_pool``, the call with which
   Inductor starts its pool of compile worker processes at its first compile (checked on 2.13; on 2.11 the
   GPU run of ``eval --speed`` shows it: where it is missing, its notes say so).
-* ``assume_constant_result``: ``torch.compiler.assume_constant_result`` without its import of ``torch._dynamo``
-  (~1.2 s, which a command that never compiles, such as ``generate``, should not pay): the marker attribute
-  ``torch._dynamo.assume_constant_result`` sets, ``_dynamo_marked_constant`` (checked on 2.11 and 2.13).
 * ``module_tensors`` / ``set_module_tensor``: swapping a module's own parameters and buffers for
   other tensors (moving layers between devices, streaming weights in), through public calls only:
   ``named_parameters(recurse=False)``, ``named_buffers(recurse=False)`` and attribute assignment,
@@ -19,24 +16,10 @@ Checked against torch 2.11 (the GPU image) and 2.13.0 (the CPU build CI installs
 """
 from __future__ import annotations
 
-import sys
 from typing import Iterator
 
 import torch
 from torch import nn
-
-
-CONSTANT_MARK = "_dynamo_marked_constant"
-
-
-def assume_constant_result(fn):
-    """``torch.compiler.assume_constant_result(fn)``: ``fn``'s result is a constant to ``torch.compile``. Where
-    ``torch._dynamo`` is not imported yet, the same mark set directly, so that importing a module that declares
-    such a function costs no ``torch._dynamo`` import."""
-    if "torch._dynamo" in sys.modules:
-        return torch.compiler.assume_constant_result(fn)
-    setattr(fn, CONSTANT_MARK, True)
-    return fn
 
 
 def raise_recompile_limit(at_least: int) -> None:

@@ -16,17 +16,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sparsekit.torch_compat import assume_constant_result
 
-
-@assume_constant_result
+@torch.compiler.assume_constant_result
 def _tcabme_tokens(index: int, m: int, k: int, n: int) -> int:
     from sparsekit.kernels.matmul import slab_tokens
 
     return slab_tokens(torch.device("cuda", index), m, k, n)
 
 
-@assume_constant_result
+@torch.compiler.assume_constant_result
 def _sp24_tokens(index: int, m: int, k: int, n: int, hybrid: bool) -> int:
     from sparsekit.kernels.sp24 import slab_tokens
 

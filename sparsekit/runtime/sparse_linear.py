@@ -33,10 +33,10 @@ from sparsekit.errors import SparsekitError, SparsekitWarning
 from sparsekit.packed.tcabme import TcaBme, decode, encode
 from sparsekit.runtime.slabs import sp24_slabs, tcabme_slabs
 from sparsekit.runtime.sp24 import sp24_mm
-from sparsekit.torch_compat import assume_constant_result
 
-# Kernel up to and including this many tokens, decode + cuBLAS above (H100, scripts/checks/gpu_runtime.py, 7B shapes,
-# 50%, eager; docs/benchmarks.md "End to end"): with the 0.11-0.19 ms decode, decode + cuBLAS wins from 96 tokens.
+# Kernel up to and including this many tokens, decode + cuBLAS above: measured on an H100 with
+# scripts/checks/gpu_runtime.py (7B shapes, 50%, eager calls; see docs/benchmarks.md, "End to end").
+# With the decode kernel (0.11-0.19 ms per 7B weight) decode + cuBLAS wins from 96 tokens on.
 DEFAULT_DENSE_ABOVE = 64
 
 NO_GPU_NOTICE = "no CUDA GPU: sparse layers run the reference path (decode + matmul), which is slow"
@@ -107,7 +107,7 @@ def kernel() -> Callable | None:
     return _KERNEL or None
 
 
-@assume_constant_result
+@torch.compiler.assume_constant_result
 def kernels_ready() -> bool:
     """Whether the bundled GPU kernel can run (a constant to ``torch.compile``)."""
     return kernel() is not None
