@@ -13,32 +13,19 @@ wall, the report's phases, the prefill ratio per batch size and the range of the
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
+from scripts.bench.wall import parser_or_inner, run_timed, start_marks
+
 
 def inner(argv: list[str]) -> None:
     """Run ``sparsekit`` with ``argv`` in this process, printing a ``TIMELINE`` line to stderr at exit."""
-    t0 = int(os.environ["EVAL_WALL_T0"]) / 1e9
-    marks = [("python", time.time())]
-
-    def report() -> None:
-        marks.append(("exit handlers", time.time()))
-        parts, prev = [], t0
-        for name, t in marks:
-            parts.append(f"{name} {t - prev:.2f}")
-            prev = t
-        sys.stderr.write(f"TIMELINE {marks[-1][1]:.3f} " + "; ".join(parts) + "\n")
-
-    import atexit
-
-    atexit.register(report)   # first registered, so it runs after every library's own handler
+    marks = start_marks()   # its exit report runs after every library's own handler
     import torch  # noqa: F401
 
     marks.append(("import torch", time.time()))
@@ -64,15 +51,10 @@ def inner(argv: list[str]) -> None:
 
 def run_once(model: str, extra: list[str], timeline: bool, env: dict) -> dict:
     argv = ["eval", model, "--speed", "--json", *extra]
-    t0 = time.time_ns()
-    env = dict(env, EVAL_WALL_T0=str(t0), COLUMNS="80")
     cmd = ([sys.executable, "-m", "scripts.bench.eval_wall", "--inner", *argv] if timeline
            else [shutil.which("sparsekit") or "sparsekit", *argv])
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    end = time.time_ns()
-    row = {"wall_s": (end - t0) / 1e9, "rc": res.returncode}
+    res, row = run_timed(cmd, dict(env, COLUMNS="80"))
     if res.returncode:
-        row["error"] = res.stderr.strip().splitlines()[-1:] or ["?"]
         return row
     speed = json.loads(res.stdout)["speed"]
     row["phases"] = "; ".join(f"{k[:-2]} {v:.1f}" for k, v in speed.get("phases_s", {}).items()
@@ -81,22 +63,14 @@ def run_once(model: str, extra: list[str], timeline: bool, env: dict) -> dict:
     row["prefill_x"] = " / ".join(f"{r['ratio']['prefill_tok_s']:.3f}" for r in rows if r.get("ratio"))
     dec = [r["ratio"]["decode_tok_s"] for r in rows if r.get("ratio")]
     row["decode_x"] = f"{min(dec):.3f}-{max(dec):.3f}" if dec else ""
-    line = next((ln for ln in res.stderr.splitlines() if ln.startswith("TIMELINE ")), None)
-    if line:
-        at, rest = line[len("TIMELINE "):].split(" ", 1)
-        row["timeline"] = rest + f"; exit {end / 1e9 - float(at):.2f}"
     return row
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--inner":
-        inner(sys.argv[2:])
+    ap = parser_or_inner(__doc__, inner, "packed directory (from `sparsekit encode`) or pruned HF directory", 3)
+    if ap is None:
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", help="packed directory (from `sparsekit encode`) or pruned HF directory")
-    ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cold", action="store_true", help="the runs share new, empty caches (the first run is cold)")
-    ap.add_argument("--timeline", action="store_true", help="also mark the phases of each run (see above)")
     ap.add_argument("--batch-sizes", default=None, help="passed to eval (default: its own)")
     args = ap.parse_args()
     if args.runs < 1:
@@ -114,7 +88,7 @@ def main() -> int:
         for i in range(1, args.runs + 1):
             r = run_once(args.model, extra, args.timeline, env)
             if r["rc"]:
-                print(f"run {i} failed (exit {r['rc']}): {r['error'][0]}", file=sys.stderr)
+                print(f"run {i} failed (exit {r['rc']}): {r['error']}", file=sys.stderr)
                 return 1
             label = f"{i} (cold)" if tmp and i == 1 else str(i)
             print(f"| {label} | {r['wall_s']:.1f} | {r['phases']} | {r['prefill_x']} | {r['decode_x']} | "

@@ -11,33 +11,20 @@ generation, and exit (after the last ``atexit`` handler of the marks, the rest o
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
+
+from scripts.bench.wall import parser_or_inner, run_timed, start_marks
 
 PROMPT = "The capital of France is"
 
 
 def inner(argv: list[str]) -> None:
     """Run ``sparsekit`` with ``argv`` in this process, printing a ``TIMELINE`` line to stderr at exit."""
-    t0 = int(os.environ["GENERATE_WALL_T0"]) / 1e9
-    marks = [("python", time.time())]
-
-    def report() -> None:
-        marks.append(("exit handlers", time.time()))
-        parts, prev = [], t0
-        for name, t in marks:
-            parts.append(f"{name} {t - prev:.2f}")
-            prev = t
-        sys.stderr.write(f"TIMELINE {marks[-1][1]:.3f} " + "; ".join(parts) + "\n")
-
-    import atexit
-
-    atexit.register(report)
+    marks = start_marks()
     import torch
 
     marks.append(("import torch", time.time()))
@@ -68,34 +55,21 @@ def inner(argv: list[str]) -> None:
 
 def run_once(model: str, tokens: int, extra: list[str], timeline: bool) -> dict:
     argv = ["generate", model, "-p", PROMPT, "-n", str(tokens), "--json", *extra]
-    t0 = time.time_ns()
-    env = dict(os.environ, GENERATE_WALL_T0=str(t0))
     cmd = ([sys.executable, "-m", "scripts.bench.generate_wall", "--inner", *argv] if timeline
            else [shutil.which("sparsekit") or "sparsekit", *argv])
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    end = time.time_ns()
-    row = {"wall_s": (end - t0) / 1e9, "rc": res.returncode}
+    res, row = run_timed(cmd, dict(os.environ))
     if res.returncode:
-        row["error"] = res.stderr.strip().splitlines()[-1:] or ["?"]
         return row
     d = json.loads(res.stdout)
     row.update({k: d[k] for k in ("new_tokens", "seconds", "first_token_s", "warmup_s", "engine")})
-    line = next((ln for ln in res.stderr.splitlines() if ln.startswith("TIMELINE ")), None)
-    if line:
-        at, rest = line[len("TIMELINE "):].split(" ", 1)
-        row["timeline"] = rest + f"; exit {end / 1e9 - float(at):.2f}"
     return row
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--inner":
-        inner(sys.argv[2:])
+    ap = parser_or_inner(__doc__, inner, "packed or pruned directory, hub id, or smollm2-135m", 5)
+    if ap is None:
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", help="packed or pruned directory, hub id, or smollm2-135m")
-    ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--timeline", action="store_true", help="also mark the phases of each run (see above)")
     ap.add_argument("--device", default=None, help="passed to generate (default: its own)")
     args = ap.parse_args()
     extra = ["--device", args.device] if args.device else []
@@ -105,7 +79,7 @@ def main() -> int:
     for i in range(1, args.runs + 1):
         r = run_once(args.model, args.tokens, extra, args.timeline)
         if r["rc"]:
-            print(f"run {i} failed (exit {r['rc']}): {r['error'][0]}", file=sys.stderr)
+            print(f"run {i} failed (exit {r['rc']}): {r['error']}", file=sys.stderr)
             return 1
         walls.append(r["wall_s"])
         print(f"| {i} | {r['wall_s']:.2f} | {r['new_tokens']} | {r['seconds']:.2f} | {r['first_token_s']:.2f} | "
