@@ -19,6 +19,7 @@ from tests.test_sp24_sim import _weight as _weight24
 from tests.test_spmm_rows_sim import _weight
 
 DEV = "cpu" if SIM else "cuda"
+pytestmark = pytest.mark.warpgroup_sim   # conftest: the switch interval of the warpgroup kernels
 
 
 def _call(layer, x):

@@ -17,6 +17,7 @@ from sparsekit.packed.tcabme import TcaBme, encode
 from tests.test_spmm_rows_sim import _weight
 
 DEV = "cpu" if SIM else "cuda"
+pytestmark = pytest.mark.warpgroup_sim   # conftest: the switch interval of the warpgroup kernels
 if not SIM and not torch.cuda.is_available():  # pragma: no cover - conftest sets the simulator
     pytest.skip("neither the CUDA simulator nor a GPU", allow_module_level=True)
 
