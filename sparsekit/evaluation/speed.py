@@ -23,10 +23,10 @@ rounds of identical matmuls came out slower), and each run is paired with the ot
 prefill ratio reported is the **median of those paired ratios** (packed tokens/s over dense, i.e. dense time
 over packed time), so a slow phase of the host (for seconds after a ``torch.compile``; a prefill of the demo is
 ~20 ms of launching a few hundred kernels, bound by the host) hits both sides of a pair alike instead of one
-model's whole phase. Decode is
-paired the same way because that costs nothing: the same timed loops as before, only ordered alternately.
-Prefill is timed last in each batch size, furthest from its compile. The rows keep each model's absolute
-figures (fastest prefill, median decode step) and, under ``paired``, every pair's ratio and milliseconds.
+model's whole phase. Decode is paired the same way because that costs nothing: the same timed loops as
+before, only ordered alternately. Prefill is timed last in each batch size, furthest from its compile. The
+rows keep each model's absolute figures (fastest prefill, median decode step) and, under ``paired``, every
+pair's ratio and milliseconds.
 
 Sequential (the fallback). Where the dense twin and both models' KV caches and activations would not
 fit in the free GPU memory (``speed_twin.pairing_obstacle``: an estimate from the parameter bytes and
