@@ -62,9 +62,13 @@ def planned_kernel(device: torch.device, m: int, kp: int, n: int, kernel: str | 
 def slab_tokens(device: torch.device, m: int, k: int, n: int) -> int:
     """The tokens a tile of the X slabs that ``tcabme_matmul`` (no tuning) reads for an ``m x k`` weight at ``n``
     tokens, where its kernel is spmm_ws (``sp24_ws.x_slabs`` at that width); 0 where the kernel reads X itself."""
-    from .sp24_plan import wg_tokens
+    from . import launch
+    from .spmm_ws_plan import ws_plan
 
-    return wg_tokens(n) if n > 0 and planned_kernel(device, m, -(-k // 64) * 64, n) == "ws" else 0
+    kp = -(-k // 64) * 64
+    if n < 1 or planned_kernel(device, m, kp, n) != "ws":
+        return 0
+    return ws_plan(m, kp // 64, n, launch.sm_count(device))[0].nt   # spmm_ws's own plan, as it will launch
 
 
 def ws_checked(device: torch.device) -> bool:
