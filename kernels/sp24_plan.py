@@ -119,7 +119,7 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = F
     tall, deep = m >= WG_MIN_M, k >= WG_DEEP_K
     if wg_ok and not hybrid and tall and deep and n <= WS_MIN_N:
         return "wg"
-    if wg_ok and not hybrid and deep and m <= WG_FEW_MAX_M and n <= WG_FEW_N:
+    if wg_ok and not hybrid and wg_few(m, k, n):
         return "wg"
     if wg_ok and not hybrid and (m >= WS_MIN_M or deep) and WS_MIN_N <= n <= WS_MAX_N:
         return "ws"
@@ -204,6 +204,12 @@ WG_FEW_STAGES = 6               # this deep a ring and a K split of about WG_FEW
 WG_FEW_PER_SM = 2
 
 
+def wg_few(m: int, k: int, n: int) -> bool:
+    """The few-token case of sp24_wg (``kernel_for``, ``wg_plan``): up to WG_FEW_N tokens on K-deep weights
+    (WG_DEEP_K columns or more) of WG_FEW_MAX_M rows or fewer."""
+    return n <= WG_FEW_N and m <= WG_FEW_MAX_M and k >= WG_DEEP_K
+
+
 def wg_tokens(n: int) -> int:
     """Tokens per output tile: the smallest of WG_NTS that covers ``n`` (the widest past that)."""
     for nt in WG_NTS:
@@ -286,7 +292,7 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
         r = strips_ or (2 if tall else 1)
         wg = groups_ or (2 if (tall or nt >= 64) and m > 64 * r else 1)
         rb = -(-gm // (r * wg))
-        few = n <= WG_FEW_N and m <= WG_FEW_MAX_M and gk * 64 >= WG_DEEP_K   # kernel_for's few-token case
+        few = wg_few(m, gk * 64, n)
         rule = (1, gk) if tall else rows_splits(rb * chunks, gk, sms, n, WG_FEW_PER_SM if few else None)
         st = stages_ or (WG_FEW_STAGES if few else WG_STAGES)
     ks, per, blocks = split_work(rb * chunks, gk, None if splits_ else rule, splits_)
