@@ -65,6 +65,15 @@ def long_lived(enabled: bool | None = None) -> Iterator[None]:
 _lives_to_exit = False   # set by ``long_lived`` when it froze what it made
 
 
+def ends_at_once() -> None:
+    """Say that the command's work is done and what it made is the OS's to free (``eval``: the models, Inductor's
+    compiled graphs, the CUDA graphs): the console script then ends without the interpreter's teardown
+    (:func:`finish`), as after ``long_lived``. On an H200, ~1.6 s of ``eval --speed``'s wall time was that
+    teardown (docs/benchmarks.md "Session 22"). Only where the CLI owns the process (``own_process``)."""
+    global _lives_to_exit
+    _lives_to_exit = _own_process
+
+
 def _other_threads_running() -> bool:
     main = threading.main_thread()
     return any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate())
@@ -72,7 +81,7 @@ def _other_threads_running() -> bool:
 
 def finish(code: Any = 0) -> None:
     """The console script's end (``main``, with the exit code): after a command that succeeded and whose
-    objects lived to the exit (``long_lived``: ``generate``), the process ends here with ``os._exit(0)``
+    objects lived to the exit (``long_lived``: ``generate``; ``ends_at_once``: ``eval``), the process ends here with ``os._exit(0)``
     once Python's exit handlers (``atexit``) have run and stdout and stderr are flushed. What is skipped is
     the interpreter's teardown of ~3000 modules and the model, object by object, which the OS takes back at
     once anyway (~0.15 s on a 2-core CPU machine; with a CUDA context, more). In every other case it returns

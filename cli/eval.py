@@ -7,7 +7,8 @@ import typer
 from rich.markup import escape
 
 from sparsekit.cli import render
-from sparsekit.cli.common import JSON_OPTION, console, emit_json, err_console, handle_errors, progress_bar
+from sparsekit.cli.common import (JSON_OPTION, console, emit_json, ends_at_once, err_console, handle_errors,
+                                  progress_bar)
 
 HELP = (
     "Evaluate a model: perplexity (--ppl, the default), zero-shot task accuracy through lm-evaluation-harness "
@@ -161,6 +162,7 @@ def eval_cmd(
                 err_console.print(f"[green]wrote[/] {report['speed']['plot']}")
     if json_out:
         emit_json(_finite_or_null(report))
+    ends_at_once()   # the console script ends without tearing down the models and compiled graphs one by one
 
 
 def _finite_or_null(obj):

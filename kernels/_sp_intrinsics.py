@@ -7,7 +7,7 @@
   ``mma.sync.m16n8k16`` for a dense one (the same B registers serve both);
 - ``ldmatrix_x4``: ``ldmatrix.sync.aligned.m8n8.x4.shared.b16`` (the B fragments of 32 columns
   of 8 staged token rows);
-- ``ldg128`` / ``sts128``: 16-byte global loads (``ld.global.nc.v4.u32``) and shared stores;
+- ``ldg128`` / ``stg128`` / ``sts128``: 16-byte global loads (``ld.global.nc.v4.u32``), global stores and shared stores;
 - ``cp16`` / ``cp_commit``: one 16-byte ``cp.async.cg`` global-to-shared copy (a source size of 0
   writes zeros) and the end of a copy group (waited for with ``cp_wait*``: 0-2 in ``_intrinsics``,
   ``cp_wait3`` .. ``cp_wait6`` here, for rings of up to 8 stages).

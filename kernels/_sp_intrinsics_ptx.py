@@ -16,7 +16,7 @@ from numba.cuda.extending import intrinsic
 from ._intrinsics_ptx import _asm_stmt, _asm_tuple, mma
 from .compat_numba import cuda_typing
 
-__all__ = ["cp16", "cp_commit", "cp_wait3", "cp_wait4", "cp_wait5", "cp_wait6", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
+__all__ = ["cp16", "cp_commit", "cp_wait3", "cp_wait4", "cp_wait5", "cp_wait6", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "stg128", "sts128"]
 
 types, cgutils = cuda_typing()
 
@@ -55,6 +55,23 @@ def _ldg128(typingctx, arr, i):
         asm = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,l")
         res = builder.call(asm, [ptr])
         return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(4)])
+
+    return sig, codegen
+
+
+@intrinsic
+def _stg128(typingctx, arr, i, w0, w1, w2, w3):
+    u = types.uint32
+    sig = types.void(arr, types.int64, u, u, u, u)
+
+    def codegen(context, builder, sig, args):
+        aty = sig.args[0]
+        ary = context.make_array(aty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aty, ary, [args[1]], wraparound=False)
+        fnty = ir.FunctionType(ir.VoidType(), [ptr.type] + [_i32] * 4)
+        asm = ir.InlineAsm(fnty, "st.global.v4.u32 [$0], {$1,$2,$3,$4};", "l,r,r,r,r,~{memory}", side_effect=True)
+        builder.call(asm, [ptr] + list(args[2:]))
+        return context.get_dummy_value()
 
     return sig, codegen
 
@@ -125,6 +142,11 @@ def ldmatrix_x4(scr, tid, d32, addr):
 @cuda.jit(device=True, inline=True)
 def ldg128(arr, i):
     return _ldg128(arr, np.int64(i))
+
+
+@cuda.jit(device=True, inline=True)
+def stg128(arr, i, w0, w1, w2, w3):
+    _stg128(arr, np.int64(i), np.uint32(w0), np.uint32(w1), np.uint32(w2), np.uint32(w3))
 
 
 @cuda.jit(device=True, inline=True)

@@ -14,7 +14,7 @@ import numpy as np
 from ._intrinsics_sim import _soff
 from .compat_numba import sim_syncthreads
 
-__all__ = ["cp16", "cp_commit", "cp_wait3", "cp_wait4", "cp_wait5", "cp_wait6", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "sts128"]
+__all__ = ["cp16", "cp_commit", "cp_wait3", "cp_wait4", "cp_wait5", "cp_wait6", "ldg128", "ldmatrix_x4", "mma_k32", "mma_sp", "stg128", "sts128"]
 
 _W = 13   # scratch words per lane of one exchange: a0..a7, b0..b3, metadata
 
@@ -101,6 +101,15 @@ def ldg128(arr, i):
     """Words ``i .. i+3`` of a 32-bit array (16 bytes, ``i`` a multiple of 4)."""
     i = int(i)
     return tuple(np.uint32(int(arr[i + q]) & 0xFFFFFFFF) for q in range(4))
+
+
+def stg128(arr, i, w0, w1, w2, w3):
+    """Words ``i .. i+3`` of a 32-bit global array (16 bytes, ``i`` a multiple of 4) = ``w0 .. w3``."""
+    i = int(i)
+    if i % 4:
+        raise ValueError(f"stg128: word {i} is not a multiple of 4 (the GPU store would be misaligned)")
+    for q, w in enumerate((w0, w1, w2, w3)):
+        arr[i + q] = np.uint32(int(w) & 0xFFFFFFFF).view(arr.dtype)
 
 
 def sts128(d32, addr, w0, w1, w2, w3):

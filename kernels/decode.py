@@ -1,10 +1,12 @@
 """TCA-BME -> dense on the GPU in one kernel: the prefill path (decode once, then cuBLAS).
 
-One block per GroupTile, one warp per strip, one lane per half-BitmapTile (4 rows x 8 columns):
-the lane's values are contiguous in the format, so after a warp scan of the 32 popcounts each
-lane walks its own bits, reads its values in order and writes its four 16-byte row pieces of the
-dense weight (eight lanes write one 128-byte row of the strip). Values are copied as bit
-patterns: fp16 and bf16 alike, bit-exact.
+One block of 4 warps per GroupTile (64x64), one warp per strip, one lane per half-BitmapTile (4 rows x 8
+columns). The GroupTile's values are contiguous in the format: the block first copies them into shared memory
+with 16-byte ``cp.async`` copies of the values' storage (one per thread and 16 bytes, coalesced; the
+storage's last words, past its last whole 16 bytes, word by word), while each lane counts its bits and a warp
+scan gives it the offset of its first value. Then each lane walks its own 32 bits, takes its values from
+shared memory in order and writes its four 16-byte row pieces of the dense weight with one 16-byte store
+each (eight lanes write one 128-byte row). Values are copied as bit patterns: fp16 and bf16 alike, bit-exact.
 """
 from __future__ import annotations
 
@@ -13,42 +15,78 @@ import torch
 from numba import cuda
 
 from . import kcache
-from ._intrinsics import SCRATCH_WORDS
-from ._warp_intrinsics import scan_counts
+from ._intrinsics import SCRATCH_WORDS, cp_wait0
+from ._sp_intrinsics import cp16, cp_commit, stg128
+from ._warp_intrinsics import byte_addr, scan_counts
+from .block import dynamic_smem
 
 THREADS = 128   # 4 warps: the 4 strips of a GroupTile
+CHUNKS = 4096 // 8 + 1   # 16-byte pieces of one GroupTile's values (at most 4096 halves) and one for the offset
+DYN = 16 * CHUNKS
 _KERNEL = []
 
 
 def _build():
+    u32 = np.uint32
+
+    @cuda.jit(device=True, inline=True)
+    def pair(d32, bits, sh, p):
+        """The 32-bit word of the two columns at bits ``sh``, ``sh + 1`` (zero where a bit is clear), and the
+        next value's index. Branch-free: both halves are read (past the tile's values, stale shared memory,
+        masked off), so the warp's lanes never diverge."""
+        b0 = (bits >> u32(sh)) & u32(1)
+        lo = (d32[p >> 1] >> u32(16 * (p & 1))) & u32(0xFFFF) & (u32(0xFFFFFFFF) * b0)
+        p += b0
+        b1 = (bits >> u32(sh + 1)) & u32(1)
+        hi = ((d32[p >> 1] >> u32(16 * (p & 1))) << u32(16)) & (u32(0xFFFFFFFF) * b1)
+        return hi | lo, p + b1
+
     @cuda.jit
-    def kernel(bm, vals, soff, out, gk_n, ldo):
+    def kernel(bm, w32, v16, goff, soff, out, gk_n, ldo, base, nw32, nh, g0):
+        d64, d32, _ = dynamic_smem()
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
         tid = cuda.threadIdx.x
-        s = tid >> 5
-        h = tid & 31
-        g = cuda.blockIdx.x
+        g = g0 + cuda.blockIdx.x
         gm = g // gk_n
         gk = g - gm * gk_n
+        start = base + np.int64(goff[g])          # halves from the values' storage start
+        end = base + np.int64(goff[g + 1])
+        c0 = start >> 3
+        c = c0 + tid
+        sb = byte_addr(d64, 0)
+        while c < (end + 7) >> 3:                  # this tile's 16-byte pieces of the storage
+            wi = 4 * c
+            if wi + 4 <= nw32:
+                cp16(d32, sb + u32(16 * (c - c0)), w32, wi, 16)
+            else:                                  # the storage's tail: word by word, an odd last half alone
+                for q in range(4):
+                    j = wi + q
+                    word = u32(0)
+                    if j < nw32:
+                        word = u32(w32[j])
+                    elif 2 * j < nh:
+                        word = u32(v16[2 * j]) & u32(0xFFFF)
+                    d32[4 * (c - c0) + q] = word
+            c += THREADS
+        cp_commit()
+        s = tid >> 5
+        h = tid & 31
         b = h >> 1                     # BitmapTile in the strip: TCTile b >> 2, quadrant b & 3
         half = h & 1                   # rows 0-3 or 4-7 of it
-        word = bm[64 * g + 16 * s + b]
-        bits = np.uint32((word >> (32 * half)) & 0xFFFFFFFF)
-        ptr = np.int64(soff[4 * g + s]) + np.int64(scan_counts(scr, tid, np.uint32(cuda.popc(bits))))
+        word64 = bm[64 * g + 16 * s + b]
+        bits = u32((word64 >> (32 * half)) & 0xFFFFFFFF)
+        p = (start - 8 * c0) + np.int64(soff[4 * g + s] - goff[g]) + np.int64(scan_counts(scr, tid, u32(cuda.popc(bits))))
+        cp_wait0()
+        cuda.syncthreads()
         q = b & 3
-        row = 64 * gm + 16 * s + 8 * (q & 1) + 4 * half
+        row = 64 * (gm - g0 // gk_n) + 16 * s + 8 * (q & 1) + 4 * half
         col = (64 * gk + 16 * (b >> 2) + 8 * (q >> 1)) >> 1     # in 32-bit words (2 values)
         for i in range(4):
-            for jw in range(4):
-                lo = np.int32(0)
-                hi = np.int32(0)
-                if (bits >> np.uint32(8 * i + 2 * jw)) & np.uint32(1):
-                    lo = np.int32(vals[ptr]) & 0xFFFF
-                    ptr += 1
-                if (bits >> np.uint32(8 * i + 2 * jw + 1)) & np.uint32(1):
-                    hi = np.int32(vals[ptr]) << 16
-                    ptr += 1
-                out[(row + i) * ldo + col + jw] = hi | lo
+            a0, p = pair(d32, bits, 8 * i, p)
+            a1, p = pair(d32, bits, 8 * i + 2, p)
+            a2, p = pair(d32, bits, 8 * i + 4, p)
+            a3, p = pair(d32, bits, 8 * i + 6, p)
+            stg128(out, (row + i) * ldo + col, a0, a1, a2, a3)
 
     return kernel
 
@@ -60,30 +98,44 @@ def get_kernel():
     return _KERNEL[0]
 
 
-def tcabme_decode(w, out: torch.Tensor | None = None) -> torch.Tensor:
+def tcabme_decode(w, out: torch.Tensor | None = None, tile_rows: tuple[int, int] | None = None) -> torch.Tensor:
     """The dense ``[M, K]`` weight of a CUDA TCA-BME weight ``w`` (bit-exact, in its values' dtype), on
     torch's current stream. ``out``: a contiguous buffer of the values' dtype with at least
     ``padded_numel(w)`` elements to write into (the result is a view of it, rows padded to a multiple of 64
-    columns); else a new tensor."""
+    columns); else a new tensor. ``tile_rows=(a, b)``: only the GroupTile rows ``a`` to ``b - 1`` (the
+    weight's rows ``64a`` to ``64b - 1``, cut at M), into the first ``(b - a) * 64 * 64 * gk`` elements of
+    ``out``."""
     from . import launch
 
     m, k = w.shape
     gm, gk = w.grid
+    a, b = tile_rows or (0, gm)
+    if not 0 <= a <= b <= gm:
+        raise ValueError(f"tcabme_decode: tile_rows {tile_rows} is not within the {gm} GroupTile rows")
+    need = (b - a) * gk * 4096
     if out is None:
-        out = torch.empty((gm * 64, gk * 64), dtype=w.values.dtype, device=w.values.device)
+        out = torch.empty(((b - a) * 64, gk * 64), dtype=w.values.dtype, device=w.values.device)
     else:
-        if out.dtype != w.values.dtype or not out.is_contiguous() or out.numel() < gm * gk * 4096:
+        if out.dtype != w.values.dtype or not out.is_contiguous() or out.numel() < need:
             raise ValueError(f"tcabme_decode: out must be a contiguous {w.values.dtype} buffer of at least "
-                             f"{gm * gk * 4096} elements")
-        out = out.reshape(-1)[: gm * gk * 4096].view(gm * 64, gk * 64)
-    if gm * gk and w.values.numel():
-        launch.launch_tensors(get_kernel(), gm * gk, THREADS,
-                              (w.bitmaps.view(torch.int64), w.values.view(torch.int16), w.strip_offsets,
+                             f"{need} elements")
+        out = out.reshape(-1)[:need].view((b - a) * 64, gk * 64)
+    if out.data_ptr() % 16:
+        raise ValueError("tcabme_decode: out must start on a 16-byte boundary")
+    if b > a and w.values.numel():
+        vals = w.values
+        if vals.untyped_storage().data_ptr() % 16:   # the 16-byte copies read the storage from its start
+            vals = vals.clone()
+        st = vals.untyped_storage()
+        w32 = torch.empty(0, dtype=torch.int32, device=vals.device).set_(st, 0, (st.nbytes() // 4,))
+        v16 = torch.empty(0, dtype=torch.int16, device=vals.device).set_(st, 0, (st.nbytes() // 2,))
+        launch.launch_tensors(get_kernel(), (b - a) * gk, THREADS,
+                              (w.bitmaps.view(torch.int64), w32, v16, w.gtile_offsets, w.strip_offsets,
                                out.view(-1).view(torch.int32)),
-                              (gk, gk * 32))
+                              (gk, gk * 32, vals.storage_offset(), w32.numel(), v16.numel(), a * gk), dyn=DYN)
     else:
         out.zero_()
-    return out[:m, :k]
+    return out[:min(m, 64 * b) - 64 * a, :k]
 
 
 def padded_numel(w) -> int:

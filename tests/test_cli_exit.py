@@ -15,12 +15,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import atexit, sys, threading
 from sparsekit.cli import common
-own, code, thread = {own!r}, {code!r}, {thread!r}
+own, code, thread, at_once = {own!r}, {code!r}, {thread!r}, {at_once!r}
 atexit.register(lambda: print("ATEXIT", flush=True))
 if own:
     common.own_process()
-with common.long_lived():
-    pass
+if at_once:   # eval: nothing frozen, the work is done
+    common.ends_at_once()
+else:
+    with common.long_lived():
+        pass
 if thread:
     gate = threading.Event()
     threading.Thread(target=gate.wait).start()
@@ -33,19 +36,20 @@ if thread:
 """
 
 
-def run(own: bool = True, code=0, thread: bool = False) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT.format(own=own, code=code, thread=thread)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+def run(own: bool = True, code=0, thread: bool = False, at_once: bool = False) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", SCRIPT.format(own=own, code=code, thread=thread, at_once=at_once)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-def test_after_a_long_lived_command_the_process_ends_at_once_handlers_run_and_output_flushed():
-    res = run()
+@pytest.mark.parametrize("at_once", [False, True])
+def test_after_a_long_lived_command_the_process_ends_at_once_handlers_run_and_output_flushed(at_once):
+    res = run(at_once=at_once)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout == "OUTATEXIT\n"   # flushed, then the handlers; nothing after finish ran
 
 
 @pytest.mark.parametrize("case", [dict(code=2), dict(code=130), dict(code="message"), dict(own=False),
-                                  dict(thread=True)])
+                                  dict(thread=True), dict(at_once=True, own=False), dict(at_once=True, code=2)])
 def test_otherwise_python_exits_as_usual(case):
     res = run(**case)
     assert res.returncode == 0, res.stderr[-2000:]

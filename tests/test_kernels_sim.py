@@ -154,3 +154,25 @@ def test_decode_kernel_is_bit_exact(m, k, sparsity, dtype):
     assert d2.data_ptr() == buf.data_ptr() and torch.equal(d2.cpu().view(torch.int16), w.view(torch.int16))
     with pytest.raises(ValueError, match="at least"):
         tcabme_decode(p, out=buf[:10])
+
+
+@pytest.mark.parametrize("offset,tail", [(0, 0), (3, 0), (1, 5), (6, 1)])
+def test_decode_kernel_reads_values_at_any_offset(offset, tail):
+    """The decode kernel copies each GroupTile's values by 16-byte pieces of their storage: values that start
+    ``offset`` halves into a larger storage, with ``tail`` halves after them, decode bit-exactly (odd
+    storage ends included: the word-by-word tail reads the last value alone at offset 3, tail 0)."""
+    from sparsekit.kernels.decode import tcabme_decode
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(128, 192, generator=g).half()
+    w = torch.where(torch.rand(128, 192, generator=g) < 0.6, torch.zeros_like(w), w)
+    w[64:, 128:] = torch.rand(64, 64, generator=g).half() + 0.5   # the last GroupTile dense: no padding after
+    p = encode(w)                                                   # its last value, the storage's last half
+    n = p.values.numel()
+    store = torch.full((offset + n + tail,), float("nan"), dtype=torch.float16)
+    store[offset:offset + n] = p.values
+    q = p.to(DEV)
+    q.values = store.to(DEV)[offset:offset + n]
+    assert q.values.storage_offset() == offset
+    d = tcabme_decode(q)
+    assert torch.equal(d.cpu().view(torch.int16), w.view(torch.int16))

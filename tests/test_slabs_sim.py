@@ -114,3 +114,20 @@ def test_a_compiled_call_makes_the_slabs_in_its_own_graph(monkeypatch):
         torch._dynamo.reset()
     assert made == []
     assert float((y.cpu().double() - ref).norm() / ref.norm()) < 1e-3
+
+
+def test_a_step_compiled_for_a_dynamic_batch_is_specialised_and_makes_the_slabs_in_its_graph(monkeypatch):
+    """A step compiled with a symbolic batch size (torch's automatic dynamic shapes, from the second batch size
+    on) is specialised on it where the kernels choose a tile width: the compile neither fails nor breaks the
+    graph (session 23: it failed with "SymNodeVariable() is not a constant"), and the slabs are the traced copy."""
+    layer, x, ref, made = _layer_on_the_kernels(monkeypatch, 25, 6)
+    monkeypatch.setenv("SPARSEKIT_KERNEL", "ws")
+    matmul.reset_kernel_choice()
+    torch._dynamo.reset()
+    try:
+        y = torch.compile(lambda t: _call(layer, t), backend="aot_eager", fullgraph=True, dynamic=True)(x)
+    finally:
+        matmul.reset_kernel_choice()
+        torch._dynamo.reset()
+    assert made == []
+    assert float((y.cpu().double() - ref).norm() / ref.norm()) < 1e-3

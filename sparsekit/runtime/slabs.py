@@ -9,9 +9,17 @@ code: in a ``torch.compile``-d decode step Inductor can write X in that layout f
 
 ``tcabme_slabs`` and ``sp24_slabs`` give a ``SparseLinear``'s kernel op the slabs where the kernel that will run
 reads them, else None. Which kernel runs, at which tile width, the kernels' own functions decide
-(``kernels.matmul.slab_tokens``, ``kernels.sp24.slab_tokens``), once per shape inside a compiled step.
+(``kernels.matmul.slab_tokens``, ``kernels.sp24.slab_tokens``), once per shape inside a compiled step. A step
+compiled for a dynamic batch (torch's automatic dynamic shapes: from the second batch size of ``eval --speed`` or
+``bench_e2e`` on) is specialised on its batch size here (``operator.index``, which Dynamo answers with a number and a guard:
+one compile per batch size, as the kernels choose per token count anyway). A symbolic size given to the
+constant-result call failed the compile (session 23: "SymNodeVariable() is not a constant"); ``int()`` keeps it
+symbolic, and telling a symbolic size from a number is not possible through public API there (``isinstance``
+says int; ``statically_known_true`` knows the range the step's guards bound it to).
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +58,12 @@ def slabs(x: torch.Tensor, nt: int) -> torch.Tensor:
 def tcabme_slabs(layer, x: torch.Tensor) -> torch.Tensor | None:
     """The slabs ``layer``'s (a ``SparseLinear``) TCA-BME kernel will read for ``x`` [N, K] (fp16, contiguous,
     on its GPU), or None where that kernel reads X itself."""
-    nt = _tcabme_tokens(x.device.index, layer.out_features, layer.in_features, x.shape[0])
+    nt = _tcabme_tokens(x.device.index, layer.out_features, layer.in_features, operator.index(x.shape[0]))
     return slabs(x, nt) if nt else None
 
 
 def sp24_slabs(layer, x: torch.Tensor) -> torch.Tensor | None:
     """The same for ``layer``'s 2:4 mosaic kernel."""
-    nt = _sp24_tokens(x.device.index, layer.out_features, layer.in_features, x.shape[0],
+    nt = _sp24_tokens(x.device.index, layer.out_features, layer.in_features, operator.index(x.shape[0]),
                       layer.sp24_dense.numel() > 0)
     return slabs(x, nt) if nt else None
