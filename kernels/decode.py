@@ -42,11 +42,11 @@ def _build():
         return hi | lo, p + b1
 
     @cuda.jit
-    def kernel(bm, w32, v16, goff, soff, out, gk_n, ldo, base, nw32, nh, g0):
+    def kernel(bm, w32, v16, goff, soff, out, gk_n, ldo, base, nw32, nh):
         d64, d32, _ = dynamic_smem()
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
         tid = cuda.threadIdx.x
-        g = g0 + cuda.blockIdx.x
+        g = cuda.blockIdx.x
         gm = g // gk_n
         gk = g - gm * gk_n
         start = base + np.int64(goff[g])          # halves from the values' storage start
@@ -79,7 +79,7 @@ def _build():
         cp_wait0()
         cuda.syncthreads()
         q = b & 3
-        row = 64 * (gm - g0 // gk_n) + 16 * s + 8 * (q & 1) + 4 * half
+        row = 64 * gm + 16 * s + 8 * (q & 1) + 4 * half
         col = (64 * gk + 16 * (b >> 2) + 8 * (q >> 1)) >> 1     # in 32-bit words (2 values)
         for i in range(4):
             a0, p = pair(d32, bits, 8 * i, p)
@@ -98,44 +98,38 @@ def get_kernel():
     return _KERNEL[0]
 
 
-def tcabme_decode(w, out: torch.Tensor | None = None, tile_rows: tuple[int, int] | None = None) -> torch.Tensor:
+def tcabme_decode(w, out: torch.Tensor | None = None) -> torch.Tensor:
     """The dense ``[M, K]`` weight of a CUDA TCA-BME weight ``w`` (bit-exact, in its values' dtype), on
     torch's current stream. ``out``: a contiguous buffer of the values' dtype with at least
-    ``padded_numel(w)`` elements to write into (the result is a view of it, rows padded to a multiple of 64
-    columns); else a new tensor. ``tile_rows=(a, b)``: only the GroupTile rows ``a`` to ``b - 1`` (the
-    weight's rows ``64a`` to ``64b - 1``, cut at M), into the first ``(b - a) * 64 * 64 * gk`` elements of
-    ``out``."""
+    ``padded_numel(w)`` elements to write into, starting on a 16-byte boundary (the result is a view of it,
+    rows padded to a multiple of 64 columns); else a new tensor."""
     from . import launch
 
     m, k = w.shape
     gm, gk = w.grid
-    a, b = tile_rows or (0, gm)
-    if not 0 <= a <= b <= gm:
-        raise ValueError(f"tcabme_decode: tile_rows {tile_rows} is not within the {gm} GroupTile rows")
-    need = (b - a) * gk * 4096
     if out is None:
-        out = torch.empty(((b - a) * 64, gk * 64), dtype=w.values.dtype, device=w.values.device)
+        out = torch.empty((gm * 64, gk * 64), dtype=w.values.dtype, device=w.values.device)
     else:
-        if out.dtype != w.values.dtype or not out.is_contiguous() or out.numel() < need:
+        if out.dtype != w.values.dtype or not out.is_contiguous() or out.numel() < gm * gk * 4096:
             raise ValueError(f"tcabme_decode: out must be a contiguous {w.values.dtype} buffer of at least "
-                             f"{need} elements")
-        out = out.reshape(-1)[:need].view((b - a) * 64, gk * 64)
+                             f"{gm * gk * 4096} elements")
+        out = out.reshape(-1)[: gm * gk * 4096].view(gm * 64, gk * 64)
     if out.data_ptr() % 16:
-        raise ValueError("tcabme_decode: out must start on a 16-byte boundary")
-    if b > a and w.values.numel():
+        raise ValueError("tcabme_decode: out must start on a 16-byte boundary (the kernel's 16-byte stores)")
+    if gm * gk and w.values.numel():
         vals = w.values
         if vals.untyped_storage().data_ptr() % 16:   # the 16-byte copies read the storage from its start
             vals = vals.clone()
         st = vals.untyped_storage()
         w32 = torch.empty(0, dtype=torch.int32, device=vals.device).set_(st, 0, (st.nbytes() // 4,))
         v16 = torch.empty(0, dtype=torch.int16, device=vals.device).set_(st, 0, (st.nbytes() // 2,))
-        launch.launch_tensors(get_kernel(), (b - a) * gk, THREADS,
+        launch.launch_tensors(get_kernel(), gm * gk, THREADS,
                               (w.bitmaps.view(torch.int64), w32, v16, w.gtile_offsets, w.strip_offsets,
                                out.view(-1).view(torch.int32)),
-                              (gk, gk * 32, vals.storage_offset(), w32.numel(), v16.numel(), a * gk), dyn=DYN)
+                              (gk, gk * 32, vals.storage_offset(), w32.numel(), v16.numel()), dyn=DYN)
     else:
         out.zero_()
-    return out[:min(m, 64 * b) - 64 * a, :k]
+    return out[:m, :k]
 
 
 def padded_numel(w) -> int:

@@ -95,7 +95,7 @@ def test_sparse_linear_matches_linear_any_leading_dims():
 @pytest.mark.parametrize("shape,sparsity", [((70, 130), 0.5), ((64, 64), 0.0), ((64, 64), 1.0), ((200, 300), 0.7)])
 def test_decode_dense_is_bit_exact(shape, sparsity):
     """The sync-free GPU decode (prefill path) rebuilds exactly the encoded bits, -0.0 included."""
-    from sparsekit.runtime.sparse_linear import decode_dense
+    from sparsekit.packed.tcabme import decode_dense
     from sparsekit.packed.tcabme import encode
 
     g = torch.Generator().manual_seed(sum(shape))

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from scripts.common import save_stub_tokenizer
 from sparsekit.runtime.timing import time_ms as cuda_time_ms
-from sparsekit.packed.tcabme import decode, encode
-from sparsekit.runtime.sparse_linear import SparseLinear, decode_dense, kernel as sparse_kernel
+from sparsekit.packed.tcabme import decode, decode_dense, encode
+from sparsekit.runtime.sparse_linear import SparseLinear, kernel as sparse_kernel
 from sparsekit.runtime.swap import sparsify
 from scripts.common import cuda_or_exit
 
@@ -117,6 +117,21 @@ def check_correctness(results: dict) -> None:
         ref = x.double() @ decode(lin.packed).double().t()
         e = rel_err(y, ref)
         check(bool(torch.isfinite(y).all()) and e < 1e-2, f"SparseLinear N={n}: rel err vs float64 {e:.2e}")
+
+    # above dense_above inside a compiled step replayed from a CUDA graph: the decode kernel through the op
+    for n in (lin.dense_above + 1, 130):
+        xs = torch.randn(n, lin.in_features, device="cuda", dtype=torch.float16)
+        fn = torch.compile(lin, fullgraph=True, dynamic=False)
+        fn(xs)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            ys = fn(xs)
+        xs.copy_(torch.randn_like(xs))
+        ys.fill_(float("nan"))
+        graph.replay()
+        e = rel_err(ys, xs.double() @ decode(lin.packed).double().t())
+        check(bool(torch.isfinite(ys).all()) and e < 1e-2, f"SparseLinear N={n} compiled, graph-replayed (decode "
+                                                           f"kernel in the op): rel err vs float64 {e:.2e}")
 
     # CUDA graphs vs eager: same greedy tokens
     from sparsekit.runtime.fusion import equalize_packed_sizes

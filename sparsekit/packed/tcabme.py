@@ -303,3 +303,25 @@ def _decode(packed: TcaBme) -> torch.Tensor:
     _scatter(buf.reshape(-1), mask.reshape(-1), packed.values.contiguous().view(torch.int16))
     dense = _tile_view(buf, gm, gk).permute(0, 2, 5, 6, 1, 3, 4, 7).reshape(gm * GROUP, gk * GROUP)
     return dense[:m, :k].contiguous().view(packed.values.dtype)
+
+
+def decode_dense(packed: TcaBme) -> torch.Tensor:
+    """The dense ``[M, K]`` weight, bit-exact like ``tcabme.decode`` but with fixed-size tensor
+    ops only: no host synchronisation and no data-dependent shapes, so it runs on a GPU without the bundled
+    kernels (``sparsekit.kernels.decode`` is 10-25x faster) and could be captured. The value of the element at
+    bit ``j`` of BitmapTile ``i`` (GroupTile ``g``) is ``values[gtile_offsets[g] + (set bits of g before it)]``.
+    """
+    m, k = packed.shape
+    gm, gk = packed.grid
+    ngt = gm * gk
+    dev = packed.values.device
+    weights = torch.tensor([1 << c for c in range(8)], dtype=torch.uint8, device=dev)
+    rows = packed.bitmaps.contiguous().view(torch.uint8).reshape(ngt, 64 * 8, 1)   # byte = tile row
+    mask = ((rows & weights) != 0).reshape(ngt, 64 * 64)        # value order inside each GroupTile
+    rank = torch.cumsum(mask, dim=1, dtype=torch.int32)         # 1-based rank of each set bit
+    idx = (rank + packed.gtile_offsets[:-1, None].to(torch.int32)) * mask  # 0 where the bit is clear
+    ext = torch.cat([packed.values.new_zeros(1), packed.values])  # ext[0] = 0, ext[1 + v] = values[v]
+    tiles = ext[idx]                                             # [NGT, 4096]
+    # (gm, gk, s, t, colhalf, rowhalf, r, c) -> (gm, s, rowhalf, r, gk, t, colhalf, c)
+    x = tiles.reshape(gm, gk, 4, 4, 2, 2, 8, 8).permute(0, 2, 5, 6, 1, 3, 4, 7)
+    return x.reshape(gm * 64, gk * 64)[:m, :k]

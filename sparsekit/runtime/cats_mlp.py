@@ -33,7 +33,8 @@ from sparsekit.kernels.common import SIM
 from sparsekit.hf.modules import find_gated_mlps, set_submodule
 from sparsekit.packed.rowpack import rowpack
 from sparsekit.runtime.cats import CatsActivation
-from sparsekit.runtime.sparse_linear import SparseLinear, decode_dense, kernel
+from sparsekit.packed.tcabme import decode_dense
+from sparsekit.runtime.sparse_linear import SparseLinear, kernel
 
 DEFAULT_MAX_TOKENS = 1
 

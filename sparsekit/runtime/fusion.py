@@ -17,8 +17,8 @@ from torch import nn
 
 from sparsekit.hf.compat import is_llama_rms_norm
 from sparsekit.hf.modules import set_submodule
-from sparsekit.packed.tcabme import encode
-from sparsekit.runtime.sparse_linear import SparseLinear, decode_dense, release_kernel_caches
+from sparsekit.packed.tcabme import decode_dense, encode
+from sparsekit.runtime.sparse_linear import SparseLinear, release_kernel_caches
 
 
 def prepare_for_decode(model: nn.Module, *, fuse_norms: bool = True, fuse_proj: bool = True,

@@ -9,8 +9,8 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
   ``sp24_from_n <= N`` (when nonzero), the 2:4 tile-mosaic kernel ``sparsekit.kernels.sp24.sp24_matmul``.
 * CUDA, ``N > dense_above`` with a kept dense copy (``runtime.dispatch``, ``prefer="speed"``) ->
   ``F.linear`` on that copy.
-* CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (``sparsekit.kernels.decode``;
-  ``decode_dense`` inside a compiled or captured step: no host sync), then ``F.linear`` (cuBLAS). The threshold
+* CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (``sparsekit.kernels.decode``,
+  inside a compiled or captured step too, through the op ``tcabme_mm``: no host sync), then ``F.linear`` (cuBLAS). The threshold
   was measured by ``scripts/checks/gpu_runtime.py`` (docs/benchmarks.md, "End to end"); override it with
   ``SPARSEKIT_DENSE_ABOVE`` or per module (``layer.dense_above = n``).
 * Anything else (CPU, bf16/fp32 activations, kernels missing) -> the reference path (decode + matmul in the
@@ -30,7 +30,7 @@ from torch import nn
 
 from sparsekit.hf.modules import weight_out_in
 from sparsekit.errors import SparsekitError, SparsekitWarning
-from sparsekit.packed.tcabme import TcaBme, decode, encode
+from sparsekit.packed.tcabme import TcaBme, decode, decode_dense, encode
 from sparsekit.runtime.slabs import sp24_slabs, tcabme_slabs
 from sparsekit.runtime.sp24 import sp24_mm
 
@@ -118,11 +118,16 @@ def tcabme_mm(x: torch.Tensor, bitmaps: torch.Tensor, values: torch.Tensor, gtil
               strip_offsets: torch.Tensor, out_features: int, use_kernel: bool,
               slabs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x[N, K] @ W^T`` for W given by its TCA-BME tensors, as one torch op (kept whole inside a compiled step):
-    the bundled kernel when ``use_kernel`` (``slabs``: X as spmm_ws reads it), else decode + matmul in x's dtype."""
+    the bundled kernel when ``use_kernel`` (``slabs``: X as spmm_ws reads it), else decode (on a GPU the decode
+    kernel, 10-25x faster than ``decode_dense``, session 23) + matmul in x's dtype."""
     w = TcaBme(bitmaps=bitmaps, values=values, gtile_offsets=gtile_offsets, strip_offsets=strip_offsets,
                shape=(out_features, x.shape[1]))
     if use_kernel:  # the kernel reads values through the offsets: a padded tail is harmless
         return kernel()(x, w) if slabs is None else kernel()(x, w, slabs=slabs)
+    if values.is_cuda and kernels_ready():   # so does the decode kernel (no host sync: capturable)
+        from sparsekit.kernels.decode import tcabme_decode
+
+        return F.linear(x, tcabme_decode(w).to(x.dtype))
     w.values = values[: int(gtile_offsets[-1])]  # drop padding added by fusion.equalize_packed_sizes
     return F.linear(x, decode(w).to(x.dtype))
 
@@ -342,8 +347,11 @@ class SparseLinear(nn.Module):
             elif self.dense_copy is not None and x2.dtype == self.dense_copy.dtype:  # kept by dispatch
                 y = F.linear(x2, self.dense_copy)
             elif torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
-                # inside a compiled / captured step (no kernel, or a batch above dense_above):
-                # the sync-free decode, which reads through the offsets (padding-proof)
+                # inside a compiled / captured step (no kernel, or a batch above dense_above): the decode kernel
+                # in the op (sync-free: it reads through the offsets), else the sync-free torch decode
+                if kernels_ready():
+                    return tcabme_mm(x2, self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets,
+                                     self.out_features, False).reshape(*lead, self.out_features)
                 raw = TcaBme(bitmaps=self.bitmaps, values=self.values, gtile_offsets=self.gtile_offsets,
                              strip_offsets=self.strip_offsets, shape=(self.out_features, self.in_features))
                 y = F.linear(x2, decode_dense(raw).to(x2.dtype))
@@ -365,28 +373,6 @@ class SparseLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*lead, self.out_features)
-
-
-def decode_dense(packed: TcaBme) -> torch.Tensor:
-    """The dense ``[M, K]`` weight, bit-exact like ``tcabme.decode`` but with fixed-size tensor
-    ops only: no host synchronisation and no data-dependent shapes, so it is fast on a GPU (the
-    prefill path) and could be captured. The value of the element at bit ``j`` of BitmapTile ``i``
-    (GroupTile ``g``) is ``values[gtile_offsets[g] + (set bits of g before it)]``.
-    """
-    m, k = packed.shape
-    gm, gk = packed.grid
-    ngt = gm * gk
-    dev = packed.values.device
-    weights = torch.tensor([1 << c for c in range(8)], dtype=torch.uint8, device=dev)
-    rows = packed.bitmaps.contiguous().view(torch.uint8).reshape(ngt, 64 * 8, 1)   # byte = tile row
-    mask = ((rows & weights) != 0).reshape(ngt, 64 * 64)        # value order inside each GroupTile
-    rank = torch.cumsum(mask, dim=1, dtype=torch.int32)         # 1-based rank of each set bit
-    idx = (rank + packed.gtile_offsets[:-1, None].to(torch.int32)) * mask  # 0 where the bit is clear
-    ext = torch.cat([packed.values.new_zeros(1), packed.values])  # ext[0] = 0, ext[1 + v] = values[v]
-    tiles = ext[idx]                                             # [NGT, 4096]
-    # (gm, gk, s, t, colhalf, rowhalf, r, c) -> (gm, s, rowhalf, r, gk, t, colhalf, c)
-    x = tiles.reshape(gm, gk, 4, 4, 2, 2, 8, 8).permute(0, 2, 5, 6, 1, 3, 4, 7)
-    return x.reshape(gm * 64, gk * 64)[:m, :k]
 
 
 def release_kernel_caches() -> None:
