@@ -120,11 +120,19 @@ def sts128(d32, addr, w0, w1, w2, w3):
 
 
 def cp16(d32, addr, arr, i, nbytes):
-    """16 bytes (words ``i .. i+3`` of ``arr``) to shared byte address ``addr``, or 16 zero bytes when
-    ``nbytes`` is 0 (GPU: ``cp.async.cg`` with a source size, completing at ``cp_wait*``)."""
+    """16 bytes from element ``i`` of ``arr`` on (words ``i .. i+3`` of a 32-bit array, halves ``i .. i+7`` of a
+    16-bit one) to shared byte address ``addr``: the first ``nbytes`` of them, zeros after (GPU: ``cp.async.cg``
+    with a source size, completing at ``cp_wait*``). A 16-bit array's halves before its start (``i`` < 0: the
+    GPU reads them from the same aligned 16 bytes) and past ``nbytes`` come out zero."""
     d = _soff(addr) >> 2
+    i, nbytes = int(i), int(nbytes)
+    if arr.dtype.itemsize == 2:
+        h = [int(arr[i + q]) & 0xFFFF if 0 <= i + q < len(arr) and 2 * q < nbytes else 0 for q in range(8)]
+        for q in range(4):
+            d32[d + q] = np.uint32(h[2 * q] | (h[2 * q + 1] << 16))
+        return
     for q in range(4):
-        d32[d + q] = np.uint32(int(arr[int(i) + q]) & 0xFFFFFFFF) if int(nbytes) else np.uint32(0)
+        d32[d + q] = np.uint32(int(arr[i + q]) & 0xFFFFFFFF) if 4 * q < nbytes else np.uint32(0)
 
 
 def cp_commit():

@@ -2,9 +2,10 @@
 
 One block of 4 warps per GroupTile (64x64), one warp per strip, one lane per half-BitmapTile (4 rows x 8
 columns). The GroupTile's values are contiguous in the format: the block first copies them into shared memory
-with 16-byte ``cp.async`` copies of the values' storage (one per thread and 16 bytes, coalesced; the
-storage's last words, past its last whole 16 bytes, word by word), while each lane counts its bits and a warp
-scan gives it the offset of its first value. Then each lane walks its own 32 bits, takes its values from
+with 16-byte ``cp.async`` copies (one per thread and 16 bytes, coalesced; aligned to 16-byte boundaries of
+the address space, so the first piece may start up to 14 bytes before the values, inside the same 16 bytes,
+and the last one reads only up to the values' end), while each lane counts its bits and a warp scan gives it
+the offset of its first value. Then each lane walks its own 32 bits, takes its values from
 shared memory in order and writes its four 16-byte row pieces of the dense weight with one 16-byte store
 each (eight lanes write one 128-byte row). Values are copied as bit patterns: fp16 and bf16 alike, bit-exact.
 """
@@ -21,7 +22,7 @@ from ._warp_intrinsics import byte_addr, scan_counts
 from .block import dynamic_smem
 
 THREADS = 128   # 4 warps: the 4 strips of a GroupTile
-CHUNKS = 4096 // 8 + 1   # 16-byte pieces of one GroupTile's values (at most 4096 halves) and one for the offset
+CHUNKS = 4096 // 8 + 1   # 16-byte pieces of one GroupTile's values (at most 4096 halves), one more for the offset
 DYN = 16 * CHUNKS
 _KERNEL = []
 
@@ -42,31 +43,22 @@ def _build():
         return hi | lo, p + b1
 
     @cuda.jit
-    def kernel(bm, w32, v16, goff, soff, out, gk_n, ldo, base, nw32, nh):
+    def kernel(bm, v16, goff, soff, out, gk_n, ldo, mis, n):
         d64, d32, _ = dynamic_smem()
         scr = cuda.shared.array(SCRATCH_WORDS, np.float64)
         tid = cuda.threadIdx.x
         g = cuda.blockIdx.x
         gm = g // gk_n
         gk = g - gm * gk_n
-        start = base + np.int64(goff[g])          # halves from the values' storage start
-        end = base + np.int64(goff[g + 1])
+        start = mis + np.int64(goff[g])            # halves from the 16-byte boundary at or before values[0]
+        end = mis + np.int64(goff[g + 1])
         c0 = start >> 3
         c = c0 + tid
         sb = byte_addr(d64, 0)
-        while c < (end + 7) >> 3:                  # this tile's 16-byte pieces of the storage
-            wi = 4 * c
-            if wi + 4 <= nw32:
-                cp16(d32, sb + u32(16 * (c - c0)), w32, wi, 16)
-            else:                                  # the storage's tail: word by word, an odd last half alone
-                for q in range(4):
-                    j = wi + q
-                    word = u32(0)
-                    if j < nw32:
-                        word = u32(w32[j])
-                    elif 2 * j < nh:
-                        word = u32(v16[2 * j]) & u32(0xFFFF)
-                    d32[4 * (c - c0) + q] = word
+        while c < (end + 7) >> 3:                  # this tile's 16-byte pieces
+            first = 8 * c - mis                    # the piece's first half (before values[0] for the first piece)
+            nb = 2 * (n - first)                   # the bytes left before the values' end: no read past it
+            cp16(d32, sb + u32(16 * (c - c0)), v16, first, 16 if nb > 16 else nb)
             c += THREADS
         cp_commit()
         s = tid >> 5
@@ -117,16 +109,11 @@ def tcabme_decode(w, out: torch.Tensor | None = None) -> torch.Tensor:
     if out.data_ptr() % 16:
         raise ValueError("tcabme_decode: out must start on a 16-byte boundary (the kernel's 16-byte stores)")
     if gm * gk and w.values.numel():
-        vals = w.values
-        if vals.untyped_storage().data_ptr() % 16:   # the 16-byte copies read the storage from its start
-            vals = vals.clone()
-        st = vals.untyped_storage()
-        w32 = torch.empty(0, dtype=torch.int32, device=vals.device).set_(st, 0, (st.nbytes() // 4,))
-        v16 = torch.empty(0, dtype=torch.int16, device=vals.device).set_(st, 0, (st.nbytes() // 2,))
+        v16 = w.values.view(torch.int16)
         launch.launch_tensors(get_kernel(), gm * gk, THREADS,
-                              (w.bitmaps.view(torch.int64), w32, v16, w.gtile_offsets, w.strip_offsets,
+                              (w.bitmaps.view(torch.int64), v16, w.gtile_offsets, w.strip_offsets,
                                out.view(-1).view(torch.int32)),
-                              (gk, gk * 32, vals.storage_offset(), w32.numel(), v16.numel()), dyn=DYN)
+                              (gk, gk * 32, (v16.data_ptr() % 16) // 2, v16.numel()), dyn=DYN)
     else:
         out.zero_()
     return out[:m, :k]
