@@ -21,14 +21,17 @@ from sparsekit.errors import SparsekitError, strict_mode
 from sparsekit.packed.sp24 import Sp24Layout, transcode
 
 
-@torch.library.custom_op("sparsekit::sp24_mm", mutates_args=())
-def sp24_mm(x: torch.Tensor, dense: torch.Tensor, sp: torch.Tensor, tiles: torch.Tensor, out_features: int,
-            slabs: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x[N, K] @ W^T`` through the 2:4 mosaic kernel, as one torch op (kept whole by ``torch.compile``);
-    ``slabs``: X as sp24_ws reads it (``runtime.slabs``)."""
+def sp24_mm_eager(x: torch.Tensor, dense: torch.Tensor, sp: torch.Tensor, tiles: torch.Tensor, out_features: int,
+                  slabs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x[N, K] @ W^T`` through the 2:4 mosaic kernel; ``slabs``: X as sp24_ws reads it (``runtime.slabs``).
+    Eager calls take this function itself; a compiled step takes it as the op ``sp24_mm`` (kept whole by
+    ``torch.compile``), whose dispatch would cost an eager call ~20-60 us for nothing."""
     from sparsekit.kernels.sp24 import sp24_matmul
 
     return sp24_matmul(x, Sp24Layout(dense=dense, sp=sp, tiles=tiles, shape=(out_features, x.shape[1])), slabs=slabs)
+
+
+sp24_mm = torch.library.custom_op("sparsekit::sp24_mm", mutates_args=())(sp24_mm_eager)
 
 
 @sp24_mm.register_fake

@@ -32,7 +32,7 @@ from sparsekit.hf.modules import weight_out_in
 from sparsekit.errors import SparsekitError, SparsekitWarning
 from sparsekit.packed.tcabme import TcaBme, decode, decode_dense, encode
 from sparsekit.runtime.slabs import sp24_slabs, tcabme_slabs
-from sparsekit.runtime.sp24 import sp24_mm
+from sparsekit.runtime.sp24 import sp24_mm, sp24_mm_eager
 
 # Kernel up to and including this many tokens, decode + cuBLAS above: measured on an H100 with
 # scripts/checks/gpu_runtime.py (7B shapes, 50%, eager calls; see docs/benchmarks.md, "End to end").
@@ -113,13 +113,13 @@ def kernels_ready() -> bool:
     return kernel() is not None
 
 
-@torch.library.custom_op("sparsekit::tcabme_mm", mutates_args=())
-def tcabme_mm(x: torch.Tensor, bitmaps: torch.Tensor, values: torch.Tensor, gtile_offsets: torch.Tensor,
+def tcabme_mm_eager(x: torch.Tensor, bitmaps: torch.Tensor, values: torch.Tensor, gtile_offsets: torch.Tensor,
               strip_offsets: torch.Tensor, out_features: int, use_kernel: bool,
               slabs: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x[N, K] @ W^T`` for W given by its TCA-BME tensors, as one torch op (kept whole inside a compiled step):
-    the bundled kernel when ``use_kernel`` (``slabs``: X as spmm_ws reads it), else decode (on a GPU the decode
-    kernel, 10-25x faster than ``decode_dense``, session 23) + matmul in x's dtype."""
+    """``x[N, K] @ W^T`` for W given by its TCA-BME tensors: the bundled kernel when ``use_kernel`` (``slabs``: X
+    as spmm_ws reads it), else decode (on a GPU the decode kernel, 10-25x faster than ``decode_dense``, session
+    23) + matmul in x's dtype. A compiled step takes it as the op ``tcabme_mm`` (kept whole); eager calls take
+    this function itself (the op's dispatch: ~20-60 us a call for nothing)."""
     w = TcaBme(bitmaps=bitmaps, values=values, gtile_offsets=gtile_offsets, strip_offsets=strip_offsets,
                shape=(out_features, x.shape[1]))
     if use_kernel:  # the kernel reads values through the offsets: a padded tail is harmless
@@ -130,6 +130,9 @@ def tcabme_mm(x: torch.Tensor, bitmaps: torch.Tensor, values: torch.Tensor, gtil
         return F.linear(x, tcabme_decode(w).to(x.dtype))
     w.values = values[: int(gtile_offsets[-1])]  # drop padding added by fusion.equalize_packed_sizes
     return F.linear(x, decode(w).to(x.dtype))
+
+
+tcabme_mm = torch.library.custom_op("sparsekit::tcabme_mm", mutates_args=())(tcabme_mm_eager)
 
 
 @tcabme_mm.register_fake
@@ -300,15 +303,17 @@ class SparseLinear(nn.Module):
         """``x[N, K] @ W^T + b`` through the 2:4 tile-mosaic kernel whatever N is (CUDA, fp16; ``forward`` at its
         token counts, and measurements), X rewritten for it outside the op where it reads slabs (``runtime.slabs``)."""
         xc = x.contiguous()
-        y = sp24_mm(xc, self.sp24_dense, self.sp24_sp, self.sp24_tiles, self.out_features, sp24_slabs(self, xc))
+        mm = sp24_mm if torch.compiler.is_compiling() else sp24_mm_eager
+        y = mm(xc, self.sp24_dense, self.sp24_sp, self.sp24_tiles, self.out_features, sp24_slabs(self, xc))
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x[N, K] @ W^T + b`` through the sparse kernel whatever N is (CUDA, fp16; ``forward`` at its token
         counts, and measurements), with the slabs as ``sp24_forward``."""
         xc = x.contiguous()
-        y = tcabme_mm(xc, self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets, self.out_features,
-                      True, tcabme_slabs(self, xc))
+        mm = tcabme_mm if torch.compiler.is_compiling() else tcabme_mm_eager
+        y = mm(xc, self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets, self.out_features, True,
+               tcabme_slabs(self, xc))
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     @property
@@ -350,7 +355,8 @@ class SparseLinear(nn.Module):
                 # inside a compiled / captured step (no kernel, or a batch above dense_above): the decode kernel
                 # in the op (sync-free: it reads through the offsets), else the sync-free torch decode
                 if kernels_ready():
-                    return tcabme_mm(x2, self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets,
+                    mm = tcabme_mm if torch.compiler.is_compiling() else tcabme_mm_eager
+                    return mm(x2, self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets,
                                      self.out_features, False).reshape(*lead, self.out_features)
                 raw = TcaBme(bitmaps=self.bitmaps, values=self.values, gtile_offsets=self.gtile_offsets,
                              strip_offsets=self.strip_offsets, shape=(self.out_features, self.in_features))
