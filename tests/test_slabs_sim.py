@@ -100,32 +100,19 @@ def test_sparse_linear_passes_slabs_only_where_its_kernel_reads_them(monkeypatch
     matmul.reset_kernel_choice()
 
 
-def test_a_compiled_call_makes_the_slabs_in_its_own_graph(monkeypatch):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_a_compiled_call_makes_the_slabs_in_its_own_graph(monkeypatch, dynamic):
     """Under ``torch.compile`` (one graph, no break) the slabs are the traced fp16 copy, never ``x_slabs``'s
-    rewrite, and the product is right: the layout Inductor would write is the one spmm_ws reads."""
-    layer, x, ref, made = _layer_on_the_kernels(monkeypatch, 24, 6)
+    rewrite, and the product is right: the layout Inductor would write is the one spmm_ws reads. With a symbolic
+    batch size (``dynamic``: what torch's automatic dynamic shapes make of the second batch size) the step is
+    specialised on it where the kernels choose a tile width (session 23: the compile failed with
+    "SymNodeVariable() is not a constant")."""
+    layer, x, ref, made = _layer_on_the_kernels(monkeypatch, 24 + dynamic, 6)
     monkeypatch.setenv("SPARSEKIT_KERNEL", "ws")
     matmul.reset_kernel_choice()
     torch._dynamo.reset()
     try:
-        y = torch.compile(lambda t: _call(layer, t), backend="aot_eager", fullgraph=True)(x)
-    finally:
-        matmul.reset_kernel_choice()
-        torch._dynamo.reset()
-    assert made == []
-    assert float((y.cpu().double() - ref).norm() / ref.norm()) < 1e-3
-
-
-def test_a_step_compiled_for_a_dynamic_batch_is_specialised_and_makes_the_slabs_in_its_graph(monkeypatch):
-    """A step compiled with a symbolic batch size (torch's automatic dynamic shapes, from the second batch size
-    on) is specialised on it where the kernels choose a tile width: the compile neither fails nor breaks the
-    graph (session 23: it failed with "SymNodeVariable() is not a constant"), and the slabs are the traced copy."""
-    layer, x, ref, made = _layer_on_the_kernels(monkeypatch, 25, 6)
-    monkeypatch.setenv("SPARSEKIT_KERNEL", "ws")
-    matmul.reset_kernel_choice()
-    torch._dynamo.reset()
-    try:
-        y = torch.compile(lambda t: _call(layer, t), backend="aot_eager", fullgraph=True, dynamic=True)(x)
+        y = torch.compile(lambda t: _call(layer, t), backend="aot_eager", fullgraph=True, dynamic=dynamic)(x)
     finally:
         matmul.reset_kernel_choice()
         torch._dynamo.reset()
