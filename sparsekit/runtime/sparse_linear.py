@@ -9,10 +9,10 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
   ``sp24_from_n <= N`` (when nonzero), the 2:4 tile-mosaic kernel ``sparsekit.kernels.sp24.sp24_matmul``.
 * CUDA, ``N > dense_above`` with a kept dense copy (``runtime.dispatch``, ``prefer="speed"``) ->
   ``F.linear`` on that copy.
-* CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (``sparsekit.kernels.decode``,
-  inside a compiled or captured step too, through the op ``tcabme_mm``: no host sync), then ``F.linear`` (cuBLAS). The threshold
-  was measured by ``scripts/checks/gpu_runtime.py`` (docs/benchmarks.md, "End to end"); override it with
-  ``SPARSEKIT_DENSE_ABOVE`` or per module (``layer.dense_above = n``).
+* CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (``sparsekit.kernels.decode``;
+  inside a compiled or captured step too, through the op ``tcabme_mm``: no host sync), then ``F.linear``
+  (cuBLAS). The threshold was measured by ``scripts/checks/gpu_runtime.py`` (docs/benchmarks.md, "End to
+  end"); override it with ``SPARSEKIT_DENSE_ABOVE`` or per module (``layer.dense_above = n``).
 * Anything else (CPU, bf16/fp32 activations, kernels missing) -> the reference path (decode + matmul in the
   activation dtype), announced once per process on the CPU. The packed tensors are module buffers, so
   ``model.to(device)`` moves them with the rest.
@@ -356,11 +356,12 @@ class SparseLinear(nn.Module):
                 # in the op (sync-free: it reads through the offsets), else the sync-free torch decode
                 if kernels_ready():
                     mm = tcabme_mm if torch.compiler.is_compiling() else tcabme_mm_eager
-                    return mm(x2, self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets,
-                                     self.out_features, False).reshape(*lead, self.out_features)
-                raw = TcaBme(bitmaps=self.bitmaps, values=self.values, gtile_offsets=self.gtile_offsets,
-                             strip_offsets=self.strip_offsets, shape=(self.out_features, self.in_features))
-                y = F.linear(x2, decode_dense(raw).to(x2.dtype))
+                    y = mm(x2, self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets, self.out_features,
+                           False)
+                else:
+                    raw = TcaBme(bitmaps=self.bitmaps, values=self.values, gtile_offsets=self.gtile_offsets,
+                                 strip_offsets=self.strip_offsets, shape=(self.out_features, self.in_features))
+                    y = F.linear(x2, decode_dense(raw).to(x2.dtype))
             else:  # prefill: decode the tiles to a dense weight on the GPU (one kernel), then cuBLAS
                 y = F.linear(x2, self.dense_weight(x2.dtype))
         elif torch.compiler.is_compiling():  # the reference path, as one op (decode + matmul)
