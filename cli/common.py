@@ -84,10 +84,10 @@ def finish(code: Any = 0) -> None:
     objects lived to the exit (``long_lived``: ``generate``; ``ends_at_once``: ``eval``), the process ends here
     with ``os._exit(0)`` once Python's exit handlers (``atexit``) have run and stdout and stderr are flushed.
     What is skipped is the interpreter's teardown of ~3000 modules and the model, object by object, which the
-    OS takes back at once anyway (~0.15 s on a 2-core CPU machine; with a CUDA context, more). In every other case it returns
-    and Python exits as usual: another command, an error or interrupt (a code other than 0), threads still
-    running, a profiler or tracer attached (cProfile, coverage: they write their results at the very end),
-    stdout or stderr that cannot be flushed, or outside the console script (``own_process``)."""
+    OS takes back at once anyway (~0.15 s on a 2-core CPU machine; with a CUDA context, more). In every other
+    case it returns and Python exits as usual: another command, an error or interrupt (a code other than 0),
+    threads still running, a profiler or tracer attached (cProfile, coverage: they write their results at the
+    very end), stdout or stderr that cannot be flushed, or outside the console script (``own_process``)."""
     if not (_own_process and _lives_to_exit) or code not in (0, None):
         return
     if sys.gettrace() is not None or sys.getprofile() is not None or _other_threads_running():

@@ -67,7 +67,8 @@ def _build():
         half = h & 1                   # rows 0-3 or 4-7 of it
         word64 = bm[64 * g + 16 * s + b]
         bits = u32((word64 >> (32 * half)) & 0xFFFFFFFF)
-        p = (start - 8 * c0) + np.int64(soff[4 * g + s] - goff[g]) + np.int64(scan_counts(scr, tid, u32(cuda.popc(bits))))
+        p = (start - 8 * c0) + np.int64(soff[4 * g + s] - goff[g])   # the strip's first value in shared memory
+        p += np.int64(scan_counts(scr, tid, u32(cuda.popc(bits))))   # ... and this lane's
         cp_wait0()
         cuda.syncthreads()
         q = b & 3

@@ -12,10 +12,11 @@ reads them, else None. Which kernel runs, at which tile width, the kernels' own 
 (``kernels.matmul.slab_tokens``, ``kernels.sp24.slab_tokens``), once per shape inside a compiled step. A step
 compiled for a dynamic batch (torch's automatic dynamic shapes: from the second batch size of ``eval --speed``
 or ``bench_e2e`` on) is specialised on its batch size here (``operator.index``, which Dynamo answers with a
-number and a guard: one compile per batch size, as the kernels choose per token count anyway). A symbolic size given to the
-constant-result call failed the compile (session 23: "SymNodeVariable() is not a constant"); ``int()`` keeps it
-symbolic, and telling a symbolic size from a number is not possible through public API there (``isinstance``
-says int; ``statically_known_true`` knows the range the step's guards bound it to).
+number and a guard: one compile per batch size, as the kernels choose per token count anyway). A symbolic
+size given to the constant-result call failed the compile (session 23: "SymNodeVariable() is not a
+constant"); ``int()`` keeps it symbolic, and telling a symbolic size from a number is not possible through
+public API there (``isinstance`` says int; ``statically_known_true`` knows the range the step's guards bound
+it to).
 """
 from __future__ import annotations
 

@@ -24,8 +24,8 @@ from sparsekit.packed.sp24 import Sp24Layout, transcode
 def sp24_mm_eager(x: torch.Tensor, dense: torch.Tensor, sp: torch.Tensor, tiles: torch.Tensor, out_features: int,
                   slabs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x[N, K] @ W^T`` through the 2:4 mosaic kernel; ``slabs``: X as sp24_ws reads it (``runtime.slabs``).
-    Eager calls take this function itself; a compiled step takes it as the op ``sp24_mm`` (kept whole by
-    ``torch.compile``), whose dispatch would cost an eager call ~20-60 us for nothing."""
+    A compiled step takes it as the op ``sp24_mm``, eager calls this function itself
+    (``sparse_linear.op_or_eager``)."""
     from sparsekit.kernels.sp24 import sp24_matmul
 
     return sp24_matmul(x, Sp24Layout(dense=dense, sp=sp, tiles=tiles, shape=(out_features, x.shape[1])), slabs=slabs)

@@ -118,8 +118,8 @@ def tcabme_mm_eager(x: torch.Tensor, bitmaps: torch.Tensor, values: torch.Tensor
               slabs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x[N, K] @ W^T`` for W given by its TCA-BME tensors: the bundled kernel when ``use_kernel`` (``slabs``: X
     as spmm_ws reads it), else decode (on a GPU the decode kernel, 10-25x faster than ``decode_dense``, session
-    23) + matmul in x's dtype. A compiled step takes it as the op ``tcabme_mm`` (kept whole); eager calls take
-    this function itself (the op's dispatch: ~20-60 us a call for nothing)."""
+    23) + matmul in x's dtype. A compiled step takes it as the op ``tcabme_mm``, eager calls this function
+    itself (``op_or_eager``)."""
     w = TcaBme(bitmaps=bitmaps, values=values, gtile_offsets=gtile_offsets, strip_offsets=strip_offsets,
                shape=(out_features, x.shape[1]))
     if use_kernel:  # the kernel reads values through the offsets: a padded tail is harmless
@@ -133,6 +133,12 @@ def tcabme_mm_eager(x: torch.Tensor, bitmaps: torch.Tensor, values: torch.Tensor
 
 
 tcabme_mm = torch.library.custom_op("sparsekit::tcabme_mm", mutates_args=())(tcabme_mm_eager)
+
+
+def op_or_eager(op: Callable, fn: Callable) -> Callable:
+    """``op`` (a custom op: kept whole by ``torch.compile``) inside a compiled step, its own function ``fn``
+    elsewhere: in eager calls the op's dispatch costs ~20-60 us a call for nothing."""
+    return op if torch.compiler.is_compiling() else fn
 
 
 @tcabme_mm.register_fake
@@ -303,17 +309,17 @@ class SparseLinear(nn.Module):
         """``x[N, K] @ W^T + b`` through the 2:4 tile-mosaic kernel whatever N is (CUDA, fp16; ``forward`` at its
         token counts, and measurements), X rewritten for it outside the op where it reads slabs (``runtime.slabs``)."""
         xc = x.contiguous()
-        mm = sp24_mm if torch.compiler.is_compiling() else sp24_mm_eager
-        y = mm(xc, self.sp24_dense, self.sp24_sp, self.sp24_tiles, self.out_features, sp24_slabs(self, xc))
+        y = op_or_eager(sp24_mm, sp24_mm_eager)(xc, self.sp24_dense, self.sp24_sp, self.sp24_tiles,
+                                                self.out_features, sp24_slabs(self, xc))
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x[N, K] @ W^T + b`` through the sparse kernel whatever N is (CUDA, fp16; ``forward`` at its token
         counts, and measurements), with the slabs as ``sp24_forward``."""
         xc = x.contiguous()
-        mm = tcabme_mm if torch.compiler.is_compiling() else tcabme_mm_eager
-        y = mm(xc, self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets, self.out_features, True,
-               tcabme_slabs(self, xc))
+        y = op_or_eager(tcabme_mm, tcabme_mm_eager)(xc, self.bitmaps, self.values, self.gtile_offsets,
+                                                    self.strip_offsets, self.out_features, True,
+                                                    tcabme_slabs(self, xc))
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     @property
@@ -355,9 +361,8 @@ class SparseLinear(nn.Module):
                 # inside a compiled / captured step (no kernel, or a batch above dense_above): the decode kernel
                 # in the op (sync-free: it reads through the offsets), else the sync-free torch decode
                 if kernels_ready():
-                    mm = tcabme_mm if torch.compiler.is_compiling() else tcabme_mm_eager
-                    y = mm(x2, self.bitmaps, self.values, self.gtile_offsets, self.strip_offsets, self.out_features,
-                           False)
+                    y = op_or_eager(tcabme_mm, tcabme_mm_eager)(x2, self.bitmaps, self.values, self.gtile_offsets,
+                                                                self.strip_offsets, self.out_features, False)
                 else:
                     raw = TcaBme(bitmaps=self.bitmaps, values=self.values, gtile_offsets=self.gtile_offsets,
                                  strip_offsets=self.strip_offsets, shape=(self.out_features, self.in_features))
