@@ -218,20 +218,27 @@ def wg_tokens(n: int) -> int:
     return WG_NTS[-1]
 
 
-def ws_tokens(n: int) -> int:
-    """sp24_ws's tokens per output tile: as ``wg_tokens``, but two chunks of 64 from 65 to 128 tokens (H100,
+def ws_tokens(n: int, m: int = 0, hybrid: bool = False) -> int:
+    """sp24_ws's tokens per output tile: as ``wg_tokens``, but from 65 to 128 tokens two chunks of 64 (H100,
     docs/kernels-notes.md "v25": at 128 tokens 22016x4096 took 95.6 us against 104.7 with one chunk of 128,
-    4096x11008 60.2 against 62.2; a 64-token tile needs 87-106 registers, so two blocks share an SM)."""
-    return 64 if 64 < n <= 128 else wg_tokens(n)
+    4096x11008 60.2 against 62.2; a 64-token tile needs 87-106 registers, so two blocks share an SM), except on
+    tall all-2:4 weights (WG_MIN_M rows or more), which take one chunk of 128 tokens in tiles of two warpgroups
+    of two tile rows (``ws_shape``; H100, "v29": 28672x8192 1.18x cuBLAS at 128 tokens against 0.88, 22016x4096
+    0.88 against 0.82)."""
+    if 64 < n <= 128:
+        return 128 if m >= WG_MIN_M and not hybrid else 64
+    return wg_tokens(n)
 
 
-def ws_shape(m: int, k: int, nt: int) -> tuple[int, int, int]:
+def ws_shape(m: int, k: int, nt: int, n: int = 0, hybrid: bool = False) -> tuple[int, int, int]:
     """(tile rows per warpgroup, consumer warpgroups, ring depth) of sp24_ws's default plan, from the H100
     sweeps (docs/kernels-notes.md "v18 outcome"): two warpgroups on tall or K-deep weights, one elsewhere
     (12288x4096: 1.21 against 1.14 at 16 tokens); two tile rows each on tall weights up to 32 tokens a
-    tile, else one; a ring of 6 up to 32 tokens, 3 from 64 (deeper measured slower there)."""
-    r = 2 if m >= WG_MIN_M and nt <= 32 else 1
-    wg = 2 if (m >= WG_MIN_M or k >= WG_DEEP_K) and m > 64 * r else 1
+    tile, and at one 128-token tile for 65 to 128 tokens (``ws_tokens``), else one; a ring of 6 up to 32
+    tokens, 3 from 64 (deeper measured slower there)."""
+    tall = m >= WG_MIN_M
+    r = 2 if tall and (nt <= 32 or (nt == 128 and 64 < n <= 128 and not hybrid)) else 1
+    wg = 2 if (tall or k >= WG_DEEP_K) and m > 64 * r else 1
     return r, wg, WS_STAGES_FEW if nt <= 32 else WS_STAGES_MANY
 
 
@@ -271,20 +278,16 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
     else:
         smem_bytes = sp24_wg.smem_bytes
 
-    nt = tokens_ or (ws_tokens(n) if specialized and smem is None else wg_tokens(n))
+    nt = tokens_ or (ws_tokens(n, m, hybrid) if specialized and smem is None else wg_tokens(n))
     tall = m >= WG_MIN_M
     gm = -(-m // 64)
     chunks = -(-n // nt)
     if specialized:
-        r, wg, st = ws_shape(m, gk * 64, nt)
+        r, wg, st = ws_shape(m, gk * 64, nt, n, hybrid)
         r, wg = strips_ or (1 if hybrid else r), groups_ or wg
         if hybrid and r != 1:
             raise ValueError("the warp-specialized kernel takes weights with dense tiles one tile row per "
                              "warpgroup (strips=1)")
-        if wg == 2 and r * nt >= 256:
-            raise ValueError(f"this sp24_ws plan (tokens {nt}, tile rows {r} x {wg}) does not launch on the H100 "
-                             "(out of resources, though its 185 registers x 288 threads fit): one tile row or "
-                             "one warpgroup at 128 tokens")
         rb = -(-gm // (r * wg))
         rule = (1, gk) if tall else ws_splits(rb * chunks, gk, sms, nt)
         st = stages_ or st

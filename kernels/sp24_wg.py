@@ -37,7 +37,7 @@ from .wgmma import descriptor
 from .block import dynamic_smem, make_tile_end, split_piece, split_sharers, step_col, thread_ids
 from sparsekit.packed.sp24 import SP_STRIP_WORDS, SP_TILE_WORDS, SP_VALUE_WORDS
 
-NTS = (8, 16, 32, 64, 128)
+NTS = (8, 16, 32, 64, 128, 256)   # 256: the warp-specialized kernels' prefill tile (forced plans)
 SLOT = 1152                      # bytes of one staged 2:4 strip (values, then metadata)
 K_STEP, N_STEP = 128, 1024       # core matrices: along K, along N (8 tokens), in a staged X slice
 _KERNELS: dict = {}

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from numba import cuda
 
 from . import kcache
+from .common import quarter_regs
 from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, clock32, cluster_sync, gtimer32,
                           mbar_arrive, mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait)
 from ._warp_intrinsics import byte_addr
@@ -84,11 +85,10 @@ def smem_bytes(nt: int, stages: int, r: int, wg: int, hybrid: bool = False) -> i
 
 
 def max_registers(nt: int, r: int, wg: int, blocks: int = 1) -> int:
-    """The register cap: what the consumers want (as sp24_wg), but no more than 64K registers shared by
-    ``blocks`` blocks of 4 x wg + 1 warps allow (232 x 288 threads does not fit: the launch fails for want of
-    resources)."""
+    """The register cap: what the consumers want (as sp24_wg), but no more than ``blocks`` blocks of 4 x wg + 1
+    warps can share in each quarter of the SM (``common.quarter_regs``: 168 for one block of two warpgroups)."""
     want = 232 if r * nt >= 128 else 168
-    return min(want, (65536 // (32 * blocks * (4 * wg + 1))) & ~7)
+    return min(want, quarter_regs(4 * wg + 1, blocks))
 
 
 # Diagnostics (``sp24_ws_probe.built_as``, docs/kernels-notes.md "v24"): the kernels built while ``probe_build``

@@ -2,7 +2,7 @@
 split, and the largest GroupTile's value room of a weight (``value_room``). The kernel is ``spmm_ws``."""
 from __future__ import annotations
 
-from .common import SIM
+from .common import SIM, quarter_regs
 from .sp24_wg import NTS
 
 TABLE_BYTES = 1536                      # a GroupTile's decode table (``_publish_table``)
@@ -38,10 +38,10 @@ def block_warps(wg: int) -> int:
 
 def max_registers(nt: int, wg: int) -> int:
     """The register cap, the lowest with no spills (ptxas, sm_90a): 64 up to 16 tokens a tile (five blocks of one
-    warpgroup per SM), 72 at 32 (four), 96 at 64 (three), 128 at 128; never more than the block's warps can
-    share."""
-    want = 64 if nt <= 16 else 72 if nt <= 32 else 96 if nt <= 64 else 128
-    return min(want, (65536 // (32 * block_warps(wg))) & ~7)
+    warpgroup per SM), 72 at 32 (four), 96 at 64 (three), 128 at 128, 184 at 256; never more than the block's warps
+    can share in a quarter of the SM (``common.quarter_regs``: 168 for two warpgroups)."""
+    want = 64 if nt <= 16 else 72 if nt <= 32 else 96 if nt <= 64 else 128 if nt <= 128 else 184
+    return min(want, quarter_regs(block_warps(wg)))
 
 
 def value_room(w) -> int:

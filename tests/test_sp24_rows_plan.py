@@ -110,13 +110,30 @@ def test_every_ws_plan_fits_covers_n_and_splits_as_measured(m, gk, n, splits):
     assert ks == 1 and p.r == r * wg and p.ks == splits
     assert wg == (2 if (m >= 16384 or gk * 64 >= 8192) and m > 64 * r else 1)   # one warpgroup on 12288x4096
     assert p.dyn == smem_bytes(p.nt, p.stages, r, wg) <= sp24_plan.WG_SMEM_MAX
-    assert not (wg == 2 and r * p.nt >= 256)                     # the plan that does not launch
+    tall128 = m >= 16384 and 64 < n <= 128                      # tall weights: one 128-token tile, 2 x 2 rows
+    assert (p.nt, r, wg) == (128, 2, 2) if tall128 else r * p.nt < 256
     assert (p.chunks - 1) * p.nt < n <= p.chunks * p.nt
     assert p.rb * p.r * 64 >= m > (p.rb - 1) * p.r * 64
     assert p.blocks == p.tiles * p.ks and (p.ks - 1) * p.per < gk <= p.ks * p.per
 
 
-def test_a_forced_ws_plan_that_cannot_launch_is_one_clear_error():
-    with pytest.raises(ValueError, match="does not launch"):
-        sp24_plan.wg_plan(22016, 64, 128, tokens_=128, strips_=2, groups_=2, specialized=True)
-    assert sp24_plan.wg_plan(22016, 64, 128, tokens_=128, strips_=2, groups_=1, specialized=True)[0].nt == 128
+def test_register_caps_fit_each_quarter_of_the_sm():
+    """An SM's 64K registers are four quarters of 16K, each holding a quarter of the block's warps: the fullest
+    quarter sets the cap (H100: 9- and 10-warp blocks of 184-186 registers failed to launch, at 168 they run)."""
+    from sparsekit.kernels.common import quarter_regs
+    from sparsekit.kernels.sp24_ws import max_registers
+    from sparsekit.kernels.spmm_ws_plan import max_registers as ws_max
+
+    assert [quarter_regs(w) for w in (4, 5, 8, 9, 10, 11, 12, 13)] == [255 & ~7, 248, 248, 168, 168, 168, 168, 128]
+    assert quarter_regs(9, blocks=2) == 96                      # 18 warps: five in the fullest quarter
+    for w, regs in [(9, max_registers(128, 2, 2)), (9, max_registers(128, 1, 2)), (10, ws_max(256, 2))]:
+        assert regs == 168 and -(-w // 4) * regs * 32 <= 16384
+    assert max_registers(8, 1, 1) == 168 and ws_max(64, 1) == 96 # caps below the limit are what ptxas wanted
+
+
+def test_tall_weights_take_one_128_token_tile_of_two_by_two_rows_from_65_tokens():
+    p, r, wg, _ = sp24_plan.wg_plan(22016, 64, 128, specialized=True)
+    assert (p.nt, r, wg, p.stages, p.chunks) == (128, 2, 2, 3, 1)
+    assert sp24_plan.wg_plan(4096, 172, 128, specialized=True)[0].nt == 64          # not tall: two chunks of 64
+    assert sp24_plan.wg_plan(22016, 64, 128, specialized=True, hybrid=True)[1] == 1  # dense tiles: one row each
+    assert sp24_plan.wg_plan(22016, 64, 200, specialized=True)[1] == 1               # two chunks: one row each
