@@ -30,11 +30,17 @@ offset is the step along N, D in ``mma``'s per-warp C layout for each 8-token bl
 - ``lds_a8(d64, addr)``: the 8 A registers of a staged strip, 16 bytes at ``addr`` and 16 at ``addr +
   512``, as two ``ld.shared.v4.u32`` straight into 32-bit registers (no 64-bit halves to split: ptxas
   turned those into register copies that mixed up the A operands of the second tile column's products).
+- ``wg_mmss(a0, a1, a2, a3, b0, b1, b2, b3, acc)``: ``wgmma.fence``, then four dense ``wgmma.mma_async``
+  m64nNk16 with both operands in shared memory (A at descriptor ``a_q``, K-major 8x8 core matrices as B's;
+  B at ``b_q``): one 64x64 dense tile against 64 K of B, with no A registers to guard (spmm_pf).
+- ``wg_bar(scr, tid)``: the warpgroup's 128 threads meet (``bar.sync`` on named barrier 1 + warpgroup).
 - ``wg_commit()``: ``wgmma.commit_group`` (the products issued since the last one form a group).
 - ``wg_wait0(acc)``: ``wgmma.wait_group 0`` (every product group done), returning ``acc`` through the
   wait so that nothing reads it earlier. (Waiting for all but the newest group is not offered: ptxas
   gives every step's A operand the same registers, so the kernels retire a step's products before the
   next step's loads; docs/kernels-notes.md "v17".)
+- ``wg_wait1(acc)``: ``wgmma.wait_group 1`` (all but the newest group done): for products whose operands
+  are all in shared memory (``wg_mmss``), where no register of an earlier group can be overwritten.
 - ``wg_hold(acc)``: no instruction; ``acc`` passes through an empty asm statement (a second tuple
   waited for by the same ``wg_wait*``).
 """
@@ -45,11 +51,12 @@ from llvmlite import ir
 from numba import cuda
 from numba.cuda.extending import intrinsic
 
-from ._intrinsics_ptx import _asm_stmt, _asm_tuple
+from ._intrinsics_ptx import _asm_fn2, _asm_stmt, _asm_tuple
 from .common import STRIP_LUT
 from .compat_numba import cuda_typing
 
-__all__ = ["lds_a8", "strip_a16", "wscan", "wsync", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0", "wshfl_idx"]
+__all__ = ["lds_a8", "strip_a16", "wscan", "wsync", "wg_bar", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_mmss",
+           "wg_wait0", "wg_wait1", "wshfl_idx"]
 
 types, _ = cuda_typing()
 _i32, _i64, _f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -108,6 +115,33 @@ def _wg_mmad(typingctx, a, desc0, desc1, desc2, desc3, acc):
     u, f, d = types.uint32, types.float32, types.uint64
     sig = types.UniTuple(f, r)(types.UniTuple(u, 16), d, d, d, d, types.UniTuple(f, r))
     return sig, _product_codegen(*_mmad_asm(2 * r), 16, 0, 4, r)
+
+
+def _mmss_asm(n: int) -> tuple[str, str]:
+    r = n // 2
+    d = ",".join(f"${i}" for i in range(r))
+    op = f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16"
+    lines = ["{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.fence.sync.aligned;\n"]
+    for q in range(4):
+        lines.append(f"{op} {{{d}}}, ${r + q}, ${r + 4 + q}, p, 1, 1, 0, 0;\n")
+    cons = ",".join(["=f"] * r + ["l"] * 8 + [str(i) for i in range(r)] + ["~{memory}"])
+    return "".join(lines) + "}", cons
+
+
+@intrinsic
+def _wg_mmss(typingctx, a0, a1, a2, a3, b0, b1, b2, b3, acc):
+    r = acc.count
+    f, d = types.float32, types.uint64
+    sig = types.UniTuple(f, r)(d, d, d, d, d, d, d, d, types.UniTuple(f, r))
+
+    def codegen(context, builder, sig, args):
+        text, cons = _mmss_asm(2 * r)
+        fnty = ir.FunctionType(ir.LiteralStructType([_f32] * r), [_i64] * 8 + [_f32] * r)
+        ins = list(args[:8]) + [builder.extract_value(args[8], i) for i in range(r)]
+        res = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True), ins)
+        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(r)])
+
+    return sig, codegen
 
 
 def _tied(text: str):
@@ -187,8 +221,23 @@ def wg_mmad(scr, tid, a, desc0, desc1, desc2, desc3, acc):
     return _wg_mmad(a, desc0, desc1, desc2, desc3, acc)
 
 
+@cuda.jit(device=True, inline=True)
+def wg_mmss(a0, a1, a2, a3, b0, b1, b2, b3, acc):
+    return _wg_mmss(a0, a1, a2, a3, b0, b1, b2, b3, acc)
+
+
+_bar_wg = _asm_fn2("bar.sync $0, $1;", "r,r,~{memory}")
+
+
+@cuda.jit(device=True, inline=True)
+def wg_bar(scr, tid):
+    """The 128 threads of ``tid``'s warpgroup meet (named barrier 1 + warpgroup; 0 is the block's)."""
+    _bar_wg(np.uint32(1 + (tid >> 7)), np.uint32(128))
+
+
 wg_commit = _asm_stmt("wgmma.commit_group.sync.aligned;")
 wg_wait0 = _tied("wgmma.wait_group.sync.aligned 0;")
+wg_wait1 = _tied("wgmma.wait_group.sync.aligned 1;")
 wg_hold = _tied("")
 
 

@@ -19,7 +19,8 @@ from ._intrinsics_sim import _SMEM_BASE, _soff
 from .common import STRIP_LUT
 from .compat_numba import sim_kernel
 
-__all__ = ["lds_a8", "strip_a16", "wscan", "wsync", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_wait0", "wshfl_idx"]
+__all__ = ["lds_a8", "strip_a16", "wscan", "wsync", "wg_bar", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_mmss",
+           "wg_wait0", "wg_wait1", "wshfl_idx"]
 
 _W = 16   # scratch words per thread: 8 A registers and 2 metadata words (wg_mma2) or 16 A registers
           # (wg_mmad); one stride for both, as two warpgroups of a block may run one of each at once
@@ -39,8 +40,8 @@ def _wg_sync(scr, tid: int) -> None:
     bar.wait()
 
 
-_SHFL = 4608   # scratch words from here: two rounds of one word per thread for the warp shuffles (clear of
-               # the products' region); rounds alternate, so one barrier per shuffle suffices
+_SHFL = 4608   # scratch words from here: two rounds of one word per thread (up to 384 threads) for the warp
+               # shuffles (clear of the products' region); rounds alternate, so one barrier per shuffle suffices
 _ROUND: dict = {}
 
 
@@ -59,7 +60,7 @@ def _publish(scr, tid: int, val) -> int:
     key = (id(scr), tid)
     r = _ROUND.get(key, 0)
     _ROUND[key] = r ^ 1
-    base = _SHFL + r * 288
+    base = _SHFL + r * 384
     scr[base + tid] = int(val)
     _warp_sync(scr, tid)
     return base
@@ -203,6 +204,31 @@ def wg_mmad(scr, tid, a, desc0, desc1, desc2, desc3, acc):
     return tuple(np.float32(v) for v in out)
 
 
+def wg_mmss(a0, a1, a2, a3, b0, b1, b2, b3, acc):
+    """acc += A_q B_q over q = 0..3, both read through their descriptors (A: rows of the thread's warp of its
+    warpgroup, K-major core matrices as B's)."""
+    ctx = sim_kernel()
+    tid = int(ctx.threadIdx.x)
+    w, lane = (tid >> 5) & 3, tid & 31
+    g, t = lane >> 2, lane & 3
+    out = [float(v) for v in acc]
+    for adesc, bdesc in ((a0, b0), (a1, b1), (a2, b2), (a3, b3)):
+        a, b = _b_reader(int(adesc)), _b_reader(int(bdesc))
+        for e in range(len(out)):
+            jb, oi = e >> 2, e & 3
+            row, col = 16 * w + g + 8 * (oi >> 1), 8 * jb + 2 * t + (oi & 1)
+            s = 0.0
+            for k in range(16):
+                s += a(k, row) * b(k, col)
+            out[e] = float(np.float32(out[e]) + np.float32(s))
+    return tuple(np.float32(v) for v in out)
+
+
+def wg_bar(scr, tid):
+    """The 128 threads of ``tid``'s warpgroup meet."""
+    _wg_sync(scr, int(tid))
+
+
 def wg_commit():
     """Close a group of products (the simulator computes them at once)."""
 
@@ -212,3 +238,4 @@ def wg_wait0(acc):
 
 
 wg_hold = wg_wait0
+wg_wait1 = wg_wait0

@@ -64,6 +64,16 @@ def get_kernel(nt: int, stages: int, wg: int = 1, window: int = WINDOW, regs: in
     return _KERNELS[key]
 
 
+if SIM:
+    def _popc(v):
+        """``cuda.popc`` outside a kernel's own module under the simulator (spmm_pf runs ``_publish_table`` too)."""
+        return bin(int(v) & 0xFFFFFFFF).count("1")
+else:  # pragma: no cover - GPU only
+    @cuda.jit(device=True, inline="always")
+    def _popc(v):
+        return cuda.popc(v)
+
+
 @_device
 def _publish_table(d32, d64, scr, tid, lane, tb):
     """The table warp fills the decode table of the GroupTile staged at shared address ``tb`` (table, bitmaps,
@@ -76,10 +86,10 @@ def _publish_table(d32, d64, scr, tid, lane, tb):
     h1 = u32(q0 >> u64(32))
     h2 = u32(q1 & u64(0xFFFFFFFF))
     h3 = u32(q1 >> u64(32))
-    c0 = u32(cuda.popc(h0))
-    c1 = u32(cuda.popc(h1))
-    c2 = u32(cuda.popc(h2))
-    tot = c0 + c1 + c2 + u32(cuda.popc(h3))
+    c0 = u32(_popc(h0))
+    c1 = u32(_popc(h1))
+    c2 = u32(_popc(h2))
+    tot = c0 + c1 + c2 + u32(_popc(h3))
     a0 = tb + u32(TABLE_BYTES + BITMAP_BYTES) + u32(2) * (wscan(scr, tid, tot) - tot)
     a1 = a0 + u32(2) * c0
     a2 = a1 + u32(2) * c1
@@ -96,30 +106,11 @@ def _selectors(h):
     return h ^ (((h >> u32(1)) ^ u32(0xFFFFFFFF)) & u32(0x55555555))
 
 
-def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL: int = 1, STAMP: bool = False,
-           ALT: bool = False):
-    assert NT in NTS and 2 <= STAGES <= 8 and WG in (1, 2) and 1 <= WIN <= 32 and CL in (1, 2, 4)
-    assert CL == 1 or WG == 1
-    assert not ALT or (WG == 2 and CL == 1)
-    CW = 4 * WG
-    TG = 1 if ALT else WG                    # tile rows per block (ALT: the warpgroups take turns on one)
-    THREADS = 32 * block_warps(WG)
-    NACC = NT // 2
+def make_roles(NT: int, STAGES: int, TG: int, WIN: int = WINDOW, CL: int = 1, STAMP: bool = False):
+    """``(publish, produce)``: the table warp's and the copy warp's loops over a ring of ``STAGES`` stages, each
+    an X slab of ``NT`` tokens, then ``TG`` tile rows' slots (table, bitmaps, values; ``SLOT`` bytes each, an
+    argument); shared by spmm_ws and spmm_pf."""
     XBYTES = NT * 128
-    ROWS = 64 * TG
-    TILE = NT * ROWS
-    tile_end = make_tile_end(TILE, ROWS, THREADS)
-    _, _, _, _, acc_store, block_piece = make_tile_ops(NT, 1, TG)
-    ZERO = (np.float32(0.0),) * NACC
-
-    @cuda.jit(device=True, inline="always")
-    def acc_add(df, acc, wwarp, g, t):
-        """``acc_store``'s layout for one tile row, adding the warp's accumulators to what is there."""
-        c0 = wwarp * 16 + g
-        for jb in range(NT // 8):
-            for oi in range(4):
-                e = (8 * jb + 2 * t + (oi & 1)) * 64 + c0 + 8 * (oi >> 1)
-                df[e] = df[e] + acc[4 * jb + oi]
 
     @cuda.jit(device=True, inline="always")
     def offsets(goff, lane, i, rot, nst, k0, tr0, nr, GK):
@@ -206,6 +197,36 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
                     bulk_copy_mc(d64, st, xs, (chunk * GK + gk) * (XBYTES >> 3), XBYTES, raw, s, (1 << CL) - 1)
                 if STAMP:
                     stamp(ws, sb0 + i * 8 + 6, t0)
+
+    return publish, produce
+
+
+def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL: int = 1, STAMP: bool = False,
+           ALT: bool = False):
+    assert NT in NTS and 2 <= STAGES <= 8 and WG in (1, 2) and 1 <= WIN <= 32 and CL in (1, 2, 4)
+    assert CL == 1 or WG == 1
+    assert not ALT or (WG == 2 and CL == 1)
+    CW = 4 * WG
+    TG = 1 if ALT else WG                    # tile rows per block (ALT: the warpgroups take turns on one)
+    THREADS = 32 * block_warps(WG)
+    NACC = NT // 2
+    XBYTES = NT * 128
+    ROWS = 64 * TG
+    TILE = NT * ROWS
+    tile_end = make_tile_end(TILE, ROWS, THREADS)
+    _, _, _, _, acc_store, block_piece = make_tile_ops(NT, 1, TG)
+    ZERO = (np.float32(0.0),) * NACC
+
+    @cuda.jit(device=True, inline="always")
+    def acc_add(df, acc, wwarp, g, t):
+        """``acc_store``'s layout for one tile row, adding the warp's accumulators to what is there."""
+        c0 = wwarp * 16 + g
+        for jb in range(NT // 8):
+            for oi in range(4):
+                e = (8 * jb + 2 * t + (oi & 1)) * 64 + c0 + 8 * (oi >> 1)
+                df[e] = df[e] + acc[4 * jb + oi]
+
+    publish, produce = make_roles(NT, STAGES, TG, WIN, CL, STAMP)
 
     @cuda.jit(**({} if SIM else {"max_registers": REGS}))
     def kernel(bm, vals, goff, xs, y, ws, cnt, M, N, GK, nch, PER, SLOT):

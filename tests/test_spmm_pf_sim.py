@@ -1,0 +1,68 @@
+"""spmm_pf (issue 21 item 2, docs/kernels-notes.md "v29": TCA-BME prefill, each GroupTile decoded once per block into
+a dense A tile in shared memory, the warpgroup MMA reading both operands from shared memory) against a float64
+reference, under Numba's CUDA simulator when there is no GPU: a ring that wraps, a block whose second tile row is
+past the weight, M/K padding, token chunks, GroupTiles with no values, kept -0.0 values, and a planted
+bitmap-order bug that must fail. Outputs are poisoned with NaN first."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sparsekit.kernels.common import SIM
+from sparsekit.kernels.spmm_pf import pf_plan, smem_bytes, tcabme_pf_matmul
+from sparsekit.packed.tcabme import TcaBme, encode
+
+from tests.test_spmm_rows_sim import _weight
+
+DEV = "cpu" if SIM else "cuda"
+pytestmark = pytest.mark.warpgroup_sim   # conftest: the switch interval of the warpgroup kernels
+if not SIM and not torch.cuda.is_available():  # pragma: no cover - conftest sets the simulator
+    pytest.skip("neither the CUDA simulator nor a GPU", allow_module_level=True)
+
+
+def _rel_err(p, w, x, **knobs):
+    m, n = w.shape[0], x.shape[0]
+    out = torch.full((n, m), float("nan"), dtype=torch.float16, device=DEV)   # poisoned
+    y = tcabme_pf_matmul(x.to(DEV), p.to(DEV), out=out, **knobs)
+    assert y is out
+    assert not torch.isnan(y).any(), "some outputs were never written"
+    ref = x.double() @ w.double().t()
+    return ((y.cpu().double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("m,k,n,kind,zero_row,knobs", [
+    (130, 192, 70, 0.5, True, dict(tokens=64, stages=2)),    # 3 steps on a ring of 2; the second block's second
+                                                              # tile row past M; 2 token chunks; a GroupTile row
+                                                              # with no values
+    (64, 64 * 4, 9, "strips", False, dict(tokens=64, stages=3)),   # zero, dense, 50% and 2:4 strips; K padding none
+    (100, 100, 3, 0.3, False, dict(tokens=128, stages=2)),   # M and K padding, a wider tile
+])
+def test_spmm_pf_matches_float64(m, k, n, kind, zero_row, knobs):
+    w, g = _weight(m, k, kind, seed=m + n, negzeros=3 if kind == 0.5 else 0)
+    if zero_row:
+        w[64:128] = 0
+    x = torch.randn(n, k, generator=g).half()
+    assert _rel_err(encode(w), w, x, **knobs) < 1e-3
+
+
+def test_spmm_pf_catches_a_planted_bitmap_order_bug():
+    """BitmapTiles bottom-left and top-right swapped in every TCTile (a column-major order read row-major)."""
+    w, g = _weight(64, 128, 0.5, seed=5)
+    x = torch.randn(3, 128, generator=g).half()
+    p = encode(w)
+    bm = p.bitmaps.reshape(-1, 4)[:, [0, 2, 1, 3]].reshape(-1)
+    bad = TcaBme(bitmaps=bm, values=p.values, gtile_offsets=p.gtile_offsets, strip_offsets=p.strip_offsets,
+                 shape=p.shape)
+    assert _rel_err(p, w, x, tokens=64, stages=2) < 1e-3
+    assert _rel_err(bad, w, x, tokens=64, stages=2) > 0.1
+
+
+def test_spmm_pf_plan_fits_shared_memory_and_refuses_what_does_not():
+    for nt in (64, 128, 192, 256):
+        t, st = pf_plan(nt, None, 4624)
+        assert t == nt and 2 <= st <= 4 and smem_bytes(nt, st, 4624) <= 227 * 1024 - 2048
+    assert pf_plan(256, None, 4624)[1] == 4 and pf_plan(256, None, 8208)[1] == 3   # denser tiles: a shallower ring
+    with pytest.raises(ValueError, match="shared memory"):
+        pf_plan(256, 6, 8208)
+    with pytest.raises(ValueError, match="tokens a tile"):
+        pf_plan(96, None, 4624)
