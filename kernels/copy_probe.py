@@ -22,7 +22,7 @@ _KERNELS: dict = {}
 
 def _build(STAGES: int, PIECES: int):
     @cuda.jit
-    def kernel(src, sink, SW, NSTEP, HOLD):
+    def kernel(src, sink, SW, NSTEP, HOLD, LAPS):
         d64, _, _ = dynamic_smem()
         full = cuda.shared.array(STAGES, np.uint64)
         empty = cuda.shared.array(STAGES, np.uint64)
@@ -36,16 +36,17 @@ def _build(STAGES: int, PIECES: int):
         base = b * NSTEP * SW                        # this block's first word; SW words a step
         pw = SW // PIECES
         if tid == 0:
-            for i in range(NSTEP):
+            for i in range(NSTEP * LAPS):
                 s = i % STAGES
                 if i >= STAGES:
                     mbar_wait(empty, s, ((i // STAGES) - 1) & 1)
                 mbar_expect(full, s, SW * 8)
+                at = base + (i % NSTEP) * SW             # each lap reads the block's share again
                 for p in range(PIECES):
-                    bulk_copy(d64, s * SW + p * pw, src, base + i * SW + p * pw, pw * 8, full, s)
+                    bulk_copy(d64, s * SW + p * pw, src, at + p * pw, pw * 8, full, s)
         elif tid == 32:
             acc = np.int64(0)
-            for i in range(NSTEP):
+            for i in range(NSTEP * LAPS):
                 s = i % STAGES
                 mbar_wait(full, s, (i // STAGES) & 1)
                 acc += np.int64(d64[s * SW])
@@ -60,9 +61,10 @@ def _build(STAGES: int, PIECES: int):
 
 
 def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4, pieces: int = 1,
-                hold: int = 0) -> torch.Tensor:
-    """Stream ``src`` (int64, ``blocks * steps * step_bytes`` bytes) through ``blocks`` rings; returns ``sink``
-    [blocks] int64 (the sum of each step's first word)."""
+                hold: int = 0, laps: int = 1) -> torch.Tensor:
+    """Stream ``src`` (int64, ``blocks * steps * step_bytes`` bytes) through ``blocks`` rings, ``laps`` times (each
+    block reads its share again: a ``src`` that fits the L2 is then read from it); returns ``sink`` [blocks] int64
+    (the sum of each step's first word over the laps)."""
     from . import launch
 
     if step_bytes % (16 * pieces) or src.dtype != torch.int64:
@@ -75,5 +77,7 @@ def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4
     if key not in _KERNELS:
         _KERNELS[key] = _build(stages, pieces)
     sink = torch.zeros(blocks, dtype=torch.int64, device=src.device)
-    launch.launch_tensors(_KERNELS[key], blocks, 64, (src, sink), (sw, nstep, hold), dyn=stages * step_bytes)
+    if laps < 1:
+        raise ValueError(f"laps must be 1 or more, got {laps}")
+    launch.launch_tensors(_KERNELS[key], blocks, 64, (src, sink), (sw, nstep, hold, laps), dyn=stages * step_bytes)
     return sink

@@ -21,6 +21,14 @@ def test_bulk_stream_lands_every_step(stages, pieces, hold):
     assert torch.equal(sink.cpu(), src.cpu().view(2, 7, 48)[:, :, 0].sum(dim=1))
 
 
+def test_bulk_stream_laps_read_each_share_again():
+    src = torch.randint(0, 1 << 20, (2 * 3 * 16,), dtype=torch.int64).to(DEV)
+    sink = bulk_stream(src, 2, 16 * 8, stages=2, laps=3)
+    assert torch.equal(sink.cpu(), 3 * src.cpu().view(2, 3, 16)[:, :, 0].sum(dim=1))
+    with pytest.raises(ValueError, match="laps"):
+        bulk_stream(src, 2, 16 * 8, laps=0)
+
+
 def test_bulk_stream_refuses_pieces_that_are_not_whole_copies():
     with pytest.raises(ValueError, match="multiple of 16"):
         bulk_stream(torch.zeros(64, dtype=torch.int64, device=DEV), 1, 40 * 8, pieces=3)

@@ -3,9 +3,11 @@ bulk copies into a ring per block, nothing else (``sparsekit.kernels.copy_probe`
 (beyond the L2), for each step size, copies per step, ring depth and blocks per SM. GPU only::
 
     python -m scripts.bench.probe_bulk_copy [--steps 1024,4096,16384] [--pieces 1,3] [--stages 4] [--per-sm 2,3,5] \
-        [--holds 0,1000,2000]
+        [--holds 0,1000,2000] [--mbytes 16 --laps 16]
 
-``--holds``: SM cycles the reader keeps each stage after it lands (a consumer's decode and products).
+``--holds``: SM cycles the reader keeps each stage after it lands (a consumer's decode and products). ``--laps``:
+each block reads its share that many times, so with ``--mbytes`` below the L2's size the copies after the first
+lap are L2 hits (the rate of an X slab that every row block reads).
 
 Prints TB/s per configuration (CUDA-graph replays), beside a device-to-device copy of the same bytes by torch.
 """
@@ -27,6 +29,7 @@ def main() -> int:
     ap.add_argument("--stages", default="4")
     ap.add_argument("--per-sm", default="2,3,5", help="blocks per SM")
     ap.add_argument("--holds", default="0", help="SM cycles the reader holds each stage")
+    ap.add_argument("--laps", type=int, default=1, help="times each block reads its share (L2 hits past the first)")
     args = ap.parse_args()
     cuda_or_exit("the bulk-copy probe")
     from sparsekit.kernels.copy_probe import bulk_stream
@@ -47,14 +50,15 @@ def main() -> int:
                     if nstep < stages or stages * step > 200 * 1024 or step % (16 * pieces):
                         continue
                     used = src[: blocks * nstep * step // 8]
-                    want = used.view(blocks, nstep, step // 8)[:, :, 0].sum(dim=1)
+                    want = used.view(blocks, nstep, step // 8)[:, :, 0].sum(dim=1) * args.laps
                     for hold in ints_arg(args.holds):
-                        sink = bulk_stream(used, blocks, step, stages, pieces, hold)
+                        sink = bulk_stream(used, blocks, step, stages, pieces, hold, args.laps)
                         if not torch.equal(sink, want):
                             print(f"FAIL step {step} pieces {pieces}: a step did not land", file=sys.stderr)
                             return 1
-                        t, _ = time_calls([lambda: bulk_stream(used, blocks, step, stages, pieces, hold)])
-                        print(f"| {step} | {pieces} | {stages} | {per} | {hold} | {used.numel() * 8 / t / 1e6:.2f} |",
+                        t, _ = time_calls([lambda: bulk_stream(used, blocks, step, stages, pieces, hold, args.laps)])
+                        rate = used.numel() * 8 * args.laps / t / 1e6
+                        print(f"| {step} | {pieces} | {stages} | {per} | {hold} | {rate:.2f} |",
                               flush=True)
     return 0
 
