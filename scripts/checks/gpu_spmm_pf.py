@@ -28,6 +28,7 @@ if not hasattr(numpy, "row_stack"):      # numba-cuda 0.30.4 still calls it; num
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from scripts.checks.gpu_spmm_ws import rel_err  # noqa: E402
 from scripts.common import copies_for, cuda_or_exit, ints_arg, masked_weight, shapes_arg, time_calls  # noqa: E402
 
 CHECK_SHAPES = [(200, 130), (1000, 333), (130, 4160), (4096, 4096), (22016, 4096), (4096, 11008)]
@@ -37,12 +38,6 @@ CHECK_PLANS = [dict(tokens=256, stages=4), dict(tokens=192, stages=4), dict(toke
 PLANS = '[{"tokens": 256, "stages": 4}, {"tokens": 256, "stages": 3}, {"tokens": 192, "stages": 4}]'
 BENCH_SHAPES = [(22016, 4096), (4096, 11008), (28672, 8192), (8192, 28672), (12288, 4096)]
 BENCH_NS = [512, 2048, 4096]
-
-
-def rel_err(y, ref) -> float:
-    if torch.isnan(y).any():
-        return float("nan")
-    return float((y.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def check() -> int:
