@@ -29,11 +29,11 @@ import torch
 from numba import cuda
 
 from . import kcache
-from ._intrinsics import (SCRATCH_WORDS, SIM, cluster_rank, cluster_sync, fence_proxy_async, mbar_arrive, mbar_init,
-                          mbar_wait)
+from ._intrinsics import (SCRATCH_WORDS, SIM, clock32, cluster_rank, cluster_sync, fence_proxy_async, gtimer32,
+                          mbar_arrive, mbar_init, mbar_wait)
 from ._warp_intrinsics import byte_addr
 from ._wg_intrinsics import strip_a16, wg_bar, wg_commit, wg_mmss, wg_wait0, wg_wait1, wsync
-from .block import dynamic_smem, make_tile_end, thread_ids
+from .block import block_row, dynamic_smem, make_tile_end, stamp, thread_ids
 from .common import quarter_regs
 from .sp24_wg import _device, make_tile_ops, x_desc
 from .spmm_ws import _publish_table, make_roles
@@ -64,8 +64,9 @@ def smem_bytes(nt: int, stages: int, vbytes: int) -> int:
 # products), "no_fence" (no proxy fence before the warpgroup meets), "wait0" (every step's products are retired
 # before the next step's decode: the whole kernel, correct, without the overlap), "no_copies" (a zeroed ring whose
 # stages are released at once with no bytes: the table warps and the consumers run on it), "skeleton" (the copies
-# and the table warps only: no decode, no products)
+# and the table warps only: no decode, no products); STAMPS: the whole kernel writing time stamps (``pf_stamps``)
 ABLATIONS = ("no_decode", "no_mma", "no_fence", "wait0", "no_copies", "skeleton")
+STAMPS = "stamps"
 probe_build: list = [None]
 
 
@@ -84,21 +85,24 @@ def compiled_kernels() -> dict:
 
 
 def _build(NT: int, STAGES: int, AB: str | None = None, CL: int = 1):
-    assert NT in PF_NTS and 2 <= STAGES <= 6 and (AB is None or AB in ABLATIONS) and CL in (1, 2)
+    assert NT in PF_NTS and 2 <= STAGES <= 6 and (AB is None or AB in ABLATIONS + (STAMPS,)) and CL in (1, 2)
+    STAMP = AB == STAMPS
     DECODE, MMA = AB not in ("no_decode", "skeleton"), AB not in ("no_mma", "skeleton")
     FENCE, LAG, COPIES = AB != "no_fence", AB != "wait0", AB != "no_copies"
     XBYTES = NT * 128
     ZERO = (np.float32(0.0),) * (NT // 2)
     tile_end = make_tile_end(NT * 128, 128, THREADS)
     _, _, _, _, acc_store, _ = make_tile_ops(NT, 1, 2)
-    _, produce = make_roles(NT, STAGES, 2, CL=CL)
+    _, produce = make_roles(NT, STAGES, 2, CL=CL, STAMP=STAMP)
 
     @_device
-    def publish(d32, d64, scr, tid, lane, raw, full, j, r, nr, SLOT):
+    def publish(d32, d64, scr, tid, lane, raw, full, j, r, nr, SLOT, ws, sb0, t0):
         """Step ``j``'s copies have landed ("raw"): the warp fills tile row ``r``'s decode table (a row past the
         weight's: none), then releases its half of the stage to the consumers ("full": two arrivals)."""
         s = j % STAGES
         mbar_wait(raw, s, (j // STAGES) & 1)
+        if STAMP and r == 0 and lane == 0:
+            stamp(ws, sb0 + j * 8 + 7, t0)           # (probe: the copies landed)
         if r < nr:
             tb = byte_addr(d64, 0) + u32(s * (XBYTES + 2 * SLOT) + XBYTES + r * SLOT)
             _publish_table(d32, d64, scr, tid, lane, tb)
@@ -171,6 +175,10 @@ def _build(NT: int, STAGES: int, AB: str | None = None, CL: int = 1):
         cuda.syncthreads()
         if CL > 1:
             cluster_sync()                             # every block's barriers set up before any remote use
+        t0 = clock32() if STAMP else u32(0)            # probe builds: stamps per step (``pf_stamps``), then the
+        g0 = gtimer32() if STAMP else u32(0)           # block's row: SM, start and end (ns)
+        sb0 = b * (GK + 1) * 8 if STAMP else 0
+        st0 = STAMP and tid == 0                       # (the consumers' stamps: warp 0, lane 0)
         acc = ZERO
         if warp == 8 and not COPIES:                   # (ablation: empty phases on a zeroed ring)
             for i in range(GK):
@@ -180,10 +188,10 @@ def _build(NT: int, STAGES: int, AB: str | None = None, CL: int = 1):
                     mbar_arrive(raw, i % STAGES)
         elif warp == 8:
             produce(d64, scr, tid, lane, bm, vals, goff, xs, raw, empty, chunk, tr0, nr, rot, GK, 0, GK, SLOT,
-                    xempty, rank, ws, 0, u32(0))
+                    xempty, rank, ws, sb0, t0)
         elif warp >= 9:
             for j in range(GK):
-                publish(d32, d64, scr, tid, lane, raw, full, j, warp - 9, nr, SLOT)
+                publish(d32, d64, scr, tid, lane, raw, full, j, warp - 9, nr, SLOT, ws, sb0, t0)
         else:
             pos = u32(8 * (g & 3) + 2 * t)          # the lane's two bits in its half-word of each BitmapTile
             lmask = (u32(1) << pos) - u32(1)
@@ -196,12 +204,18 @@ def _build(NT: int, STAGES: int, AB: str | None = None, CL: int = 1):
             s = u32(0)
             ph = u32(0)
             for i in range(GK):
+                if st0:
+                    stamp(ws, sb0 + i * 8, t0)       # (probe: the step begins)
                 mbar_wait(full, s, ph)
+                if st0:
+                    stamp(ws, sb0 + i * 8 + 2, t0)   # (probe: "full")
                 sb = ring + s * u32(stb)
                 ab = a0 + u32(A_BYTES) * u32(i & 1)
                 if DECODE and wg < nr:               # (a warpgroup past the weight's rows: stale products)
                     da = strip_a16(scr, tid, d64, d32, sb + gofs + wvsel, sb + gofs + asel, lmask, pos)
                     store_a(d32, ab + lw, da)
+                if st0:
+                    stamp(ws, sb0 + i * 8 + 3, t0)   # (probe: decoded and stored)
                 if FENCE:
                     fence_proxy_async()              # the A tile's writes, seen by the tensor cores ...
                 wg_bar(scr, tid)                     # ... of the whole warpgroup
@@ -211,12 +225,16 @@ def _build(NT: int, STAGES: int, AB: str | None = None, CL: int = 1):
                     acc = wg_mmss(ad, ad + u64(16), ad + u64(32), ad + u64(48),
                                   xd, xd + u64(16), xd + u64(32), xd + u64(48), acc)
                     wg_commit()
+                if st0:
+                    stamp(ws, sb0 + i * 8 + 4, t0)   # (probe: met and issued)
                 if LAG:
                     acc = wg_wait1(acc)              # step i - 1's products are done: its stage is free
                 else:
                     acc = wg_wait0(acc)
                 if i >= 1 and lane == 0:
                     mbar_arrive(empty, (s + u32(STAGES - 1)) % u32(STAGES))
+                if st0:
+                    stamp(ws, sb0 + i * 8 + 1, t0)   # (probe: the previous products retired, their stage free)
                 s += u32(1)
                 if s == u32(STAGES):
                     s = u32(0)
@@ -228,6 +246,8 @@ def _build(NT: int, STAGES: int, AB: str | None = None, CL: int = 1):
         cuda.syncthreads()
         if nr > 0:
             tile_end(df, y, ws, cnt, flag, tid, M, N, tr0 * 64, chunk * NT, b, GK, b, GK, b, b)
+        if STAMP and tid == 0:
+            block_row(ws, sb0 + GK * 8, g0)
         if CL > 1:
             cluster_sync()                             # no block leaves while another may still signal it
 
@@ -251,6 +271,24 @@ def tcabme_pf_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens
     """``x @ W^T`` for fp16 ``x`` [N, K] and an fp16 TCA-BME weight ``w`` through spmm_pf (Hopper, or the
     simulator): ``[N, M]`` fp16, into ``out`` if given. ``tokens`` (tokens a tile) and ``stages`` force the plan;
     ``slabs``: X already rewritten at that width (``sp24_ws.x_slabs``)."""
+    return _launch(x, w, out, tokens, stages, cluster, slabs)[0]
+
+
+def pf_stamps(x: torch.Tensor, w, tokens: int = 256, stages: int | None = None) -> tuple:
+    """``(y, stamps, plan)``: ``tcabme_pf_matmul``'s product from the time-stamped build, ``stamps`` [blocks, steps, 8]
+    float32 SM cycles since the block's start: consumer (warp 0) 0 the step begins, 2 "full", 3 its A tile stored,
+    4 the products issued, 1 the previous products retired and their stage released; copy warp 5 the stage free, 6
+    its copies issued; first table warp 7 the copies landed. ``plan``: tokens, stages, blocks, steps, and each
+    block's SM and start and end on the GPU's nanosecond timer (low 32 bits), as ``spmm_ws_probe.ws_stamps``'s."""
+    y, nt, st, blocks, gk, buf = _launch(x, w, None, tokens, stages, 1, None, stamps=True)
+    buf = buf.view(blocks, gk + 1, 8)
+    row = buf[:, -1].to(torch.int64)
+    return y, buf[:, :-1], {"tokens": nt, "stages": st, "blocks": blocks, "steps": gk, "sm": row[:, 0],
+                            "start_ns": row[:, 1] | (row[:, 2] << 16), "end_ns": row[:, 3] | (row[:, 4] << 16)}
+
+
+def _launch(x, w, out, tokens, stages, cluster, slabs, stamps: bool = False):
+    """``(y, tokens a tile, stages, blocks, tile columns, the stamp buffer or None)`` of one launch."""
     from . import launch
     from .io import output_for, padded
     from .sp24_ws import slabs_or_make
@@ -264,7 +302,7 @@ def tcabme_pf_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens
         raise ValueError(f"x has {x.shape[1]} features but the weight expects {k}")
     out = output_for(x, m, out)
     if n == 0 or m == 0:
-        return out
+        return out, 0, 0, 0, 0, None
     gm, gk = w.grid
     x = padded(x, gk * 64)
     vbytes = value_room(w)
@@ -273,10 +311,18 @@ def tcabme_pf_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens
     if cluster not in (1, 2) or (cluster > 1 and SIM):
         raise ValueError(f"spmm_pf takes clusters of 1 or 2 blocks (2: on a GPU only), got {cluster}")
     blocks = -(-(-(-gm // 2)) // cluster) * cluster * nch
-    ws, cnt = launch.workspace(x.device, 1, 1)
+    if stamps:
+        ws = torch.zeros(blocks * (gk + 1) * 8, dtype=torch.float32, device=x.device)
+        cnt = torch.zeros(1, dtype=torch.int32, device=x.device)
+    else:
+        ws, cnt = launch.workspace(x.device, 1, 1)
     vals = w.values.contiguous() if w.values.numel() else torch.zeros(8, dtype=torch.float16, device=x.device)
     tensors = (w.bitmaps.view(torch.int64), vals.view(torch.int64), w.gtile_offsets, slabs_or_make(x, nt, slabs),
                out.reshape(-1).view(torch.int16), ws, cnt)
-    launch.launch_tensors(get_kernel(nt, st, cluster), blocks, THREADS, tensors, (m, n, gk, nch, slot_bytes(vbytes)),
+    key = (nt, st, STAMPS)
+    if stamps and key not in _KERNELS:
+        _KERNELS[key] = kcache.tag(_build(nt, st, STAMPS), "spmm_pf", key)
+    kern = _KERNELS[key] if stamps else get_kernel(nt, st, cluster)
+    launch.launch_tensors(kern, blocks, THREADS, tensors, (m, n, gk, nch, slot_bytes(vbytes)),
                           dyn=smem_bytes(nt, st, vbytes), cluster=cluster)
-    return out
+    return out, nt, st, blocks, gk, ws if stamps else None

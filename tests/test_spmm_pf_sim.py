@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sparsekit.kernels.common import SIM
-from sparsekit.kernels.spmm_pf import pf_plan, smem_bytes, tcabme_pf_matmul
+from sparsekit.kernels.spmm_pf import pf_plan, pf_stamps, smem_bytes, tcabme_pf_matmul
 from sparsekit.packed.tcabme import TcaBme, encode
 
 from tests.test_spmm_rows_sim import _weight
@@ -66,3 +66,19 @@ def test_spmm_pf_plan_fits_shared_memory_and_refuses_what_does_not():
         pf_plan(256, 6, 8208)
     with pytest.raises(ValueError, match="tokens a tile"):
         pf_plan(96, None, 4624)
+
+
+def test_time_stamp_probe_gives_the_product_and_ordered_stamps():
+    """The stamped build (a diagnostic) computes the same product; within each step the consumer's stamps follow
+    its order (begin, "full", stored, issued, retired), the copy warp's too, and every role stamped every step."""
+    w, g = _weight(130, 64 * 3, 0.5, seed=7)
+    x = torch.randn(5, 64 * 3, generator=g).half()
+    y, st, plan = pf_stamps(x.to(DEV), encode(w).to(DEV), tokens=64, stages=2)
+    ref = x.double() @ w.double().t()
+    assert ((y.cpu().double() - ref).norm() / ref.norm()).item() < 1e-3
+    assert plan["blocks"] == 2 and plan["steps"] == 3 and st.shape == (2, 3, 8)
+    st = st.cpu()
+    for order in ([0, 2, 3, 4, 1], [5, 6]):
+        assert (st[:, :, order].diff(dim=2) >= 0).all()
+    assert (st[:, 1:, 0] > 0).all() and (st[:, :, 7] > 0).all() and (st[:, :, 6] > 0).all()
+    assert ((plan["end_ns"] - plan["start_ns"]) & 0xFFFFFFFF > 0).all()

@@ -1,11 +1,14 @@
-"""Where spmm_ws (issue 21; docs/kernels-notes.md "v22 outcome") or, with ``--kernel sp24``, sp24_ws (issue 22,
-"v25") spends its cycles, per role and step: one launch of the time-stamped build (``sparsekit.kernels.spmm_ws_probe``,
-``sp24_ws_probe``) per shape and token count, summarized as medians over every block's steady-state steps (the first
-ring's worth of steps left out), in SM cycles:
+"""Where spmm_ws (issue 21; docs/kernels-notes.md "v22 outcome"), with ``--kernel sp24`` sp24_ws (issue 22, "v25"),
+or with ``--kernel pf`` spmm_pf (issue 21, "v29") spends its cycles, per role and step: one launch of the
+time-stamped build (``sparsekit.kernels.spmm_ws_probe``, ``sp24_ws_probe``, ``spmm_pf.pf_stamps``) per shape and
+token count, summarized as medians over every block's steady-state steps (the first ring's worth of steps left
+out), in SM cycles:
 
 - consumer (warp 0 of the first warpgroup): the whole step, and its parts: retiring the previous products and
   releasing their stage, waiting for "full" (sp24_ws up to 32 tokens a tile: first, then the retiring), decoding
-  the A registers (sp24_ws: issuing their loads), issuing the products, the rest;
+  the A registers (sp24_ws: issuing their loads), issuing the products, the rest (spmm_pf: waiting for "full",
+  decoding and storing the A tile, meeting the warpgroup and issuing, then retiring the previous step's products
+  and releasing their stage);
 - copy warp (sp24_ws: the producer): waiting for a free stage ("empty"), issuing the step's bulk copies;
 - copies in flight: issued -> landed (the table warp sees "raw"; sp24_ws: issued -> the consumer sees "full");
 - table: landed -> the consumer sees "full" (the table warp's publish, and any wait of the consumer's; none in
@@ -19,13 +22,14 @@ ring's worth of steps left out), in SM cycles:
 Also: the stamped and the shipped kernel's time per call (CUDA-graph replays over weight copies beyond the L2),
 so the probe's own cost is visible. GPU only::
 
-    python -m scripts.bench.probe_ws_stamps [--kernel sp24] [--shapes 22016x4096] [--ns 1,32,64] [--sparsity 0.5] \
+    python -m scripts.bench.probe_ws_stamps [--kernel sp24|pf] [--shapes 22016x4096] [--ns 1,32,64] [--sparsity 0.5] \
         [--plans default,s8,g2]
 
 ``--plans``: ``default`` and forced plans, each letters and a number joined by ``-``: ``s`` stages, ``g``
 warpgroups per block, ``t`` tokens per tile (``s8-g1``: an 8-stage ring, one warpgroup), ``r`` tile rows per
 warpgroup (sp24 only), and ``a`` first for two warpgroups taking turns on one tile row (``a``, ``a-s6``; spmm_ws
-only); a plan the kernel refuses (shared memory) is one line and the sweep goes on. ``--sparsity`` is ignored
+only); spmm_pf takes ``t`` and ``s`` only (default: 256 tokens a tile); a plan the kernel refuses (shared memory) is
+one line and the sweep goes on. ``--sparsity`` is ignored
 with ``--kernel sp24`` (random 2:4 weights).
 """
 from __future__ import annotations
@@ -38,10 +42,12 @@ import torch
 from scripts.common import copies_for, cuda_or_exit, ints_arg, masked_weight, shapes_arg, time_calls
 
 
-def summarize(st: torch.Tensor, stages: int, late: bool = False, table: bool = True) -> dict[str, float]:
+def summarize(st: torch.Tensor, stages: int, late: bool = False, table: bool = True,
+              pf: bool = False) -> dict[str, float]:
     """Median cycles of each part over the steady-state steps of every block (``st``: [blocks, steps, 8]).
     ``late``: the consumer waits for "full" (slot 2) before it retires and releases (slot 1); ``table``: slot 7 is
-    the table warp's "landed" (spmm_ws; sp24_ws has none: in flight then runs to the consumer's "full")."""
+    the table warp's "landed" (spmm_ws; sp24_ws has none: in flight then runs to the consumer's "full"); ``pf``:
+    spmm_pf's consumer order (begin, "full", stored, issued, retired: slots 0, 2, 3, 4, 1)."""
     st = st.double().cpu()
     live = st[:, :, 0] > 0                                   # steps a block ran (a block's first stamp is > 0)
     nxt = torch.roll(st[:, :, 0], -1, dims=1)
@@ -65,6 +71,9 @@ def summarize(st: torch.Tensor, stages: int, late: bool = False, table: bool = T
         "table": full - landed if table else torch.full_like(full, float("nan")),
         "lead": (begin if late else retired) - st[:, :, 6],
     }
+    if pf:
+        parts.update({"wait full": full - begin, "decode": st[:, :, 3] - full, "retire": retired - st[:, :, 4],
+                      "rest": nxt - retired, "lead": begin - st[:, :, 6]})
     out = {k: float(v[steady].median()) if steady.any() else float("nan") for k, v in parts.items()}
     out["mean step"] = float(parts["step"][steady].mean()) if steady.any() else float("nan")
     last = live.sum(dim=1) - 1                               # each block's last step
@@ -101,13 +110,14 @@ def plan_arg(text: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kernel", default="tcabme", choices=("tcabme", "sp24"), help="spmm_ws (TCA-BME) or sp24_ws (2:4)")
+    ap.add_argument("--kernel", default="tcabme", choices=("tcabme", "sp24", "pf"),
+                    help="spmm_ws (TCA-BME), sp24_ws (2:4) or spmm_pf (TCA-BME prefill)")
     ap.add_argument("--shapes", default="22016x4096,28672x8192")
     ap.add_argument("--ns", default="1,32,64")
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--plans", default="default")
     args = ap.parse_args()
-    sp24 = args.kernel == "sp24"
+    sp24, pf = args.kernel == "sp24", args.kernel == "pf"
     try:
         plans = [(text, plan_arg(text)) for text in args.plans.split(",")]
     except (KeyError, ValueError, IndexError):
@@ -117,6 +127,9 @@ def main() -> int:
     if sp24 and any(kw.get("alt") for _, kw in plans) or not sp24 and any("strips" in kw for _, kw in plans):
         print("--plans: 'a' (two warpgroups taking turns) is spmm_ws's, 'r' (tile rows) sp24_ws's", file=sys.stderr)
         return 2
+    if pf and any(set(kw) - {"tokens", "stages"} for _, kw in plans):
+        print("--plans: spmm_pf takes 't' (tokens a tile) and 's' (stages) only", file=sys.stderr)
+        return 2
     cuda_or_exit("the stamp probe")
     if sp24:
         from sparsekit.kernels.sp24 import sp24_matmul
@@ -125,6 +138,10 @@ def main() -> int:
 
         def shipped(x, w, **kw):
             return sp24_matmul(x, w, kernel="ws", splits=1, **kw)
+    elif pf:
+        from sparsekit.kernels.spmm_pf import pf_stamps as ws_stamps
+        from sparsekit.kernels.spmm_pf import tcabme_pf_matmul as shipped
+        from sparsekit.packed.tcabme import encode
     else:
         from sparsekit.kernels.spmm_ws import tcabme_ws_matmul
         from sparsekit.kernels.spmm_ws_probe import ws_stamps
@@ -161,10 +178,10 @@ def main() -> int:
                 tw, _ = time_calls([lambda p=p: shipped(x, p, **kw) for p in packed], graph=False)
                 _, st, plan = ws_stamps(x, packed[-1], **kw)      # a copy not used last: cold in the L2
                 torch.cuda.synchronize()
-                s = summarize(st, plan["stages"], late=plan.get("late", False), table=not sp24)
+                s = summarize(st, plan["stages"], late=plan.get("late", False), table=not sp24, pf=pf)
                 shape = f"r{plan['strips']} " if sp24 else ""
                 alt = " alt" if plan.get("alt") else ""
-                desc = (f"t{plan['tokens']} s{plan['stages']} {shape}g{plan['groups']}{alt} b{plan['blocks']} "
+                desc = (f"t{plan['tokens']} s{plan['stages']} {shape}g{plan.get('groups', 2)}{alt} b{plan['blocks']} "
                         f"k{plan['steps']}")
                 print(f"| {m}x{k} | {n} | {desc} | {tw:.1f} | {ts:.1f} | " + " | ".join(f"{s[c]:.0f}" for c in cols)
                       + " |", flush=True)
