@@ -19,7 +19,7 @@ decoded weight never goes through DRAM. GPU: sm_90a; the simulator runs its Pyth
 - **End**: ``block.make_tile_end`` (every warp), the fp32 tile ``[NT, 128]`` through shared memory, fp16 out.
 
 On an H100 it is correct and runs at 0.37-0.50x cuBLAS at 2048-4096 tokens, slower than decode + cuBLAS: not a
-runtime path. Its ablations (``ABLATIONS``, ``scripts/checks/gpu_spmm_pf.py --ablations``) and an earlier form (a
+runtime path. Its ablations (``ABLATIONS``, timed by ``scripts/checks/gpu_spmm_pf.py``) and an earlier form (a
 third warpgroup decoding for both, 0.09-0.21x) are in docs/kernels-notes.md "v29".
 """
 from __future__ import annotations
