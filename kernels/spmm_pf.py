@@ -280,6 +280,8 @@ def pf_stamps(x: torch.Tensor, w, tokens: int = 256, stages: int | None = None) 
     4 the products issued, 1 the previous products retired and their stage released; copy warp 5 the stage free, 6
     its copies issued; first table warp 7 the copies landed. ``plan``: tokens, stages, blocks, steps, and each
     block's SM and start and end on the GPU's nanosecond timer (low 32 bits), as ``spmm_ws_probe.ws_stamps``'s."""
+    if x.dim() != 2 or x.shape[0] == 0 or w.shape[0] == 0:
+        raise ValueError("pf_stamps expects x [N, K] with N > 0 and a weight with rows")
     y, nt, st, blocks, gk, buf = _launch(x, w, None, tokens, stages, 1, None, stamps=True)
     buf = buf.view(blocks, gk + 1, 8)
     row = buf[:, -1].to(torch.int64)

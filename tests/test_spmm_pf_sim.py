@@ -82,3 +82,5 @@ def test_time_stamp_probe_gives_the_product_and_ordered_stamps():
         assert (st[:, :, order].diff(dim=2) >= 0).all()
     assert (st[:, 1:, 0] > 0).all() and (st[:, :, 7] > 0).all() and (st[:, :, 6] > 0).all()
     assert ((plan["end_ns"] - plan["start_ns"]) & 0xFFFFFFFF > 0).all()
+    with pytest.raises(ValueError, match="N > 0"):
+        pf_stamps(x[:0].to(DEV), encode(w).to(DEV))
