@@ -1,6 +1,6 @@
 """spmm_pf (issue 21 item 2, docs/kernels-notes.md "v29": TCA-BME prefill, each GroupTile decoded once per block into
 a dense A tile in shared memory, the warpgroup MMA reading both operands from shared memory) against a float64
-reference, under Numba's CUDA simulator when there is no GPU: a ring that wraps, a block whose second tile row is
+reference, under Numba's CUDA simulator when there is no GPU: rings that wrap, a block whose second tile row is
 past the weight, M/K padding, token chunks, GroupTiles with no values, kept -0.0 values, and a planted
 bitmap-order bug that must fail. Outputs are poisoned with NaN first."""
 from __future__ import annotations
@@ -31,11 +31,12 @@ def _rel_err(p, w, x, **knobs):
 
 
 @pytest.mark.parametrize("m,k,n,kind,zero_row,knobs", [
-    (130, 192, 70, 0.5, True, dict(tokens=64, stages=2)),    # 3 steps on a ring of 2; the second block's second
-                                                              # tile row past M; 2 token chunks; a GroupTile row
-                                                              # with no values
-    (64, 64 * 4, 9, "strips", False, dict(tokens=64, stages=3)),   # zero, dense, 50% and 2:4 strips; K padding none
+    (130, 128, 9, 0.5, True, dict(tokens=64, stages=2)),     # the second block's second tile row past M; a
+                                                              # GroupTile row with no values
+    (64, 64 * 4, 9, "strips", False, dict(tokens=64, stages=3)),   # zero, dense, 50% and 2:4 strips; 4 steps on a
+                                                              # ring of 3
     (100, 100, 3, 0.3, False, dict(tokens=128, stages=2)),   # M and K padding, a wider tile
+    (64, 64, 70, 0.5, False, dict(tokens=64, stages=2)),     # 2 token chunks (the second of 6 tokens)
 ])
 def test_spmm_pf_matches_float64(m, k, n, kind, zero_row, knobs):
     w, g = _weight(m, k, kind, seed=m + n, negzeros=3 if kind == 0.5 else 0)
@@ -71,12 +72,12 @@ def test_spmm_pf_plan_fits_shared_memory_and_refuses_what_does_not():
 def test_time_stamp_probe_gives_the_product_and_ordered_stamps():
     """The stamped build (a diagnostic) computes the same product; within each step the consumer's stamps follow
     its order (begin, "full", stored, issued, retired), the copy warp's too, and every role stamped every step."""
-    w, g = _weight(130, 64 * 3, 0.5, seed=7)
+    w, g = _weight(64, 64 * 3, 0.5, seed=7)
     x = torch.randn(5, 64 * 3, generator=g).half()
     y, st, plan = pf_stamps(x.to(DEV), encode(w).to(DEV), tokens=64, stages=2)
     ref = x.double() @ w.double().t()
     assert ((y.cpu().double() - ref).norm() / ref.norm()).item() < 1e-3
-    assert plan["blocks"] == 2 and plan["steps"] == 3 and st.shape == (2, 3, 8)
+    assert plan["blocks"] == 1 and plan["steps"] == 3 and st.shape == (1, 3, 8)
     st = st.cpu()
     for order in ([0, 2, 3, 4, 1], [5, 6]):
         assert (st[:, :, order].diff(dim=2) >= 0).all()
