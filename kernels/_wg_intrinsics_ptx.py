@@ -36,7 +36,7 @@ offset is the step along N, D in ``mma``'s per-warp C layout for each 8-token bl
 - ``wg_bar(scr, tid)``: the warpgroup's 128 threads meet (``bar.sync`` on named barrier 1 + warpgroup).
 - ``wg_commit()``: ``wgmma.commit_group`` (the products issued since the last one form a group).
 - ``wg_wait0(acc)``: ``wgmma.wait_group 0`` (every product group done), returning ``acc`` through the
-  wait so that nothing reads it earlier. (Waiting for all but the newest group is not offered: ptxas
+  wait so that nothing reads it earlier. (Products with A in registers must wait for this one: ptxas
   gives every step's A operand the same registers, so the kernels retire a step's products before the
   next step's loads; docs/kernels-notes.md "v17".)
 - ``wg_wait1(acc)``: ``wgmma.wait_group 1`` (all but the newest group done): for products whose operands
@@ -77,12 +77,13 @@ def _mma2_asm(n: int) -> tuple[str, str]:
 
 
 def _product_codegen(text: str, cons: str, na: int, nwords: int, ndesc: int, r: int):
-    """The codegen of a product intrinsic ``(a, *words, *descs, acc)``: ``na`` A registers (a tuple), then
-    ``nwords`` 32-bit words, ``ndesc`` 64-bit descriptors, and ``r`` fp32 accumulators tied in and out."""
+    """The codegen of a product intrinsic ``(a, *words, *descs, acc)``: ``na`` A registers (a tuple; none with
+    ``na`` = 0, where the operands start with the words), then ``nwords`` 32-bit words, ``ndesc`` 64-bit
+    descriptors, and ``r`` fp32 accumulators tied in and out."""
     def codegen(context, builder, sig, args):
         fnty = ir.FunctionType(ir.LiteralStructType([_f32] * r), [_i32] * (na + nwords) + [_i64] * ndesc + [_f32] * r)
-        ins = [builder.extract_value(args[0], i) for i in range(na)] + list(args[1:-1]) + \
-            [builder.extract_value(args[-1], i) for i in range(r)]
+        head = [builder.extract_value(args[0], i) for i in range(na)] + list(args[1:-1]) if na else list(args[:-1])
+        ins = head + [builder.extract_value(args[-1], i) for i in range(r)]
         res = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True), ins)
         return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(r)])
 
@@ -133,15 +134,7 @@ def _wg_mmss(typingctx, a0, a1, a2, a3, b0, b1, b2, b3, acc):
     r = acc.count
     f, d = types.float32, types.uint64
     sig = types.UniTuple(f, r)(d, d, d, d, d, d, d, d, types.UniTuple(f, r))
-
-    def codegen(context, builder, sig, args):
-        text, cons = _mmss_asm(2 * r)
-        fnty = ir.FunctionType(ir.LiteralStructType([_f32] * r), [_i64] * 8 + [_f32] * r)
-        ins = list(args[:8]) + [builder.extract_value(args[8], i) for i in range(r)]
-        res = builder.call(ir.InlineAsm(fnty, text, cons, side_effect=True), ins)
-        return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, i) for i in range(r)])
-
-    return sig, codegen
+    return sig, _product_codegen(*_mmss_asm(2 * r), 0, 0, 8, r)
 
 
 def _tied(text: str):
