@@ -70,10 +70,11 @@ STAMPS = "stamps"
 probe_build: list = [None]
 
 
-def get_kernel(nt: int, stages: int, cluster: int = 1):
+def get_kernel(nt: int, stages: int, cluster: int = 1, build: str | None = None):
     """Kernel for ``nt`` tokens a tile (``PF_NTS``), a ring of ``stages`` and thread-block clusters of ``cluster``
-    row blocks (1, 2); while ``probe_build[0]`` names one of ABLATIONS, that diagnostic build."""
-    ab = probe_build[0]
+    row blocks (1, 2); ``build`` (STAMPS, or one of ABLATIONS, else what ``probe_build[0]`` names): that
+    diagnostic build."""
+    ab = build or probe_build[0]
     key = (nt, stages) + ((cluster,) if cluster > 1 else ()) + ((ab,) if ab else ())
     if key not in _KERNELS:
         _KERNELS[key] = kcache.tag(_build(nt, stages, ab, cluster), "spmm_pf", key)
@@ -321,10 +322,7 @@ def _launch(x, w, out, tokens, stages, cluster, slabs, stamps: bool = False):
     vals = w.values.contiguous() if w.values.numel() else torch.zeros(8, dtype=torch.float16, device=x.device)
     tensors = (w.bitmaps.view(torch.int64), vals.view(torch.int64), w.gtile_offsets, slabs_or_make(x, nt, slabs),
                out.reshape(-1).view(torch.int16), ws, cnt)
-    key = (nt, st, STAMPS)
-    if stamps and key not in _KERNELS:
-        _KERNELS[key] = kcache.tag(_build(nt, st, STAMPS), "spmm_pf", key)
-    kern = _KERNELS[key] if stamps else get_kernel(nt, st, cluster)
+    kern = get_kernel(nt, st, cluster, STAMPS if stamps else None)
     launch.launch_tensors(kern, blocks, THREADS, tensors, (m, n, gk, nch, slot_bytes(vbytes)),
                           dyn=smem_bytes(nt, st, vbytes), cluster=cluster)
     return out, nt, st, blocks, gk, ws if stamps else None
