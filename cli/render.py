@@ -119,7 +119,9 @@ def speed_table(report: dict[str, Any]):
     plan = report.get("dispatch") or {}
     lines = []
     if report.get("measurement") == "interleaved":
-        pairs = (report.get('prefill_rounds') or 0) * (report.get('prefill_runs') or 0)
+        counts = sorted(len(r["paired"].get("prefill_x", [])) for r in report["rows"] if r.get("paired"))
+        pairs = (f"{counts[0]}" if counts[0] == counts[-1] else f"{counts[0]}-{counts[-1]}") if counts else \
+            (report.get('prefill_rounds') or 0) * (report.get('prefill_runs') or 0)
         lines.append(f"x: packed/dense, median of {pairs} prefill pairs and {report.get('repeats')} "
                      "decode rounds, interleaved")
     elif report.get("measurement") == "sequential":

@@ -153,6 +153,38 @@ def test_the_ratio_is_the_median_of_the_paired_runs(monkeypatch, packed_model):
         speed_runs.paired_ratios([1.0, 2.0], [1.0])
 
 
+def test_median_interval_is_the_order_statistics_of_the_binomial_ranks():
+    """21 values: ranks 6 and 16 (1-based), the textbook distribution-free ~95% interval of the median (it
+    covers a continuous law's median with probability sum(C(21, k), k = 6..15) / 2^21 = 0.973); 5 values: the
+    whole range."""
+    xs = [float(v) for v in range(21, 0, -1)]  # 21 .. 1, unsorted on purpose
+    assert speed_runs.median_interval(xs) == (6.0, 16.0)
+    assert speed_runs.median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) == (1.0, 5.0)
+    assert speed_runs.median_interval([7.0]) == (7.0, 7.0)
+    assert speed_runs.median_is_sure([1.0] * 21) and not speed_runs.median_is_sure(xs)
+    # within +-2% of the median: the 6th and 16th of 21 values 0.99 .. 1.01 apart by 0.001
+    assert speed_runs.median_is_sure([0.99 + 0.001 * i for i in range(21)])
+    with pytest.raises(ValueError, match="at least one"):
+        speed_runs.median_interval([])
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_prefill_rounds_go_on_while_the_median_is_unsure(monkeypatch, packed_model, noisy):
+    """Steady pairs stop at ``prefill_rounds``; pairs that swing +-25% go on to ``max_prefill_rounds``, and the
+    report's interval of the median is the one :func:`median_interval` gives for all the pairs taken."""
+    rig = Rig(monkeypatch)
+    swing = [8.0, 12.0] * 20 if noisy else [10.0] * 40
+    rig.script = {("prefill", "dense"): [10.0] * 40, ("prefill", "packed"): list(swing)}
+    r = speed.measure_pair(packed_model, speed.dense_twin(packed_model), 2, prompt_len=8, new_tokens=4, repeats=1,
+                           prefill_rounds=3, prefill_runs=2, max_prefill_rounds=9)
+    rounds = 9 if noisy else 3
+    assert len(r["paired"]["prefill_run_ms"]["dense"]) == rounds and len(r["paired"]["prefill_x"]) == 2 * rounds
+    assert [k for k, _ in rig.timed].count("prefill") == 4 * rounds
+    want = [10.0 / v for v in swing[:2 * rounds]]
+    assert r["paired"]["prefill_x"] == pytest.approx(want)
+    assert r["ratio_interval"]["prefill_tok_s"] == pytest.approx(list(speed_runs.median_interval(want)))
+
+
 def test_measure_speed_pairs_the_packed_model_with_a_dense_twin(monkeypatch, packed_model):
     rig = Rig(monkeypatch, free_gib=70)
     n_sparse = sum(isinstance(m, SparseLinear) for m in packed_model.modules())
@@ -430,5 +462,10 @@ def test_speed_table_with_its_caption_fits_80_columns(measurement):
     assert [cells[0] for cells in body] == ["1", "8", "16", "32"] and all(len(c) == 9 for c in body)
     if measurement == "interleaved":
         assert "x: packed/dense, median of 21 prefill pairs and 3 decode rounds, interleaved" in text  # one line
+        for row, n in zip(report["rows"], (42, 21, 21, 30)):   # rounds added where the median was unsure
+            row["paired"] = {"prefill_x": [1.0] * n}
+        console = Console(width=80, record=True)
+        console.print(speed_table(report))
+        assert "median of 21-42 prefill pairs and 3 decode rounds" in console.export_text()
     else:
         assert "x: packed/dense, each alone, one model after the other (see the warning)" in text

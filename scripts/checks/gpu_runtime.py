@@ -184,8 +184,8 @@ def check_measure_speed(results: dict, out_dir: Path | None) -> None:
         ok = (len(rep["rows"]) == 2 and rep["sparse_layers"] > 0 and png.stat().st_size > 5000
               and all(r["ratio"].get("decode_tok_s", 0) > 0 for r in rep["rows"])
               and rep.get("measurement") == "interleaved"
-              and all(len(r.get("paired", {}).get("prefill_x", [])) == rep["prefill_rounds"] * rep["prefill_runs"]
-                      for r in rep["rows"]))
+              and all(rep["prefill_rounds"] <= len(r.get("paired", {}).get("prefill_x", [])) / rep["prefill_runs"]
+                      <= rep["prefill_max_rounds"] for r in rep["rows"]))
         check(ok, f"measure_speed on a packed 4-layer model: rows, ratios, plot, paired rounds; "
                   f"compiled={rep.get('compiled')}, measurement={rep.get('measurement')}, notes={rep.get('notes')}")
         results["measure_speed_smoke"] = rep

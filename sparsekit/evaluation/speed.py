@@ -17,7 +17,8 @@ twin (``speed_twin.dense_twin``) shares every tensor of the packed model outside
 and those become ``nn.Linear`` on their dispatch dense copy, or decoded where there is none. Per batch size:
 each model's decoder is built, prefilled and its decode step captured (compiling at the first two batch
 sizes), and a few untimed steps replayed; then ``repeats`` decode rounds and ``PREFILL_ROUNDS`` prefill rounds
-alternate dense, packed, dense, packed, ... A prefill round is ``PREFILL_RUNS`` runs of each model, taking
+(more, up to ``PREFILL_MAX_ROUNDS``, while the median's interval is wider than +-2%) alternate dense, packed,
+dense, packed, ... A prefill round is ``PREFILL_RUNS`` runs of each model, taking
 turns dense, packed, packed, dense, ... (the host's pace drifts: on an H100 the second side of 34 of 56 demo
 rounds of identical matmuls came out slower), and each run is paired with the other model's run beside it. The
 prefill ratio reported is the **median of those paired ratios** (packed tokens/s over dense, i.e. dense time
@@ -50,16 +51,12 @@ prefill runs instead of rounds until two agree, spent 10.0 + 5.7 s in those two 
   costs a few steps.
 * decode: 3 timed loops of 64 steps and 8 untimed steps per model and batch size, ~0.35 s at 1.3-1.9 ms
   a step: ~3 s in all (before: a whole 64-step warm-up loop as well, ~3.6 s). Since issue 20: 2 loops.
-* prefill: 7 rounds x 3 runs x 2 models = 42 runs per batch size, ~0.7 s at 17 ms: ~3 s in all. Before:
+* prefill: 7 rounds x 3 runs x 2 models = 42 runs per batch size (up to 84), ~0.7 s at 17 ms. Before:
   rounds of 15 runs until two agreed within 2%, at most 8, per model and batch size, 0.5-2 s each; the
   ~12 s that the rounds added say that most ran to 8, ~16 s in all.
-* ``gc.collect()`` once before the batch sizes instead of once per model and batch size (0.1-0.2 s each).
-
-So about 13-14 s less: ~18 s inside ``measure_speed``, and ~28 s wall for ``sparsekit eval --speed`` on
-the demo if imports and load stay at ~10 s. The report's ``phases_s`` splits the time into load,
-dispatch, twin, capture (decoders built, first prefill, compiles, graph capture), decode and prefill;
-each interleaved row's ``seconds`` has the same split for its batch size (batch 1 and the second batch
-size carry the compiles).
+* ``gc.collect()`` once before the batch sizes, not per model and batch size (0.1-0.2 s each). So ~18 s
+  in ``measure_speed``, ~28 s wall for the demo's ``eval --speed``. ``phases_s``: load, dispatch, twin, capture
+  (decoders, first prefill, compiles, graphs), decode, prefill; each row's ``seconds``: the same per batch size.
 
 Cold caches (issue 20; H100, transformers 5.24, 2026-11-26): 43.7 s wall with the kernel cache warm,
 53.3 s on a fresh H200, against 24.4 s warm. The cold time went to the dispatch plan (8.8-9.1 s: numba
@@ -93,8 +90,8 @@ import torch
 from torch import nn
 
 from sparsekit.errors import SparsekitError, strict_mode
-from sparsekit.evaluation.speed_runs import (DECODE_ROUNDS, GIB, PREFILL_ROUNDS, PREFILL_RUNS, measure_model,
-                                             measure_pair)
+from sparsekit.evaluation.speed_runs import (DECODE_ROUNDS, GIB, PREFILL_MAX_ROUNDS, PREFILL_ROUNDS, PREFILL_RUNS,
+                                             measure_model, measure_pair)
 from sparsekit.evaluation.speed_twin import dense_twin, pairing_obstacle
 from sparsekit.hf.models import resolve_device
 from sparsekit.hf.modules import set_submodule
@@ -179,7 +176,8 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
                   new_tokens: int = 64, repeats: int = DECODE_ROUNDS, cuda_graphs: bool = True,
                   dtype: torch.dtype = torch.float16, fuse_norms: bool = True, compile: bool = True,
                   fuse_proj: bool = True, prefer: str = "speed", prefill_rounds: int = PREFILL_ROUNDS,
-                  prefill_runs: int = PREFILL_RUNS, progress: Progress | None = None) -> dict[str, Any]:
+                  prefill_runs: int = PREFILL_RUNS, max_prefill_rounds: int = PREFILL_MAX_ROUNDS,
+                  progress: Progress | None = None) -> dict[str, Any]:
     """Speed report of a packed model and its dense counterpart (see the module docstring).
 
     ``fuse_norms`` swaps the HF RMSNorm modules for ``fusion.FusedRMSNorm`` (same rounding,
@@ -190,8 +188,8 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
     ``fuse_proj`` merges q/k/v and gate/up into one matmul each (``fusion.fuse_projections``),
     in both models too. ``prefer`` (``"speed"`` or ``"memory"``) goes to
     ``runtime.dispatch.plan_dispatch``, which times each group of sparse layers against cuBLAS at
-    load and runs each in its faster form (the report's ``dispatch``). ``prefill_rounds`` and
-    ``prefill_runs`` shape the interleaved prefill timing (:func:`measure_pair`). The report's
+    load and runs each in its faster form (the report's ``dispatch``). ``prefill_rounds``, ``prefill_runs`` and
+    ``max_prefill_rounds`` shape the interleaved prefill timing (:func:`measure_pair`). The report's
     ``measurement`` is ``"interleaved"`` or ``"sequential"`` (with a line in ``notes`` saying why); each
     row has per model what :func:`measure_model` reports, ``ratio`` (packed over dense tokens/s: the
     median of the paired rounds' ratios when interleaved) and, when interleaved, ``paired`` (each
@@ -282,7 +280,8 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
         """Both models at every batch size, interleaved (measure_pair)."""
         nonlocal cuda_graphs
         resident = {"packed": model_bytes(model), "dense": model_bytes(twin)}
-        pkw = dict(kw, prefill_rounds=prefill_rounds, prefill_runs=prefill_runs, resident=resident)
+        pkw = dict(kw, prefill_rounds=prefill_rounds, prefill_runs=prefill_runs,
+                   max_prefill_rounds=max_prefill_rounds, resident=resident)
         out = {}
         for b in batch_sizes:
             try:
@@ -364,7 +363,7 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
         pair = pairs.get(b, {})
         row = {"batch_size": b, "packed": p, "dense": d, "interleaved": "ratio" in pair}
         if "ratio" in pair:
-            row["ratio"], row["paired"] = pair["ratio"], pair["paired"]
+            row.update(ratio=pair["ratio"], ratio_interval=pair["ratio_interval"], paired=pair["paired"])
         else:
             row["ratio"] = {key: p[key] / d[key] for key in ("prefill_tok_s", "decode_tok_s")
                             if key in p and key in d and d[key] > 0}
@@ -383,6 +382,7 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
         "measurement": measurement,  # "interleaved" (paired rounds) or "sequential" (notes say why)
         "prefill_rounds": prefill_rounds if measurement == "interleaved" else None,
         "prefill_runs": prefill_runs if measurement == "interleaved" else None,
+        "prefill_max_rounds": max_prefill_rounds if measurement == "interleaved" else None,
         "cuda_graphs": cuda_graphs,
         "fused_norms": fuse_norms,
         "fused_projections": fuse_proj,

@@ -6,6 +6,7 @@ See ``sparsekit.evaluation.speed`` for what is timed and why, and what each phas
 from __future__ import annotations
 
 import gc
+import math
 import statistics
 import time
 from typing import Any, Sequence
@@ -20,6 +21,10 @@ from sparsekit.runtime.timing import model_bytes, time_ms
 PREFILL_REPEATS = 15  # one model alone (measure_model): runs per round of _prefill_ms
 PREFILL_ROUNDS = 7  # paired (measure_pair): dense/packed prefill rounds per batch size
 PREFILL_RUNS = 3  # paired: runs per prefill round, each paired with the other model's run beside it (ABBA)
+PREFILL_MAX_ROUNDS = 14  # paired, measure_speed: more rounds, up to this many, while the median is unsure:
+PREFILL_SPREAD = 0.02  # its ~95% interval wider than +-2% of it. Short, host-bound prefills scatter most (the
+# demo at batch 1, ~20 ms of launches: one H100 row of 20 at 0.949 in session 23 with 21 pairs, where both models
+# run the same matmuls); long ones stop at the minimum, so the extra rounds cost time only where they are needed.
 # Why pairs of runs, not of rounds' fastest runs: on the demo the dispatch plan runs every layer dense, so the two
 # models are module for module the same (H200, 2026-11-27: 30 ABBA pairs gave medians 0.993-1.011), yet eval
 # --speed's round-fastest pairs put one row at 0.947 of 8. A host that swings 21 -> 41 ms within a batch size
@@ -99,9 +104,31 @@ def paired_ratios(dense_ms: Sequence[float], packed_ms: Sequence[float]) -> list
     return [d / p for d, p in zip(dense_ms, packed_ms)]
 
 
+def median_interval(xs: Sequence[float]) -> tuple[float, float]:
+    """A distribution-free ~95% interval of the median of ``xs``: the order statistics of ranks
+    ``n/2 - 0.98 sqrt(n)`` and ``n/2 + 1 + 0.98 sqrt(n)`` (1-based; 21 values: the 6th and 16th), clipped to the
+    sample (fewer than 6 values: their whole range)."""
+    if not xs:
+        raise ValueError("an interval needs at least one value")
+    s = sorted(xs)
+    n = len(s)
+    half = 0.98 * math.sqrt(n)
+    lo = max(1, math.floor(n / 2 - half))
+    hi = min(n, math.ceil(n / 2 + 1 + half))
+    return s[lo - 1], s[hi - 1]
+
+
+def median_is_sure(xs: Sequence[float], spread: float = PREFILL_SPREAD) -> bool:
+    """Whether :func:`median_interval` of ``xs`` lies within ``+-spread`` of their median."""
+    lo, hi = median_interval(xs)
+    m = statistics.median(xs)
+    return hi - lo <= 2 * spread * abs(m)
+
+
 def measure_pair(packed: nn.Module, dense: nn.Module, batch_size: int, *, prompt_len: int = 128,
                  new_tokens: int = 64, repeats: int = DECODE_ROUNDS, prefill_rounds: int = PREFILL_ROUNDS,
-                 prefill_runs: int = PREFILL_RUNS, cuda_graphs: bool = True, compile: bool = True,
+                 prefill_runs: int = PREFILL_RUNS, max_prefill_rounds: int | None = None,
+                 prefill_spread: float = PREFILL_SPREAD, cuda_graphs: bool = True, compile: bool = True,
                  seed: int = 0, resident: dict[str, int] | None = None) -> dict[str, Any]:
     """Both models at one batch size, interleaved (both on one CUDA device; see the module docstring).
 
@@ -109,13 +136,17 @@ def measure_pair(packed: nn.Module, dense: nn.Module, batch_size: int, *, prompt
     per model what :func:`measure_model` reports (``prefill_ms`` the fastest run of all rounds,
     ``prefill_ms_median`` the median of all runs, ``ms_per_token`` the median of the decode loops);
     ``ratio`` the medians of the paired ratios (packed tokens/s over dense): prefill runs paired with the
-    other model's run beside them, decode loops round by round; ``paired`` those ratios and the figures in ms
-    (``prefill_run_ms``: per model, per round, its runs); ``seconds`` the wall time of capture, decode and
-    prefill. ``resident`` (``{"packed": bytes, "dense": bytes}``, default ``model_bytes`` of each) is
-    what each model itself holds: the rest of what is allocated is the other's, out of its peak.
+    other model's run beside them, decode loops round by round; ``ratio_interval`` the prefill median's ~95%
+    interval (:func:`median_interval`); ``paired`` those ratios and the figures in ms (``prefill_run_ms``: per
+    model, per round, its runs); ``seconds`` the wall time of capture, decode and prefill. After
+    ``prefill_rounds`` rounds, more follow, up to ``max_prefill_rounds`` (default: none), while that interval is
+    wider than ``+-prefill_spread`` of the median (:func:`median_is_sure`). ``resident`` (``{"packed": bytes,
+    "dense": bytes}``, default ``model_bytes`` of each) is what each model itself holds: the rest of what is
+    allocated is the other's, out of its peak.
     A ``torch.cuda.OutOfMemoryError`` propagates (the caller measures that batch size one model at a time)."""
     if repeats < 1 or prefill_rounds < 1 or prefill_runs < 1 or new_tokens < 1:
         raise SparsekitError("repeats, prefill_rounds, prefill_runs and new_tokens must be >= 1")
+    max_prefill_rounds = max(prefill_rounds, max_prefill_rounds or prefill_rounds)
     models = {"packed": packed, "dense": dense}
     device = next(packed.parameters()).device
     ids = _prompt(packed, batch_size, prompt_len, seed, device)
@@ -155,13 +186,17 @@ def measure_pair(packed: nn.Module, dense: nn.Module, batch_size: int, *, prompt
             seconds["decode"] = time.perf_counter() - t
             t = time.perf_counter()
             runs: dict[str, list[list[float]]] = {k: [] for k in models}
-            for _ in range(prefill_rounds):   # a round's runs alternate ABBA: dense, packed, packed, dense, ...
-                for which in ORDER:           # (a host that drifts slower within a round slows both sides alike)
-                    runs[which].append([])
+            prefill_x: list[float] = []
+            while len(runs["dense"]) < max_prefill_rounds:
+                if len(runs["dense"]) >= prefill_rounds and median_is_sure(prefill_x, prefill_spread):
+                    break
+                for which in ORDER:   # a round's runs alternate ABBA: dense, packed, packed, dense, ...
+                    runs[which].append([])   # (a host that drifts slower within a round slows both sides alike)
                 for j in range(prefill_runs):
                     for which in (ORDER if j % 2 == 0 else ORDER[::-1]):
                         dec = decs[which]
                         runs[which][-1].append(time_ms(lambda: dec.prefill(ids)))
+                prefill_x += paired_ratios(runs["dense"][-1], runs["packed"][-1])
             seconds["prefill"] = time.perf_counter() - t
         finally:
             gc.enable()
@@ -182,10 +217,10 @@ def measure_pair(packed: nn.Module, dense: nn.Module, batch_size: int, *, prompt
                            "prefill_tok_s": tokens / (fastest / 1e3),
                            "ms_per_token": step,
                            "decode_tok_s": batch_size / (step / 1e3)})
-    prefill_x = [x for rd, rp in zip(runs["dense"], runs["packed"]) for x in paired_ratios(rd, rp)]
     decode_x = paired_ratios(step_ms["dense"], step_ms["packed"])
     return {"packed": out["packed"], "dense": out["dense"],
             "ratio": {"prefill_tok_s": statistics.median(prefill_x), "decode_tok_s": statistics.median(decode_x)},
+            "ratio_interval": {"prefill_tok_s": list(median_interval(prefill_x))},
             "paired": {"prefill_x": prefill_x, "decode_x": decode_x,
                        "prefill_run_ms": runs, "decode_round_ms": step_ms},
             "seconds": seconds, "notes": notes}
