@@ -7,7 +7,7 @@ every run sees the caches of a new temporary directory (``SPARSEKIT_CACHE``, ``T
 are warm. ``--timeline`` runs the command through this module instead (``--inner``), which marks, in seconds:
 interpreter up, ``import torch``, ``import transformers``, the other imports, command line to measurement,
 ``measure_speed``, the exit handlers, and the interpreter's own exit (the rest of the wall time). Per run: the
-wall, the report's phases, the prefill ratio per batch size and the range of the decode ratios::
+wall, the report's phases, the prefill ratio per batch size (with its number of pairs) and the range of the decode ratios::
 
     python -m scripts.bench.eval_wall out/wanda50.tcabme [--runs 3] [--cold] [--timeline]
 """
@@ -60,7 +60,9 @@ def run_once(model: str, extra: list[str], timeline: bool, env: dict) -> dict:
     row["phases"] = "; ".join(f"{k[:-2]} {v:.1f}" for k, v in speed.get("phases_s", {}).items()
                               if k in ("load_s", "capture_s", "decode_s", "prefill_s"))
     rows = speed.get("rows", [])
-    row["prefill_x"] = " / ".join(f"{r['ratio']['prefill_tok_s']:.3f}" for r in rows if r.get("ratio"))
+    row["prefill_x"] = " / ".join(f"{r['ratio']['prefill_tok_s']:.3f}"
+                                  + (f" ({len(r['paired']['prefill_x'])})" if r.get("paired") else "")
+                                  for r in rows if r.get("ratio"))
     dec = [r["ratio"]["decode_tok_s"] for r in rows if r.get("ratio")]
     row["decode_x"] = f"{min(dec):.3f}-{max(dec):.3f}" if dec else ""
     return row
