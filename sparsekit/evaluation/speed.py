@@ -17,7 +17,7 @@ twin (``speed_twin.dense_twin``) shares every tensor of the packed model outside
 and those become ``nn.Linear`` on their dispatch dense copy, or decoded where there is none. Per batch size:
 each model's decoder is built, prefilled and its decode step captured (compiling at the first two batch
 sizes), and a few untimed steps replayed; then ``repeats`` decode rounds and ``PREFILL_ROUNDS`` prefill rounds
-(more, up to ``PREFILL_MAX_ROUNDS``, while the median's interval is wider than +-2%) alternate dense, packed,
+(more, up to ``PREFILL_MAX_ROUNDS``, while the median's interval is wider than +-3%) alternate dense, packed,
 dense, packed, ... A prefill round is ``PREFILL_RUNS`` runs of each model, taking
 turns dense, packed, packed, dense, ... (the host's pace drifts: on an H100 the second side of 34 of 56 demo
 rounds of identical matmuls came out slower), and each run is paired with the other model's run beside it. The
@@ -51,7 +51,7 @@ prefill runs instead of rounds until two agree, spent 10.0 + 5.7 s in those two 
   costs a few steps.
 * decode: 3 timed loops of 64 steps and 8 untimed steps per model and batch size, ~0.35 s at 1.3-1.9 ms
   a step: ~3 s in all (before: a whole 64-step warm-up loop as well, ~3.6 s). Since issue 20: 2 loops.
-* prefill: 7 rounds x 3 runs x 2 models = 42 runs per batch size (up to 84), ~0.7 s at 17 ms. Before:
+* prefill: 7 rounds x 3 runs x 2 models = 42 runs per batch size (up to 60), ~0.7 s at 17 ms. Before:
   rounds of 15 runs until two agreed within 2%, at most 8, per model and batch size, 0.5-2 s each; the
   ~12 s that the rounds added say that most ran to 8, ~16 s in all.
 * ``gc.collect()`` once before the batch sizes, not per model and batch size (0.1-0.2 s each). So ~18 s

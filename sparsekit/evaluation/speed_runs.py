@@ -21,10 +21,12 @@ from sparsekit.runtime.timing import model_bytes, time_ms
 PREFILL_REPEATS = 15  # one model alone (measure_model): runs per round of _prefill_ms
 PREFILL_ROUNDS = 7  # paired (measure_pair): dense/packed prefill rounds per batch size
 PREFILL_RUNS = 3  # paired: runs per prefill round, each paired with the other model's run beside it (ABBA)
-PREFILL_MAX_ROUNDS = 14  # paired, measure_speed: more rounds, up to this many, while the median is unsure:
-PREFILL_SPREAD = 0.02  # its ~95% interval wider than +-2% of it. Short, host-bound prefills scatter most (the
-# demo at batch 1, ~20 ms of launches: one H100 row of 20 at 0.949 in session 23 with 21 pairs, where both models
-# run the same matmuls); long ones stop at the minimum, so the extra rounds cost time only where they are needed.
+PREFILL_MAX_ROUNDS = 10  # paired, measure_speed: more rounds, up to this many, while the median is unsure:
+PREFILL_SPREAD = 0.03  # its ~95% interval wider than +-3% of it. Short, host-bound prefills scatter most (the
+# demo, ~20-30 ms of launches at every batch size: one H100 row of 20 at 0.949 in session 23 with 21 pairs, where
+# both models run the same matmuls); steady ones stop at the minimum. At +-2% and up to 14 rounds (session 25, an
+# H100 whose host was slower) every demo row took all 14: the prefill phase 10-12 s instead of ~5, the cold
+# command 34-36 s.
 # Why pairs of runs, not of rounds' fastest runs: on the demo the dispatch plan runs every layer dense, so the two
 # models are module for module the same (H200, 2026-11-27: 30 ABBA pairs gave medians 0.993-1.011), yet eval
 # --speed's round-fastest pairs put one row at 0.947 of 8. A host that swings 21 -> 41 ms within a batch size
