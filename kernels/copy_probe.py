@@ -7,6 +7,11 @@ A diagnostic, never on a product path.
 completing on "full"); lane 0 of the second waits "full", reads the stage's first word, keeps the stage
 ``hold`` more SM cycles (a stand-in for a consumer's work on it) and frees it. ``sink[b]`` gets the sum of the
 words read, so a test can see that every step landed.
+
+With ``shared_bytes``, the last ``shared_bytes`` of each step are common to the blocks of a group of ``share``
+(an X slab that several row blocks read): each block copies them itself, or, in thread-block clusters of
+``cluster`` blocks (GPU only; the group is the cluster), the cluster's first block multicasts them into every
+block's stage once every block has freed it (spmm_pf's and spmm_ws's X multicast, docs/kernels-notes.md "v22").
 """
 from __future__ import annotations
 
@@ -14,70 +19,114 @@ import numpy as np
 import torch
 from numba import cuda
 
-from ._intrinsics import bulk_copy, clock32, mbar_arrive, mbar_expect, mbar_init, mbar_wait
+from ._intrinsics import (bulk_copy, bulk_copy_mc, clock32, cluster_rank, cluster_sync, mbar_arrive,
+                          mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait)
 from .block import dynamic_smem
 
 _KERNELS: dict = {}
 
 
-def _build(STAGES: int, PIECES: int):
+def _build(STAGES: int, PIECES: int, CL: int = 1):
     @cuda.jit
-    def kernel(src, sink, SW, NSTEP, HOLD, LAPS):
+    def kernel(src, sink, SW, NSTEP, HOLD, LAPS, XW, SHARE):
         d64, _, _ = dynamic_smem()
         full = cuda.shared.array(STAGES, np.uint64)
         empty = cuda.shared.array(STAGES, np.uint64)
+        xempty = cuda.shared.array(STAGES, np.uint64)  # (clusters) the first block's: every block's stage free
         tid = cuda.threadIdx.x
         b = cuda.blockIdx.x
+        rank = cluster_rank() if CL > 1 else np.uint32(0)
         if tid == 0:
             for s in range(STAGES):
                 mbar_init(full, s, 1)
                 mbar_init(empty, s, 1)
+                mbar_init(xempty, s, CL)
         cuda.syncthreads()
+        if CL > 1:
+            cluster_sync()                           # every block's barriers set up before any remote use
+        ow = SW - XW                                 # words of the block's own part of a step
         base = b * NSTEP * SW                        # this block's first word; SW words a step
-        pw = SW // PIECES
+        xbase = (b // SHARE) * NSTEP * SW + ow       # its group's shared part of the first step
+        pw = ow // PIECES
         if tid == 0:
             for i in range(NSTEP * LAPS):
                 s = i % STAGES
                 if i >= STAGES:
                     mbar_wait(empty, s, ((i // STAGES) - 1) & 1)
                 mbar_expect(full, s, SW * 8)
+                if CL > 1:
+                    mbar_arrive_remote(xempty, s, 0)   # after the expect: the shared bytes may land from now on
                 at = base + (i % NSTEP) * SW             # each lap reads the block's share again
                 for p in range(PIECES):
-                    bulk_copy(d64, s * SW + p * pw, src, at + p * pw, pw * 8, full, s)
+                    if pw > 0:
+                        bulk_copy(d64, s * SW + p * pw, src, at + p * pw, pw * 8, full, s)
+                xat = xbase + (i % NSTEP) * SW
+                if XW > 0 and CL == 1:
+                    bulk_copy(d64, s * SW + ow, src, xat, XW * 8, full, s)
+                elif XW > 0 and rank == 0:
+                    mbar_wait(xempty, s, (i // STAGES) & 1)
+                    bulk_copy_mc(d64, s * SW + ow, src, xat, XW * 8, full, s, (1 << CL) - 1)
         elif tid == 32:
             acc = np.int64(0)
             for i in range(NSTEP * LAPS):
                 s = i % STAGES
                 mbar_wait(full, s, (i // STAGES) & 1)
-                acc += np.int64(d64[s * SW])
+                if ow > 0:
+                    acc += np.int64(d64[s * SW])
+                if XW > 0:
+                    acc += np.int64(d64[s * SW + ow])
                 t = clock32()
                 while np.int64(np.uint32(clock32() - t)) < HOLD:
                     pass
                 mbar_arrive(empty, s)
             sink[b] = acc
         cuda.syncthreads()
+        if CL > 1:
+            cluster_sync()                           # no block leaves while another may still signal it
 
     return kernel
 
 
 def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4, pieces: int = 1,
-                hold: int = 0, laps: int = 1) -> torch.Tensor:
+                hold: int = 0, laps: int = 1, shared_bytes: int = 0, share: int = 1,
+                cluster: int = 1) -> torch.Tensor:
     """Stream ``src`` (int64, ``blocks * steps * step_bytes`` bytes) through ``blocks`` rings, ``laps`` times (each
     block reads its share again: a ``src`` that fits the L2 is then read from it); returns ``sink`` [blocks] int64
-    (the sum of each step's first word over the laps)."""
+    (the sum over the laps of each step's first word and, with ``shared_bytes``, the first word of its shared
+    part, which block ``b`` reads from block ``b // share``'s share: see :func:`stream_sums`). ``cluster`` > 1
+    (GPU only): clusters of that many blocks, the first multicasting the shared part (``share`` is then
+    ``cluster``)."""
     from . import launch
 
     if step_bytes % (16 * pieces) or src.dtype != torch.int64:
         raise ValueError("step_bytes must split into pieces of a multiple of 16 bytes, src must be int64")
+    if shared_bytes % 16 or not 0 <= shared_bytes <= step_bytes or (step_bytes - shared_bytes) % (16 * pieces):
+        raise ValueError("shared_bytes must be a multiple of 16 within the step, leaving whole pieces")
+    if cluster not in (1, 2, 4) or blocks % cluster or share < 1:
+        raise ValueError(f"cluster must be 1, 2 or 4 and divide the blocks, share at least 1; got {cluster}, {share}")
+    share = cluster if cluster > 1 else share
     sw = step_bytes // 8
     nstep = src.numel() // (blocks * sw)
     if nstep < 1:
         raise ValueError("src is smaller than one step per block")
-    key = (stages, pieces)
+    key = (stages, pieces, cluster)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(stages, pieces)
+        _KERNELS[key] = _build(stages, pieces, cluster)
     sink = torch.zeros(blocks, dtype=torch.int64, device=src.device)
     if laps < 1:
         raise ValueError(f"laps must be 1 or more, got {laps}")
-    launch.launch_tensors(_KERNELS[key], blocks, 64, (src, sink), (sw, nstep, hold, laps), dyn=stages * step_bytes)
+    launch.launch_tensors(_KERNELS[key], blocks, 64, (src, sink), (sw, nstep, hold, laps, shared_bytes // 8, share),
+                          dyn=stages * step_bytes, cluster=cluster)
     return sink
+
+
+def stream_sums(src: torch.Tensor, blocks: int, step_bytes: int, laps: int = 1, shared_bytes: int = 0,
+                share: int = 1) -> torch.Tensor:
+    """What :func:`bulk_stream` must return for these arguments (its reference, on ``src``'s device)."""
+    sw, xw = step_bytes // 8, shared_bytes // 8
+    nstep = src.numel() // (blocks * sw)
+    steps = src[: blocks * nstep * sw].view(blocks, nstep, sw)
+    own = steps[:, :, 0] if xw < sw else torch.zeros_like(steps[:, :, 0])
+    group = torch.arange(blocks, device=src.device) // share
+    shared = steps[group, :, sw - xw] if xw else torch.zeros_like(own)
+    return (own + shared).sum(dim=1) * laps

@@ -32,3 +32,25 @@ def test_bulk_stream_laps_read_each_share_again():
 def test_bulk_stream_refuses_pieces_that_are_not_whole_copies():
     with pytest.raises(ValueError, match="multiple of 16"):
         bulk_stream(torch.zeros(64, dtype=torch.int64, device=DEV), 1, 40 * 8, pieces=3)
+
+
+def test_shared_parts_come_from_the_groups_share():
+    """Blocks 0-1 and 2-3 (``share=2``) each read a group's common tail: block b's tail words are block b // 2's,
+    so the sums differ from ``share=1`` exactly by the tails; the reference says the same."""
+    from sparsekit.kernels.copy_probe import stream_sums
+
+    src = torch.randint(0, 1 << 20, (4 * 3 * 32,), dtype=torch.int64).to(DEV)
+    steps = src.cpu().view(4, 3, 32)
+    sink = bulk_stream(src, 4, 32 * 8, stages=2, pieces=2, shared_bytes=16 * 8, share=2, laps=2)
+    want = 2 * (steps[:, :, 0] + steps[[0, 0, 1, 1], :, 16]).sum(dim=1)
+    assert torch.equal(sink.cpu(), want)
+    assert torch.equal(stream_sums(src, 4, 32 * 8, laps=2, shared_bytes=16 * 8, share=2).cpu(), want)
+    alone = bulk_stream(src, 4, 32 * 8, stages=2, shared_bytes=32 * 8, share=1)   # all shared, each its own
+    assert torch.equal(alone.cpu(), steps[:, :, 0].sum(dim=1))
+    with pytest.raises(ValueError, match="shared_bytes"):
+        bulk_stream(src, 4, 32 * 8, shared_bytes=8)
+    with pytest.raises(ValueError, match="cluster"):
+        bulk_stream(src, 4, 32 * 8, cluster=3)
+    if SIM:
+        with pytest.raises(RuntimeError, match="cluster"):
+            bulk_stream(src, 4, 32 * 8, shared_bytes=16 * 8, cluster=2)

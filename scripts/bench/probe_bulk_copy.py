@@ -3,13 +3,16 @@ bulk copies into a ring per block, nothing else (``sparsekit.kernels.copy_probe`
 (beyond the L2), for each step size, copies per step, ring depth and blocks per SM. GPU only::
 
     python -m scripts.bench.probe_bulk_copy [--steps 1024,4096,16384] [--pieces 1,3] [--stages 4] [--per-sm 2,3,5] \
-        [--holds 0,1000,2000] [--mbytes 16 --laps 16]
+        [--holds 0,1000,2000] [--mbytes 16 --laps 16] [--shared 32768 --share 1,2 --cluster 1,2,4]
 
 ``--holds``: SM cycles the reader keeps each stage after it lands (a consumer's decode and products). ``--laps``:
 each block reads its share that many times, so with ``--mbytes`` below the L2's size the copies after the first
-lap are L2 hits (the rate of an X slab that every row block reads).
+lap are L2 hits (the rate of an X slab that every row block reads). ``--shared``: bytes of each step common to a
+group of ``--share`` blocks (an X slab beside a block's own weight bytes), each block copying them itself, or with
+``--cluster`` 2 or 4 multicast by the cluster's first block into all of them (the group is then the cluster).
 
-Prints TB/s per configuration (CUDA-graph replays), beside a device-to-device copy of the same bytes by torch.
+Prints TB/s per configuration (CUDA-graph replays): bytes landed in the rings, and bytes read from memory (a
+multicast part counts once a cluster), beside a device-to-device copy of the same bytes by torch.
 """
 from __future__ import annotations
 
@@ -30,36 +33,50 @@ def main() -> int:
     ap.add_argument("--per-sm", default="2,3,5", help="blocks per SM")
     ap.add_argument("--holds", default="0", help="SM cycles the reader holds each stage")
     ap.add_argument("--laps", type=int, default=1, help="times each block reads its share (L2 hits past the first)")
+    ap.add_argument("--shared", type=int, default=0, help="bytes of each step common to a group of blocks")
+    ap.add_argument("--share", default="1", help="blocks per group reading the shared bytes themselves")
+    ap.add_argument("--cluster", default="1", help="cluster sizes (2, 4: the shared bytes multicast)")
     args = ap.parse_args()
     cuda_or_exit("the bulk-copy probe")
-    from sparsekit.kernels.copy_probe import bulk_stream
+    from sparsekit.kernels.copy_probe import bulk_stream, stream_sums
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     src = torch.randint(0, 1 << 20, (args.mbytes << 17,), dtype=torch.int64, device="cuda")
     dst = torch.empty_like(src)
     tc, _ = time_calls([lambda: dst.copy_(src)])
     print(f"torch copy of {args.mbytes} MB: {2 * src.numel() * 8 / tc / 1e6:.2f} TB/s (read + write)")
-    print("| step bytes | copies | stages | blocks / SM | hold cycles | TB/s |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("| step bytes | shared | share / cluster | copies | stages | blocks / SM | hold cycles | TB/s landed "
+          "| TB/s read |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    groups = [(g, 1) for g in ints_arg(args.share)] + [(c, c) for c in ints_arg(args.cluster) if c > 1]
+    if not args.shared:
+        groups = [(1, 1)]
     for step in ints_arg(args.steps):
         for pieces in ints_arg(args.pieces):
             for stages in ints_arg(args.stages):
                 for per in ints_arg(args.per_sm):
-                    blocks = per * sms
-                    nstep = src.numel() * 8 // (blocks * step)
-                    if nstep < stages or stages * step > 200 * 1024 or step % (16 * pieces):
-                        continue
-                    used = src[: blocks * nstep * step // 8]
-                    want = used.view(blocks, nstep, step // 8)[:, :, 0].sum(dim=1) * args.laps
-                    for hold in ints_arg(args.holds):
-                        sink = bulk_stream(used, blocks, step, stages, pieces, hold, args.laps)
-                        if not torch.equal(sink, want):
-                            print(f"FAIL step {step} pieces {pieces}: a step did not land", file=sys.stderr)
-                            return 1
-                        t, _ = time_calls([lambda: bulk_stream(used, blocks, step, stages, pieces, hold, args.laps)])
-                        rate = used.numel() * 8 * args.laps / t / 1e6
-                        print(f"| {step} | {pieces} | {stages} | {per} | {hold} | {rate:.2f} |",
-                              flush=True)
+                    for share, cl in groups:
+                        blocks = per * sms - per * sms % cl
+                        nstep = src.numel() * 8 // (blocks * step)
+                        own = step - args.shared
+                        if (nstep < stages or stages * step > 200 * 1024 or own < 0 or own % (16 * pieces)
+                                or args.shared % 16):
+                            continue
+                        used = src[: blocks * nstep * step // 8]
+                        kw = dict(laps=args.laps, shared_bytes=args.shared, share=share)
+                        want = stream_sums(used, blocks, step, **kw)
+                        for hold in ints_arg(args.holds):
+                            sink = bulk_stream(used, blocks, step, stages, pieces, hold, cluster=cl, **kw)
+                            if not torch.equal(sink, want):
+                                print(f"FAIL step {step} pieces {pieces} share {share} cluster {cl}: a step did not "
+                                      "land", file=sys.stderr)
+                                return 1
+                            t, _ = time_calls([lambda: bulk_stream(used, blocks, step, stages, pieces, hold, cluster=cl,
+                                                                   **kw)])
+                            landed = blocks * nstep * step * args.laps
+                            read = blocks * nstep * args.laps * (own + args.shared / cl)
+                            print(f"| {step} | {args.shared} | {share} / {cl} | {pieces} | {stages} | {per} | {hold} | "
+                                  f"{landed / t / 1e6:.2f} | {read / t / 1e6:.2f} |", flush=True)
     return 0
 
 
