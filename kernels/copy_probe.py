@@ -20,7 +20,7 @@ import torch
 from numba import cuda
 
 from ._intrinsics import (bulk_copy, bulk_copy_mc, clock32, cluster_rank, cluster_sync, mbar_arrive,
-                          mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait)
+                          mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait, smid)
 from .block import dynamic_smem
 
 _KERNELS: dict = {}
@@ -80,6 +80,7 @@ def _build(STAGES: int, PIECES: int, CL: int = 1):
                     pass
                 mbar_arrive(empty, s)
             sink[b] = acc
+            sink[cuda.gridDim.x + b] = np.int64(smid())   # where the block ran (placement, the probe's report)
         cuda.syncthreads()
         if CL > 1:
             cluster_sync()                           # no block leaves while another may still signal it
@@ -89,13 +90,13 @@ def _build(STAGES: int, PIECES: int, CL: int = 1):
 
 def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4, pieces: int = 1,
                 hold: int = 0, laps: int = 1, shared_bytes: int = 0, share: int = 1,
-                cluster: int = 1) -> torch.Tensor:
+                cluster: int = 1, sms: torch.Tensor | None = None) -> torch.Tensor:
     """Stream ``src`` (int64, ``blocks * steps * step_bytes`` bytes) through ``blocks`` rings, ``laps`` times (each
     block reads its share again: a ``src`` that fits the L2 is then read from it); returns ``sink`` [blocks] int64
     (the sum over the laps of each step's first word and, with ``shared_bytes``, the first word of its shared
     part, which block ``b`` reads from block ``b // share``'s share: see :func:`stream_sums`). ``cluster`` > 1
     (GPU only): clusters of that many blocks, the first multicasting the shared part (``share`` is then
-    ``cluster``)."""
+    ``cluster``). ``sms`` (int64 [blocks], optional) gets the SM each block ran on."""
     from . import launch
 
     if step_bytes % (16 * pieces) or src.dtype != torch.int64:
@@ -112,12 +113,14 @@ def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4
     key = (stages, pieces, cluster)
     if key not in _KERNELS:
         _KERNELS[key] = _build(stages, pieces, cluster)
-    sink = torch.zeros(blocks, dtype=torch.int64, device=src.device)
+    sink = torch.zeros(2 * blocks, dtype=torch.int64, device=src.device)
     if laps < 1:
         raise ValueError(f"laps must be 1 or more, got {laps}")
     launch.launch_tensors(_KERNELS[key], blocks, 64, (src, sink), (sw, nstep, hold, laps, shared_bytes // 8, share),
                           dyn=stages * step_bytes, cluster=cluster)
-    return sink
+    if sms is not None:
+        sms.copy_(sink[blocks:])
+    return sink[:blocks]
 
 
 def stream_sums(src: torch.Tensor, blocks: int, step_bytes: int, laps: int = 1, shared_bytes: int = 0,

@@ -54,3 +54,11 @@ def test_shared_parts_come_from_the_groups_share():
     if SIM:
         with pytest.raises(RuntimeError, match="cluster"):
             bulk_stream(src, 4, 32 * 8, shared_bytes=16 * 8, cluster=2)
+
+
+def test_the_blocks_say_where_they_ran():
+    src = torch.randint(0, 1 << 20, (3 * 2 * 16,), dtype=torch.int64).to(DEV)
+    where = torch.full((3,), -1, dtype=torch.int64, device=DEV)
+    sink = bulk_stream(src, 3, 16 * 8, stages=2, sms=where)
+    assert sink.shape == (3,) and torch.equal(sink.cpu(), src.cpu().view(3, 2, 16)[:, :, 0].sum(dim=1))
+    assert (where >= 0).all() and (not SIM or (where == 0).all())   # the simulator has one SM

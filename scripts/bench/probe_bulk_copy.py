@@ -12,7 +12,8 @@ group of ``--share`` blocks (an X slab beside a block's own weight bytes), each 
 ``--cluster`` 2 or 4 multicast by the cluster's first block into all of them (the group is then the cluster).
 
 Prints TB/s per configuration (CUDA-graph replays): bytes landed in the rings, and bytes read from memory (a
-multicast part counts once a cluster), beside a device-to-device copy of the same bytes by torch.
+multicast part counts once a cluster), and where the checking launch put its blocks (SMs used, the most blocks on
+one SM), beside a device-to-device copy of the same bytes by torch.
 """
 from __future__ import annotations
 
@@ -46,8 +47,8 @@ def main() -> int:
     tc, _ = time_calls([lambda: dst.copy_(src)])
     print(f"torch copy of {args.mbytes} MB: {2 * src.numel() * 8 / tc / 1e6:.2f} TB/s (read + write)")
     print("| step bytes | shared | share / cluster | copies | stages | blocks / SM | hold cycles | TB/s landed "
-          "| TB/s read |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+          "| TB/s read | SMs used, most blocks on one |")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
     groups = [(g, 1) for g in ints_arg(args.share)] + [(c, c) for c in ints_arg(args.cluster) if c > 1]
     if not args.shared:
         groups = [(1, 1)]
@@ -66,7 +67,9 @@ def main() -> int:
                         kw = dict(laps=args.laps, shared_bytes=args.shared, share=share)
                         want = stream_sums(used, blocks, step, **kw)
                         for hold in ints_arg(args.holds):
-                            sink = bulk_stream(used, blocks, step, stages, pieces, hold, cluster=cl, **kw)
+                            where = torch.zeros(blocks, dtype=torch.int64, device="cuda")
+                            sink = bulk_stream(used, blocks, step, stages, pieces, hold, cluster=cl, sms=where, **kw)
+                            on_sm = torch.bincount(where, minlength=sms)
                             if not torch.equal(sink, want):
                                 print(f"FAIL step {step} pieces {pieces} share {share} cluster {cl}: a step did not "
                                       "land", file=sys.stderr)
@@ -76,7 +79,8 @@ def main() -> int:
                             landed = blocks * nstep * step * args.laps
                             read = blocks * nstep * args.laps * (own + args.shared / cl)
                             print(f"| {step} | {args.shared} | {share} / {cl} | {pieces} | {stages} | {per} | {hold} | "
-                                  f"{landed / t / 1e6:.2f} | {read / t / 1e6:.2f} |", flush=True)
+                                  f"{landed / t / 1e6:.2f} | {read / t / 1e6:.2f} | {int((on_sm > 0).sum())}, "
+                                  f"{int(on_sm.max())} |", flush=True)
     return 0
 
 
