@@ -7,7 +7,8 @@ every run sees the caches of a new temporary directory (``SPARSEKIT_CACHE``, ``T
 are warm. ``--timeline`` runs the command through this module instead (``--inner``), which marks, in seconds:
 interpreter up, ``import torch``, ``import transformers``, the other imports, command line to measurement,
 ``measure_speed``, the exit handlers, and the interpreter's own exit (the rest of the wall time). Per run: the
-wall, the report's phases, the prefill ratio per batch size (with its number of pairs) and the range of the decode ratios::
+wall, the report's phases, the prefill ratio per batch size (with its number of pairs) and the range of the
+decode ratios::
 
     python -m scripts.bench.eval_wall out/wanda50.tcabme [--runs 3] [--cold] [--timeline]
 """
