@@ -26,13 +26,14 @@ from .block import dynamic_smem
 _KERNELS: dict = {}
 
 
-def _build(STAGES: int, PIECES: int, CL: int = 1):
+def _build(STAGES: int, PIECES: int, CL: int = 1, SPLIT: bool = False):
     @cuda.jit
     def kernel(src, sink, SW, NSTEP, HOLD, LAPS, XW, SHARE):
         d64, _, _ = dynamic_smem()
         full = cuda.shared.array(STAGES, np.uint64)
         empty = cuda.shared.array(STAGES, np.uint64)
-        xempty = cuda.shared.array(STAGES, np.uint64)  # (clusters) the first block's: every block's stage free
+        xempty = cuda.shared.array(STAGES, np.uint64)  # (clusters) every block's stage free: the first block's
+        ONE = SPLIT and CL > 1                         # (SPLIT: each block's, for its slice, from the readers)
         tid = cuda.threadIdx.x
         b = cuda.blockIdx.x
         rank = cluster_rank() if CL > 1 else np.uint32(0)
@@ -51,10 +52,10 @@ def _build(STAGES: int, PIECES: int, CL: int = 1):
         if tid == 0:
             for i in range(NSTEP * LAPS):
                 s = i % STAGES
-                if i >= STAGES:
-                    mbar_wait(empty, s, ((i // STAGES) - 1) & 1)
-                mbar_expect(full, s, SW * 8)
-                if CL > 1:
+                if i >= STAGES:                          # (SPLIT: every block's reader freed it, one hop)
+                    mbar_wait(xempty if ONE else empty, s, ((i // STAGES) - 1) & 1)
+                mbar_expect(full, s, SW * 8)             # (SPLIT: others' slices may have landed before it)
+                if CL > 1 and not ONE:
                     mbar_arrive_remote(xempty, s, 0)   # after the expect: the shared bytes may land from now on
                 at = base + (i % NSTEP) * SW             # each lap reads the block's share again
                 for p in range(PIECES):
@@ -63,6 +64,9 @@ def _build(STAGES: int, PIECES: int, CL: int = 1):
                 xat = xbase + (i % NSTEP) * SW
                 if XW > 0 and CL == 1:
                     bulk_copy(d64, s * SW + ow, src, xat, XW * 8, full, s)
+                elif XW > 0 and ONE:                     # slice `rank` of the shared part, into every block
+                    xs = XW // CL
+                    bulk_copy_mc(d64, s * SW + ow + rank * xs, src, xat + rank * xs, xs * 8, full, s, (1 << CL) - 1)
                 elif XW > 0 and rank == 0:
                     mbar_wait(xempty, s, (i // STAGES) & 1)
                     bulk_copy_mc(d64, s * SW + ow, src, xat, XW * 8, full, s, (1 << CL) - 1)
@@ -78,7 +82,11 @@ def _build(STAGES: int, PIECES: int, CL: int = 1):
                 t = clock32()
                 while np.int64(np.uint32(clock32() - t)) < HOLD:
                     pass
-                mbar_arrive(empty, s)
+                if ONE:
+                    for r in range(CL):
+                        mbar_arrive_remote(xempty, s, r)
+                else:
+                    mbar_arrive(empty, s)
             sink[b] = acc
             sink[cuda.gridDim.x + b] = np.int64(smid())   # where the block ran (placement, the probe's report)
         cuda.syncthreads()
@@ -90,29 +98,33 @@ def _build(STAGES: int, PIECES: int, CL: int = 1):
 
 def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4, pieces: int = 1,
                 hold: int = 0, laps: int = 1, shared_bytes: int = 0, share: int = 1,
-                cluster: int = 1, sms: torch.Tensor | None = None) -> torch.Tensor:
+                cluster: int = 1, sms: torch.Tensor | None = None, split: bool = False) -> torch.Tensor:
     """Stream ``src`` (int64, ``blocks * steps * step_bytes`` bytes) through ``blocks`` rings, ``laps`` times (each
     block reads its share again: a ``src`` that fits the L2 is then read from it); returns ``sink`` [blocks] int64
     (the sum over the laps of each step's first word and, with ``shared_bytes``, the first word of its shared
     part, which block ``b`` reads from block ``b // share``'s share: see :func:`stream_sums`). ``cluster`` > 1
     (GPU only): clusters of that many blocks, the first multicasting the shared part (``share`` is then
-    ``cluster``). ``sms`` (int64 [blocks], optional) gets the SM each block ran on."""
+    ``cluster``); with ``split`` each block multicasts a slice, once every block's reader has freed the stage (its
+    arrival goes straight to every block, as CUTLASS's consumers do; ``shared_bytes`` a multiple of ``16 *
+    cluster``). ``sms`` (int64 [blocks], optional) gets the SM each block ran on."""
     from . import launch
 
     if step_bytes % (16 * pieces) or src.dtype != torch.int64:
         raise ValueError("step_bytes must split into pieces of a multiple of 16 bytes, src must be int64")
     if shared_bytes % 16 or not 0 <= shared_bytes <= step_bytes or (step_bytes - shared_bytes) % (16 * pieces):
         raise ValueError("shared_bytes must be a multiple of 16 within the step, leaving whole pieces")
-    if cluster not in (1, 2, 4) or blocks % cluster or share < 1:
-        raise ValueError(f"cluster must be 1, 2 or 4 and divide the blocks, share at least 1; got {cluster}, {share}")
+    if cluster not in (1, 2, 4) or blocks % cluster or share < 1 or (split and shared_bytes % (16 * cluster)):
+        raise ValueError(f"cluster must be 1, 2 or 4 and divide the blocks (split: its slices of the shared bytes "
+                         f"whole 16-byte pieces), share at least 1; got {cluster}, {share}")
     share = cluster if cluster > 1 else share
     sw = step_bytes // 8
     nstep = src.numel() // (blocks * sw)
     if nstep < 1:
         raise ValueError("src is smaller than one step per block")
-    key = (stages, pieces, cluster)
+    split = split and cluster > 1
+    key = (stages, pieces, cluster, split)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(stages, pieces, cluster)
+        _KERNELS[key] = _build(stages, pieces, cluster, split)
     sink = torch.zeros(2 * blocks, dtype=torch.int64, device=src.device)
     if laps < 1:
         raise ValueError(f"laps must be 1 or more, got {laps}")

@@ -51,6 +51,8 @@ def test_shared_parts_come_from_the_groups_share():
         bulk_stream(src, 4, 32 * 8, shared_bytes=8)
     with pytest.raises(ValueError, match="cluster"):
         bulk_stream(src, 4, 32 * 8, cluster=3)
+    with pytest.raises(ValueError, match="split"):   # two slices of 48 bytes are not whole 16-byte pieces
+        bulk_stream(src, 4, 32 * 8, shared_bytes=48, cluster=2, split=True)
     if SIM:
         with pytest.raises(RuntimeError, match="cluster"):
             bulk_stream(src, 4, 32 * 8, shared_bytes=16 * 8, cluster=2)

@@ -3,13 +3,14 @@ bulk copies into a ring per block, nothing else (``sparsekit.kernels.copy_probe`
 (beyond the L2), for each step size, copies per step, ring depth and blocks per SM. GPU only::
 
     python -m scripts.bench.probe_bulk_copy [--steps 1024,4096,16384] [--pieces 1,3] [--stages 4] [--per-sm 2,3,5] \
-        [--holds 0,1000,2000] [--mbytes 16 --laps 16] [--shared 32768 --share 1,2 --cluster 1,2,4]
+        [--holds 0,1000,2000] [--mbytes 16 --laps 16] [--shared 32768 --share 1,2 --cluster 1,2,4 [--split]]
 
 ``--holds``: SM cycles the reader keeps each stage after it lands (a consumer's decode and products). ``--laps``:
 each block reads its share that many times, so with ``--mbytes`` below the L2's size the copies after the first
 lap are L2 hits (the rate of an X slab that every row block reads). ``--shared``: bytes of each step common to a
 group of ``--share`` blocks (an X slab beside a block's own weight bytes), each block copying them itself, or with
-``--cluster`` 2 or 4 multicast by the cluster's first block into all of them (the group is then the cluster).
+``--cluster`` 2 or 4 multicast by the cluster's first block into all of them (the group is then the cluster;
+``--split``: each block multicasts a slice, the readers freeing a stage in every block at once).
 
 Prints TB/s per configuration (CUDA-graph replays): bytes landed in the rings, and bytes read from memory (a
 multicast part counts once a cluster), and where the checking launch put its blocks (SMs used, the most blocks on
@@ -37,6 +38,7 @@ def main() -> int:
     ap.add_argument("--shared", type=int, default=0, help="bytes of each step common to a group of blocks")
     ap.add_argument("--share", default="1", help="blocks per group reading the shared bytes themselves")
     ap.add_argument("--cluster", default="1", help="cluster sizes (2, 4: the shared bytes multicast)")
+    ap.add_argument("--split", action="store_true", help="clusters: each block multicasts a slice, freed in one hop")
     args = ap.parse_args()
     cuda_or_exit("the bulk-copy probe")
     from sparsekit.kernels.copy_probe import bulk_stream, stream_sums
@@ -68,14 +70,15 @@ def main() -> int:
                         want = stream_sums(used, blocks, step, **kw)
                         for hold in ints_arg(args.holds):
                             where = torch.zeros(blocks, dtype=torch.int64, device="cuda")
-                            sink = bulk_stream(used, blocks, step, stages, pieces, hold, cluster=cl, sms=where, **kw)
+                            sink = bulk_stream(used, blocks, step, stages, pieces, hold, cluster=cl, sms=where,
+                                               split=args.split, **kw)
                             on_sm = torch.bincount(where, minlength=sms)
                             if not torch.equal(sink, want):
                                 print(f"FAIL step {step} pieces {pieces} share {share} cluster {cl}: a step did not "
                                       "land", file=sys.stderr)
                                 return 1
                             t, _ = time_calls([lambda: bulk_stream(used, blocks, step, stages, pieces, hold, cluster=cl,
-                                                                   **kw)])
+                                                                   split=args.split, **kw)])
                             landed = blocks * nstep * step * args.laps
                             read = blocks * nstep * args.laps * (own + args.shared / cl)
                             print(f"| {step} | {args.shared} | {share} / {cl} | {pieces} | {stages} | {per} | {hold} | "
