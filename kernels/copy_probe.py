@@ -22,6 +22,7 @@ from numba import cuda
 from ._intrinsics import (bulk_copy, bulk_copy_mc, clock32, cluster_rank, cluster_sync, mbar_arrive,
                           mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait, smid)
 from .block import dynamic_smem
+from .common import SIM
 
 _KERNELS: dict = {}
 
@@ -96,9 +97,76 @@ def _build(STAGES: int, PIECES: int, CL: int = 1, SPLIT: bool = False):
     return kernel
 
 
+def _build_tma(STAGES: int, CL: int, BOX: int):
+    """``_build``'s kernel with tensor copies of ``BOX`` 128-byte rows (``tma_probe``; GPU only), multicast over
+    clusters with the one-hop hand-off (``SPLIT``)."""
+    from .tma_probe import tma_rows, tma_rows_mc
+
+    BW = BOX * 16                                    # words a box
+
+    @cuda.jit
+    def kernel(src, tmap, sink, SW, NSTEP, HOLD, LAPS, XW, SHARE):
+        d64, _, _ = dynamic_smem()
+        full = cuda.shared.array(STAGES, np.uint64)
+        xempty = cuda.shared.array(STAGES, np.uint64)  # every block's reader freed the stage
+        tid = cuda.threadIdx.x
+        b = cuda.blockIdx.x
+        rank = cluster_rank() if CL > 1 else np.uint32(0)
+        if tid == 0:
+            for s in range(STAGES):
+                mbar_init(full, s, 1)
+                mbar_init(xempty, s, CL)
+        cuda.syncthreads()
+        if CL > 1:
+            cluster_sync()
+        ow = SW - XW
+        base = b * NSTEP * SW
+        xbase = (b // SHARE) * NSTEP * SW + ow
+        if tid == 0:
+            for i in range(NSTEP * LAPS):
+                s = i % STAGES
+                if i >= STAGES:
+                    mbar_wait(xempty, s, ((i // STAGES) - 1) & 1)
+                mbar_expect(full, s, SW * 8)
+                at = base + (i % NSTEP) * SW
+                for p in range(ow // BW):
+                    tma_rows(d64, s * SW + p * BW, tmap, (at + p * BW) // 16, full, s)
+                xat = xbase + (i % NSTEP) * SW
+                if CL == 1:
+                    for p in range(XW // BW):
+                        tma_rows(d64, s * SW + ow + p * BW, tmap, (xat + p * BW) // 16, full, s)
+                else:
+                    xs = XW // CL
+                    for p in range(xs // BW):
+                        o = rank * xs + p * BW
+                        tma_rows_mc(d64, s * SW + ow + o, tmap, (xat + o) // 16, full, s, (1 << CL) - 1)
+        elif tid == 32:
+            acc = np.int64(0)
+            for i in range(NSTEP * LAPS):
+                s = i % STAGES
+                mbar_wait(full, s, (i // STAGES) & 1)
+                if ow > 0:
+                    acc += np.int64(d64[s * SW])
+                if XW > 0:
+                    acc += np.int64(d64[s * SW + ow])
+                t = clock32()
+                while np.int64(np.uint32(clock32() - t)) < HOLD:
+                    pass
+                for r in range(CL):
+                    mbar_arrive_remote(xempty, s, r)
+            sink[b] = acc
+            sink[cuda.gridDim.x + b] = np.int64(smid())
+        cuda.syncthreads()
+        if CL > 1:
+            cluster_sync()
+
+    return kernel
+
+
 def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4, pieces: int = 1,
                 hold: int = 0, laps: int = 1, shared_bytes: int = 0, share: int = 1,
-                cluster: int = 1, sms: torch.Tensor | None = None, split: bool = False) -> torch.Tensor:
+                cluster: int = 1, sms: torch.Tensor | None = None, split: bool = False,
+                tma_box: int = 0) -> torch.Tensor:
     """Stream ``src`` (int64, ``blocks * steps * step_bytes`` bytes) through ``blocks`` rings, ``laps`` times (each
     block reads its share again: a ``src`` that fits the L2 is then read from it); returns ``sink`` [blocks] int64
     (the sum over the laps of each step's first word and, with ``shared_bytes``, the first word of its shared
@@ -106,7 +174,9 @@ def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4
     (GPU only): clusters of that many blocks, the first multicasting the shared part (``share`` is then
     ``cluster``); with ``split`` each block multicasts a slice, once every block's reader has freed the stage (its
     arrival goes straight to every block, as CUTLASS's consumers do; ``shared_bytes`` a multiple of ``16 *
-    cluster``). ``sms`` (int64 [blocks], optional) gets the SM each block ran on."""
+    cluster``). ``sms`` (int64 [blocks], optional) gets the SM each block ran on. ``tma_box`` (GPU only): tensor
+    copies of that many 128-byte rows instead (``tma_probe``; the own part and each block's slice of the shared
+    part whole boxes; clusters as with ``split``)."""
     from . import launch
 
     if step_bytes % (16 * pieces) or src.dtype != torch.int64:
@@ -122,13 +192,27 @@ def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4
     if nstep < 1:
         raise ValueError("src is smaller than one step per block")
     split = split and cluster > 1
-    key = (stages, pieces, cluster, split)
+    if tma_box:
+        if SIM:
+            raise RuntimeError("the simulator has no tensor maps: tensor copies (tma_box) need a GPU")
+        bw = tma_box * 128
+        if (step_bytes - shared_bytes) % bw or shared_bytes % (bw * cluster):
+            raise ValueError(f"with tensor copies the own part and each block's slice of the shared part must be whole "
+                             f"boxes of {bw} bytes")
+    key = (stages, pieces, cluster, split, tma_box)
     if key not in _KERNELS:
-        _KERNELS[key] = _build(stages, pieces, cluster, split)
+        _KERNELS[key] = (_build_tma(stages, cluster, tma_box) if tma_box
+                         else _build(stages, pieces, cluster, split))
     sink = torch.zeros(2 * blocks, dtype=torch.int64, device=src.device)
     if laps < 1:
         raise ValueError(f"laps must be 1 or more, got {laps}")
-    launch.launch_tensors(_KERNELS[key], blocks, 64, (src, sink), (sw, nstep, hold, laps, shared_bytes // 8, share),
+    if tma_box:
+        from .tma_probe import tensor_map_rows
+
+        tensors = (src, tensor_map_rows(src, tma_box), sink)
+    else:
+        tensors = (src, sink)
+    launch.launch_tensors(_KERNELS[key], blocks, 64, tensors, (sw, nstep, hold, laps, shared_bytes // 8, share),
                           dyn=stages * step_bytes, cluster=cluster)
     if sms is not None:
         sms.copy_(sink[blocks:])

@@ -56,6 +56,11 @@ def test_shared_parts_come_from_the_groups_share():
     if SIM:
         with pytest.raises(RuntimeError, match="cluster"):
             bulk_stream(src, 4, 32 * 8, shared_bytes=16 * 8, cluster=2)
+        with pytest.raises(RuntimeError, match="tensor maps"):
+            bulk_stream(src, 4, 32 * 8, tma_box=1)
+    else:
+        with pytest.raises(ValueError, match="whole boxes"):   # an own part of 128 bytes, boxes of 256
+            bulk_stream(src, 4, 32 * 8, shared_bytes=16 * 8, tma_box=2)
 
 
 def test_the_blocks_say_where_they_ran():

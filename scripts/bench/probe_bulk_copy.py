@@ -3,14 +3,16 @@ bulk copies into a ring per block, nothing else (``sparsekit.kernels.copy_probe`
 (beyond the L2), for each step size, copies per step, ring depth and blocks per SM. GPU only::
 
     python -m scripts.bench.probe_bulk_copy [--steps 1024,4096,16384] [--pieces 1,3] [--stages 4] [--per-sm 2,3,5] \
-        [--holds 0,1000,2000] [--mbytes 16 --laps 16] [--shared 32768 --share 1,2 --cluster 1,2,4 [--split]]
+        [--holds 0,1000,2000] [--mbytes 16 --laps 16] [--shared 32768 --share 1,2 --cluster 1,2,4 [--split]] \
+        [--tma-box 128]
 
 ``--holds``: SM cycles the reader keeps each stage after it lands (a consumer's decode and products). ``--laps``:
 each block reads its share that many times, so with ``--mbytes`` below the L2's size the copies after the first
 lap are L2 hits (the rate of an X slab that every row block reads). ``--shared``: bytes of each step common to a
 group of ``--share`` blocks (an X slab beside a block's own weight bytes), each block copying them itself, or with
 ``--cluster`` 2 or 4 multicast by the cluster's first block into all of them (the group is then the cluster;
-``--split``: each block multicasts a slice, the readers freeing a stage in every block at once).
+``--split``: each block multicasts a slice, the readers freeing a stage in every block at once). ``--tma-box``:
+the tensor form of the copy (``kernels/tma_probe.py``), boxes of that many 128-byte rows.
 
 Prints TB/s per configuration (CUDA-graph replays): bytes landed in the rings, and bytes read from memory (a
 multicast part counts once a cluster), and where the checking launch put its blocks (SMs used, the most blocks on
@@ -39,6 +41,8 @@ def main() -> int:
     ap.add_argument("--share", default="1", help="blocks per group reading the shared bytes themselves")
     ap.add_argument("--cluster", default="1", help="cluster sizes (2, 4: the shared bytes multicast)")
     ap.add_argument("--split", action="store_true", help="clusters: each block multicasts a slice, freed in one hop")
+    ap.add_argument("--tma-box", type=int, default=0,
+                    help="tensor copies of this many 128-byte rows (cp.async.bulk.tensor)")
     args = ap.parse_args()
     cuda_or_exit("the bulk-copy probe")
     from sparsekit.kernels.copy_probe import bulk_stream, stream_sums
@@ -71,14 +75,14 @@ def main() -> int:
                         for hold in ints_arg(args.holds):
                             where = torch.zeros(blocks, dtype=torch.int64, device="cuda")
                             sink = bulk_stream(used, blocks, step, stages, pieces, hold, cluster=cl, sms=where,
-                                               split=args.split, **kw)
+                                               split=args.split, tma_box=args.tma_box, **kw)
                             on_sm = torch.bincount(where, minlength=sms)
                             if not torch.equal(sink, want):
                                 print(f"FAIL step {step} pieces {pieces} share {share} cluster {cl}: a step did not "
                                       "land", file=sys.stderr)
                                 return 1
                             t, _ = time_calls([lambda: bulk_stream(used, blocks, step, stages, pieces, hold, cluster=cl,
-                                                                   split=args.split, **kw)])
+                                                                   split=args.split, tma_box=args.tma_box, **kw)])
                             landed = blocks * nstep * step * args.laps
                             read = blocks * nstep * args.laps * (own + args.shared / cl)
                             print(f"| {step} | {args.shared} | {share} / {cl} | {pieces} | {stages} | {per} | {hold} | "
