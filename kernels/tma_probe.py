@@ -32,9 +32,10 @@ def tensor_map_rows(t: torch.Tensor, box_rows: int) -> torch.Tensor:
     if t.dtype != torch.int64 or not t.is_contiguous() or t.numel() % 16 or not 1 <= box_rows <= 256:
         raise ValueError("tensor_map_rows takes a contiguous int64 tensor of whole 128-byte rows, boxes of 1-256 rows")
     rows = t.numel() // 16
+    u64, u32 = drv.cuuint64_t, drv.cuuint32_t
     err, tmap = drv.cuTensorMapEncodeTiled(
-        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_INT64, 2, t.data_ptr(), [16, rows], [128], [16, box_rows],
-        [1, 1], drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_INT64, u32(2), t.data_ptr(), [u64(16), u64(rows)], [u64(128)],
+        [u32(16), u32(box_rows)], [u32(1), u32(1)], drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
