@@ -20,7 +20,7 @@ import torch
 from numba import cuda
 
 from ._intrinsics import (bulk_copy, bulk_copy_mc, clock32, cluster_rank, cluster_sync, mbar_arrive,
-                          mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait, smid)
+                          mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait, smem_base, smid)
 from .block import dynamic_smem
 from .common import SIM
 
@@ -122,6 +122,7 @@ def _build_tma(STAGES: int, CL: int, BOX: int):
         ow = SW - XW
         base = b * NSTEP * SW
         xbase = (b // SHARE) * NSTEP * SW + ow
+        r0 = np.int64(((128 - (smem_base(d64, 0) & 127)) & 127) >> 3)   # the ring from a 128-byte boundary
         if tid == 0:
             for i in range(NSTEP * LAPS):
                 s = i % STAGES
@@ -130,25 +131,25 @@ def _build_tma(STAGES: int, CL: int, BOX: int):
                 mbar_expect(full, s, SW * 8)
                 at = base + (i % NSTEP) * SW
                 for p in range(ow // BW):
-                    tma_rows(d64, s * SW + p * BW, tmap, (at + p * BW) // 16, full, s)
+                    tma_rows(d64, r0 + s * SW + p * BW, tmap, (at + p * BW) // 16, full, s)
                 xat = xbase + (i % NSTEP) * SW
                 if CL == 1:
                     for p in range(XW // BW):
-                        tma_rows(d64, s * SW + ow + p * BW, tmap, (xat + p * BW) // 16, full, s)
+                        tma_rows(d64, r0 + s * SW + ow + p * BW, tmap, (xat + p * BW) // 16, full, s)
                 else:
                     xs = XW // CL
                     for p in range(xs // BW):
                         o = rank * xs + p * BW
-                        tma_rows_mc(d64, s * SW + ow + o, tmap, (xat + o) // 16, full, s, (1 << CL) - 1)
+                        tma_rows_mc(d64, r0 + s * SW + ow + o, tmap, (xat + o) // 16, full, s, (1 << CL) - 1)
         elif tid == 32:
             acc = np.int64(0)
             for i in range(NSTEP * LAPS):
                 s = i % STAGES
                 mbar_wait(full, s, (i // STAGES) & 1)
                 if ow > 0:
-                    acc += np.int64(d64[s * SW])
+                    acc += np.int64(d64[r0 + s * SW])
                 if XW > 0:
-                    acc += np.int64(d64[s * SW + ow])
+                    acc += np.int64(d64[r0 + s * SW + ow])
                 t = clock32()
                 while np.int64(np.uint32(clock32() - t)) < HOLD:
                     pass
@@ -213,7 +214,7 @@ def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4
     else:
         tensors = (src, sink)
     launch.launch_tensors(_KERNELS[key], blocks, 64, tensors, (sw, nstep, hold, laps, shared_bytes // 8, share),
-                          dyn=stages * step_bytes, cluster=cluster)
+                          dyn=stages * step_bytes + (128 if tma_box else 0), cluster=cluster)
     if sms is not None:
         sms.copy_(sink[blocks:])
     return sink[:blocks]
