@@ -122,7 +122,7 @@ def _build_tma(STAGES: int, CL: int, BOX: int):
         ow = SW - XW
         base = b * NSTEP * SW
         xbase = (b // SHARE) * NSTEP * SW + ow
-        r0 = np.int64(((128 - (smem_base(d64, 0) & 127)) & 127) >> 3)   # the ring from a 128-byte boundary
+        r0 = np.int64(((1024 - (smem_base(d64, 0) & 1023)) & 1023) >> 3)   # the ring from a 1024-byte boundary
         if tid == 0:
             for i in range(NSTEP * LAPS):
                 s = i % STAGES
@@ -167,7 +167,7 @@ def _build_tma(STAGES: int, CL: int, BOX: int):
 def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4, pieces: int = 1,
                 hold: int = 0, laps: int = 1, shared_bytes: int = 0, share: int = 1,
                 cluster: int = 1, sms: torch.Tensor | None = None, split: bool = False,
-                tma_box: int = 0) -> torch.Tensor:
+                tma_box: int = 0, tma_swizzle: bool = False) -> torch.Tensor:
     """Stream ``src`` (int64, ``blocks * steps * step_bytes`` bytes) through ``blocks`` rings, ``laps`` times (each
     block reads its share again: a ``src`` that fits the L2 is then read from it); returns ``sink`` [blocks] int64
     (the sum over the laps of each step's first word and, with ``shared_bytes``, the first word of its shared
@@ -177,7 +177,7 @@ def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4
     arrival goes straight to every block, as CUTLASS's consumers do; ``shared_bytes`` a multiple of ``16 *
     cluster``). ``sms`` (int64 [blocks], optional) gets the SM each block ran on. ``tma_box`` (GPU only): tensor
     copies of that many 128-byte rows instead (``tma_probe``; the own part and each block's slice of the shared
-    part whole boxes; clusters as with ``split``)."""
+    part whole boxes; clusters as with ``split``; ``tma_swizzle``: swizzled 128-byte rows)."""
     from . import launch
 
     if step_bytes % (16 * pieces) or src.dtype != torch.int64:
@@ -210,11 +210,11 @@ def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4
     if tma_box:
         from .tma_probe import tensor_map_rows
 
-        tensors = (src, tensor_map_rows(src, tma_box), sink)
+        tensors = (src, tensor_map_rows(src, tma_box, tma_swizzle), sink)
     else:
         tensors = (src, sink)
     launch.launch_tensors(_KERNELS[key], blocks, 64, tensors, (sw, nstep, hold, laps, shared_bytes // 8, share),
-                          dyn=stages * step_bytes + (128 if tma_box else 0), cluster=cluster)
+                          dyn=stages * step_bytes + (1024 if tma_box else 0), cluster=cluster)
     if sms is not None:
         sms.copy_(sink[blocks:])
     return sink[:blocks]

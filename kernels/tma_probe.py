@@ -4,7 +4,7 @@ copy, alone or multicast over a cluster, as cuBLAS's kernels use it? GPU only (t
 imported by ``copy_probe`` only when a probe asks for it. A diagnostic, never on a product path.
 
 ``tensor_map_rows(t, box_rows)``: the 128-byte tensor map (on ``t``'s device, as int64 [16]) of an int64 tensor
-viewed as rows of 128 bytes (16 words), boxes of ``box_rows`` rows, no swizzle; ``tma_rows`` /
+viewed as rows of 128 bytes (16 words), boxes of ``box_rows`` rows, optionally swizzled; ``tma_rows`` /
 ``tma_rows_mc`` copy box ``row`` of it into shared memory, completing on an mbarrier (``_mc``: into every block of
 the cluster in ``mask``).
 """
@@ -24,19 +24,20 @@ _i16, _i32, _i64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _i8p = ir.IntType(8).as_pointer()
 
 
-def tensor_map_rows(t: torch.Tensor, box_rows: int) -> torch.Tensor:
+def tensor_map_rows(t: torch.Tensor, box_rows: int, swizzle: bool = False) -> torch.Tensor:
     """The tensor map of ``t`` (int64, contiguous, a multiple of 16 words) as ``[rows, 16]`` words, boxes of
-    ``box_rows`` x 16, through the driver's ``cuTensorMapEncodeTiled`` (cuda-python's binding)."""
+    ``box_rows`` x 16, through the driver's ``cuTensorMapEncodeTiled`` (cuda-python's binding); ``swizzle``: the
+    128-byte swizzle of cuBLAS's tiles (the destination then 1024-byte aligned)."""
     from cuda.bindings import driver as drv
 
     if t.dtype != torch.int64 or not t.is_contiguous() or t.numel() % 16 or not 1 <= box_rows <= 256:
         raise ValueError("tensor_map_rows takes a contiguous int64 tensor of whole 128-byte rows, boxes of 1-256 rows")
     rows = t.numel() // 16
-    u64, u32 = drv.cuuint64_t, drv.cuuint32_t
+    u64, u32, sw = drv.cuuint64_t, drv.cuuint32_t, drv.CUtensorMapSwizzle
     err, tmap = drv.cuTensorMapEncodeTiled(
         drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_INT64, u32(2), t.data_ptr(), [u64(16), u64(rows)], [u64(128)],
         [u32(16), u32(box_rows)], [u32(1), u32(1)], drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+        sw.CU_TENSOR_MAP_SWIZZLE_128B if swizzle else sw.CU_TENSOR_MAP_SWIZZLE_NONE,
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         drv.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != drv.CUresult.CUDA_SUCCESS:

@@ -43,6 +43,7 @@ def main() -> int:
     ap.add_argument("--split", action="store_true", help="clusters: each block multicasts a slice, freed in one hop")
     ap.add_argument("--tma-box", type=int, default=0,
                     help="tensor copies of this many 128-byte rows (cp.async.bulk.tensor)")
+    ap.add_argument("--tma-swizzle", action="store_true", help="tensor copies: the 128-byte swizzle")
     args = ap.parse_args()
     cuda_or_exit("the bulk-copy probe")
     from sparsekit.kernels.copy_probe import bulk_stream, stream_sums
@@ -75,14 +76,16 @@ def main() -> int:
                         for hold in ints_arg(args.holds):
                             where = torch.zeros(blocks, dtype=torch.int64, device="cuda")
                             sink = bulk_stream(used, blocks, step, stages, pieces, hold, cluster=cl, sms=where,
-                                               split=args.split, tma_box=args.tma_box, **kw)
+                                               split=args.split, tma_box=args.tma_box,
+                                               tma_swizzle=args.tma_swizzle, **kw)
                             on_sm = torch.bincount(where, minlength=sms)
                             if not torch.equal(sink, want):
                                 print(f"FAIL step {step} pieces {pieces} share {share} cluster {cl}: a step did not "
                                       "land", file=sys.stderr)
                                 return 1
                             t, _ = time_calls([lambda: bulk_stream(used, blocks, step, stages, pieces, hold, cluster=cl,
-                                                                   split=args.split, tma_box=args.tma_box, **kw)])
+                                                                   split=args.split, tma_box=args.tma_box,
+                                                                   tma_swizzle=args.tma_swizzle, **kw)])
                             landed = blocks * nstep * step * args.laps
                             read = blocks * nstep * args.laps * (own + args.shared / cl)
                             print(f"| {step} | {args.shared} | {share} / {cl} | {pieces} | {stages} | {per} | {hold} | "
