@@ -100,7 +100,7 @@ def _build(STAGES: int, PIECES: int, CL: int = 1, SPLIT: bool = False):
 def _build_tma(STAGES: int, CL: int, BOX: int):
     """``_build``'s kernel with tensor copies of ``BOX`` 128-byte rows (``tma_probe``; GPU only), multicast over
     clusters with the one-hop hand-off (``SPLIT``)."""
-    from .tma_probe import tma_rows, tma_rows_mc
+    from .tma_probe import tma_prefetch, tma_rows, tma_rows_mc
 
     BW = BOX * 16                                    # words a box
 
@@ -124,6 +124,7 @@ def _build_tma(STAGES: int, CL: int, BOX: int):
         xbase = (b // SHARE) * NSTEP * SW + ow
         r0 = np.int64(((1024 - (smem_base(d64, 0) & 1023)) & 1023) >> 3)   # the ring from a 1024-byte boundary
         if tid == 0:
+            tma_prefetch(tmap)
             for i in range(NSTEP * LAPS):
                 s = i % STAGES
                 if i >= STAGES:

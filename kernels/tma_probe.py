@@ -85,6 +85,27 @@ def _tma_mc(typingctx, dst_addr, tmap, row, mbar_addr, mask):
     return sig, codegen
 
 
+@intrinsic
+def _tma_prefetch(typingctx, tmap):
+    sig = types.void(tmap)
+
+    def codegen(context, builder, sig, args):
+        ary = context.make_array(sig.args[0])(context, builder, args[0])
+        tp = builder.bitcast(cgutils.get_item_pointer(context, builder, sig.args[0], ary, [ir.Constant(_i64, 0)],
+                                                      wraparound=False), _i8p)
+        builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i8p]), "prefetch.tensormap [$0];", "l,~{memory}",
+                                  side_effect=True), [tp])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def tma_prefetch(tmap):
+    """Bring the tensor map into the copy engine's descriptor cache before the first copy names it."""
+    _tma_prefetch(tmap)
+
+
 @cuda.jit(device=True, inline=True)
 def tma_rows(dst, di, tmap, row, mbar, mi):
     """The box starting at ``row`` (of the map's 128-byte rows) into ``dst`` from word ``di``, completing on barrier
