@@ -27,7 +27,36 @@ from .common import SIM
 _KERNELS: dict = {}
 
 
+def _make_reader(STAGES: int, CL: int, ONE: bool):
+    """The reading lane's loop: wait "full", add the stage's first word (and its shared part's), hold, free the
+    stage (``ONE``: in every block of the cluster, on its ``xempty``), then the block's sum and SM into ``sink``."""
+    @cuda.jit(device=True, inline=True)
+    def read(d64, r0, full, empty, xempty, sink, b, SW, ow, XW, steps, HOLD):
+        acc = np.int64(0)
+        for i in range(steps):
+            s = i % STAGES
+            mbar_wait(full, s, (i // STAGES) & 1)
+            if ow > 0:
+                acc += np.int64(d64[r0 + s * SW])
+            if XW > 0:
+                acc += np.int64(d64[r0 + s * SW + ow])
+            t = clock32()
+            while np.int64(np.uint32(clock32() - t)) < HOLD:
+                pass
+            if ONE:
+                for r in range(CL):
+                    mbar_arrive_remote(xempty, s, r)
+            else:
+                mbar_arrive(empty, s)
+        sink[b] = acc
+        sink[cuda.gridDim.x + b] = np.int64(smid())   # where the block ran (placement, the probe's report)
+
+    return read
+
+
 def _build(STAGES: int, PIECES: int, CL: int = 1, SPLIT: bool = False):
+    read = _make_reader(STAGES, CL, SPLIT and CL > 1)
+
     @cuda.jit
     def kernel(src, sink, SW, NSTEP, HOLD, LAPS, XW, SHARE):
         d64, _, _ = dynamic_smem()
@@ -72,24 +101,7 @@ def _build(STAGES: int, PIECES: int, CL: int = 1, SPLIT: bool = False):
                     mbar_wait(xempty, s, (i // STAGES) & 1)
                     bulk_copy_mc(d64, s * SW + ow, src, xat, XW * 8, full, s, (1 << CL) - 1)
         elif tid == 32:
-            acc = np.int64(0)
-            for i in range(NSTEP * LAPS):
-                s = i % STAGES
-                mbar_wait(full, s, (i // STAGES) & 1)
-                if ow > 0:
-                    acc += np.int64(d64[s * SW])
-                if XW > 0:
-                    acc += np.int64(d64[s * SW + ow])
-                t = clock32()
-                while np.int64(np.uint32(clock32() - t)) < HOLD:
-                    pass
-                if ONE:
-                    for r in range(CL):
-                        mbar_arrive_remote(xempty, s, r)
-                else:
-                    mbar_arrive(empty, s)
-            sink[b] = acc
-            sink[cuda.gridDim.x + b] = np.int64(smid())   # where the block ran (placement, the probe's report)
+            read(d64, 0, full, empty, xempty, sink, b, SW, ow, XW, NSTEP * LAPS, HOLD)
         cuda.syncthreads()
         if CL > 1:
             cluster_sync()                           # no block leaves while another may still signal it
@@ -103,6 +115,7 @@ def _build_tma(STAGES: int, CL: int, BOX: int):
     from .tma_probe import tma_prefetch, tma_rows, tma_rows_mc
 
     BW = BOX * 16                                    # words a box
+    read = _make_reader(STAGES, CL, True)
 
     @cuda.jit
     def kernel(src, tmap, sink, SW, NSTEP, HOLD, LAPS, XW, SHARE):
@@ -143,21 +156,7 @@ def _build_tma(STAGES: int, CL: int, BOX: int):
                         o = rank * xs + p * BW
                         tma_rows_mc(d64, r0 + s * SW + ow + o, tmap, (xat + o) // 16, full, s, (1 << CL) - 1)
         elif tid == 32:
-            acc = np.int64(0)
-            for i in range(NSTEP * LAPS):
-                s = i % STAGES
-                mbar_wait(full, s, (i // STAGES) & 1)
-                if ow > 0:
-                    acc += np.int64(d64[r0 + s * SW])
-                if XW > 0:
-                    acc += np.int64(d64[r0 + s * SW + ow])
-                t = clock32()
-                while np.int64(np.uint32(clock32() - t)) < HOLD:
-                    pass
-                for r in range(CL):
-                    mbar_arrive_remote(xempty, s, r)
-            sink[b] = acc
-            sink[cuda.gridDim.x + b] = np.int64(smid())
+            read(d64, r0, full, xempty, xempty, sink, b, SW, ow, XW, NSTEP * LAPS, HOLD)
         cuda.syncthreads()
         if CL > 1:
             cluster_sync()

@@ -46,43 +46,38 @@ def tensor_map_rows(t: torch.Tensor, box_rows: int, swizzle: bool = False) -> to
     return torch.from_numpy(words.copy()).to(t.device)
 
 
-def _tensor_asm(mc: bool):
+def _map_pointer(context, builder, aty, arr):
+    """The tensor map array's first byte, as a generic pointer."""
+    ary = context.make_array(aty)(context, builder, arr)
+    return builder.bitcast(cgutils.get_item_pointer(context, builder, aty, ary, [ir.Constant(_i64, 0)],
+                                                    wraparound=False), _i8p)
+
+
+def _tensor_copy(mc: bool):
+    """The intrinsic ``(dst_addr, tmap, row, mbar_addr, mask)``: one box into shared memory (``mc``: multicast to
+    the blocks in ``mask``), column 0, row ``row``."""
     text = ("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
             + (".multicast::cluster" if mc else "") + " [$0], [$1, {$2, $3}], [$4]" + (", $5;" if mc else ";"))
-    args = [_i32, _i8p, _i32, _i32, _i32] + ([_i16] if mc else [])
-    cons = "r,l,r,r,r" + (",h" if mc else "") + ",~{memory}"
-    return ir.InlineAsm(ir.FunctionType(ir.VoidType(), args), text, cons, side_effect=True)
+    fnty = ir.FunctionType(ir.VoidType(), [_i32, _i8p, _i32, _i32, _i32] + ([_i16] if mc else []))
+    asm = ir.InlineAsm(fnty, text, "r,l,r,r,r" + (",h" if mc else "") + ",~{memory}", side_effect=True)
+
+    @intrinsic
+    def _copy(typingctx, dst_addr, tmap, row, mbar_addr, mask):
+        u = types.uint32
+        sig = types.void(u, tmap, u, u, u)
+
+        def codegen(context, builder, sig, args):
+            ops = [args[0], _map_pointer(context, builder, sig.args[1], args[1]), ir.Constant(_i32, 0), args[2],
+                   args[3]]
+            builder.call(asm, ops + ([builder.trunc(args[4], _i16)] if mc else []))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return _copy
 
 
-@intrinsic
-def _tma(typingctx, dst_addr, tmap, row, mbar_addr, mask):
-    u = types.uint32
-    sig = types.void(u, tmap, u, u, u)
-
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[1])(context, builder, args[1])
-        tp = builder.bitcast(cgutils.get_item_pointer(context, builder, sig.args[1], ary, [ir.Constant(_i64, 0)],
-                                                      wraparound=False), _i8p)
-        builder.call(_tensor_asm(False), [args[0], tp, ir.Constant(_i32, 0), args[2], args[3]])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _tma_mc(typingctx, dst_addr, tmap, row, mbar_addr, mask):
-    u = types.uint32
-    sig = types.void(u, tmap, u, u, u)
-
-    def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[1])(context, builder, args[1])
-        tp = builder.bitcast(cgutils.get_item_pointer(context, builder, sig.args[1], ary, [ir.Constant(_i64, 0)],
-                                                      wraparound=False), _i8p)
-        builder.call(_tensor_asm(True), [args[0], tp, ir.Constant(_i32, 0), args[2], args[3],
-                                         builder.trunc(args[4], _i16)])
-        return context.get_dummy_value()
-
-    return sig, codegen
+_tma, _tma_mc = _tensor_copy(False), _tensor_copy(True)
 
 
 @intrinsic
@@ -90,11 +85,8 @@ def _tma_prefetch(typingctx, tmap):
     sig = types.void(tmap)
 
     def codegen(context, builder, sig, args):
-        ary = context.make_array(sig.args[0])(context, builder, args[0])
-        tp = builder.bitcast(cgutils.get_item_pointer(context, builder, sig.args[0], ary, [ir.Constant(_i64, 0)],
-                                                      wraparound=False), _i8p)
         builder.call(ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_i8p]), "prefetch.tensormap [$0];", "l,~{memory}",
-                                  side_effect=True), [tp])
+                                  side_effect=True), [_map_pointer(context, builder, sig.args[0], args[0])])
         return context.get_dummy_value()
 
     return sig, codegen
