@@ -55,7 +55,8 @@ def _make_reader(STAGES: int, CL: int, ONE: bool):
 
 
 def _build(STAGES: int, PIECES: int, CL: int = 1, SPLIT: bool = False):
-    read = _make_reader(STAGES, CL, SPLIT and CL > 1)
+    ONE = SPLIT and CL > 1                           # each block multicasts a slice, the readers freeing it in one hop
+    read = _make_reader(STAGES, CL, ONE)
 
     @cuda.jit
     def kernel(src, sink, SW, NSTEP, HOLD, LAPS, XW, SHARE):
@@ -63,7 +64,7 @@ def _build(STAGES: int, PIECES: int, CL: int = 1, SPLIT: bool = False):
         full = cuda.shared.array(STAGES, np.uint64)
         empty = cuda.shared.array(STAGES, np.uint64)
         xempty = cuda.shared.array(STAGES, np.uint64)  # (clusters) every block's stage free: the first block's
-        ONE = SPLIT and CL > 1                         # (SPLIT: each block's, for its slice, from the readers)
+        # (ONE: each block's own, for its slice, from every block's reader)
         tid = cuda.threadIdx.x
         b = cuda.blockIdx.x
         rank = cluster_rank() if CL > 1 else np.uint32(0)
