@@ -110,16 +110,18 @@ def _build(STAGES: int, PIECES: int, CL: int = 1, SPLIT: bool = False):
     return kernel
 
 
-def _build_tma(STAGES: int, CL: int, BOX: int):
+def _build_tma(STAGES: int, CL: int, BOX: int, CMAP=None):
     """``_build``'s kernel with tensor copies of ``BOX`` 128-byte rows (``tma_probe``; GPU only), multicast over
-    clusters with the one-hop hand-off (``SPLIT``)."""
+    clusters with the one-hop hand-off (``SPLIT``). ``CMAP`` (a one-record array from ``tma_probe.const_map``): the
+    tensor map baked into the kernel's constant memory, where the ``tmap`` argument is ignored (one build per map)."""
     from .tma_probe import tma_prefetch, tma_rows, tma_rows_mc
 
     BW = BOX * 16                                    # words a box
     read = _make_reader(STAGES, CL, True)
 
     @cuda.jit
-    def kernel(src, tmap, sink, SW, NSTEP, HOLD, LAPS, XW, SHARE):
+    def kernel(src, gmap, sink, SW, NSTEP, HOLD, LAPS, XW, SHARE):
+        tmap = gmap if CMAP is None else cuda.const.array_like(CMAP)
         d64, _, _ = dynamic_smem()
         full = cuda.shared.array(STAGES, np.uint64)
         xempty = cuda.shared.array(STAGES, np.uint64)  # every block's reader freed the stage
@@ -168,7 +170,7 @@ def _build_tma(STAGES: int, CL: int, BOX: int):
 def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4, pieces: int = 1,
                 hold: int = 0, laps: int = 1, shared_bytes: int = 0, share: int = 1,
                 cluster: int = 1, sms: torch.Tensor | None = None, split: bool = False,
-                tma_box: int = 0, tma_swizzle: bool = False) -> torch.Tensor:
+                tma_box: int = 0, tma_swizzle: bool = False, tma_const: bool = False) -> torch.Tensor:
     """Stream ``src`` (int64, ``blocks * steps * step_bytes`` bytes) through ``blocks`` rings, ``laps`` times (each
     block reads its share again: a ``src`` that fits the L2 is then read from it); returns ``sink`` [blocks] int64
     (the sum over the laps of each step's first word and, with ``shared_bytes``, the first word of its shared
@@ -178,7 +180,8 @@ def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4
     arrival goes straight to every block, as CUTLASS's consumers do; ``shared_bytes`` a multiple of ``16 *
     cluster``). ``sms`` (int64 [blocks], optional) gets the SM each block ran on. ``tma_box`` (GPU only): tensor
     copies of that many 128-byte rows instead (``tma_probe``; the own part and each block's slice of the shared
-    part whole boxes; clusters as with ``split``; ``tma_swizzle``: swizzled 128-byte rows)."""
+    part whole boxes; clusters as with ``split``; ``tma_swizzle``: swizzled 128-byte rows; ``tma_const``: the map
+    in the kernel's constant memory instead of global memory, one build per map)."""
     from . import launch
 
     if step_bytes % (16 * pieces) or src.dtype != torch.int64:
@@ -201,17 +204,21 @@ def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4
         if (step_bytes - shared_bytes) % bw or shared_bytes % (bw * cluster):
             raise ValueError(f"with tensor copies the own part and each block's slice of the shared part must be whole "
                              f"boxes of {bw} bytes")
-    key = (stages, pieces, cluster, split, tma_box)
-    if key not in _KERNELS:
-        _KERNELS[key] = (_build_tma(stages, cluster, tma_box) if tma_box
-                         else _build(stages, pieces, cluster, split))
-    sink = torch.zeros(2 * blocks, dtype=torch.int64, device=src.device)
     if laps < 1:
         raise ValueError(f"laps must be 1 or more, got {laps}")
+    key = (stages, pieces, cluster, split, tma_box)
     if tma_box:
-        from .tma_probe import tensor_map_rows
+        from .tma_probe import const_map, tensor_map_rows
 
-        tensors = (src, tensor_map_rows(src, tma_box, tma_swizzle), sink)
+        gmap = tensor_map_rows(src, tma_box, tma_swizzle)
+        cmap = const_map(gmap) if tma_const else None
+        key += (None if cmap is None else cmap.tobytes(),)
+    if key not in _KERNELS:
+        _KERNELS[key] = (_build_tma(stages, cluster, tma_box, cmap) if tma_box
+                         else _build(stages, pieces, cluster, split))
+    sink = torch.zeros(2 * blocks, dtype=torch.int64, device=src.device)
+    if tma_box:
+        tensors = (src, gmap, sink)
     else:
         tensors = (src, sink)
     launch.launch_tensors(_KERNELS[key], blocks, 64, tensors, (sw, nstep, hold, laps, shared_bytes // 8, share),

@@ -6,7 +6,7 @@ imported by ``copy_probe`` only when a probe asks for it. A diagnostic, never on
 ``tensor_map_rows(t, box_rows)``: the 128-byte tensor map (on ``t``'s device, as int64 [16]) of an int64 tensor
 viewed as rows of 128 bytes (16 words), boxes of ``box_rows`` rows, optionally swizzled; ``tma_rows`` /
 ``tma_rows_mc`` copy box ``row`` of it into shared memory, completing on an mbarrier (``_mc``: into every block of
-the cluster in ``mask``).
+the cluster in ``mask``). ``const_map``: the same map as a host record for the kernel's constant memory.
 """
 from __future__ import annotations
 
@@ -44,6 +44,18 @@ def tensor_map_rows(t: torch.Tensor, box_rows: int, swizzle: bool = False) -> to
         raise RuntimeError(f"cuTensorMapEncodeTiled failed: {err}")
     words = np.array([int(w) for w in tmap.opaque], dtype=np.uint64).view(np.int64)
     return torch.from_numpy(words.copy()).to(t.device)
+
+
+MAP_RECORD = np.dtype([("w", np.int64, (16,))])   # one tensor map: numba aligns a record array to its 128 bytes
+
+
+def const_map(tmap: torch.Tensor) -> np.ndarray:
+    """``tmap`` (from :func:`tensor_map_rows`) as a one-record host array, for ``cuda.const.array_like``: the map in
+    the kernel's constant memory (128-byte aligned), as CUDA C passes one in a ``__grid_constant__`` parameter or a
+    ``__constant__`` variable, instead of in global memory."""
+    rec = np.zeros(1, dtype=MAP_RECORD)
+    rec["w"][0] = tmap.cpu().numpy()
+    return rec
 
 
 def _map_pointer(context, builder, aty, arr):

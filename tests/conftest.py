@@ -29,6 +29,8 @@ if SIM:
 # Tests never touch the network: hub look-ups fail fast and the same way everywhere.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# Tests hash every shard they load and remember none in the user's cache (tests of that memory unset it).
+os.environ.setdefault("SPARSEKIT_REHASH", "1")
 # Tests run strict: a faster path that falls back (compiling, graph capture, the static decoder) fails them.
 os.environ.setdefault("SPARSEKIT_STRICT", "1")
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -237,3 +238,53 @@ def test_damaged_header_entry_names_shard_and_tensor(copy):
     for check in (verify_packed, sh.read_packed, inspect_packed):
         with pytest.raises(SparsekitError, match=rf"{file.name}.*tensor .*damaged"):
             check(copy)
+
+
+@pytest.fixture
+def remembering(monkeypatch, tmp_path):
+    """Loads may skip shards that passed before (conftest turns that off for every other test), with a cache of
+    this test's own and no settling time, so a shard read now can be remembered now."""
+    from sparsekit.packed import trusted
+
+    monkeypatch.delenv("SPARSEKIT_REHASH", raising=False)
+    monkeypatch.setenv("SPARSEKIT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(trusted, "SETTLE_S", 0.0)
+    hashed = []
+    real = sh.tensor_sha256
+    monkeypatch.setattr(sh, "tensor_sha256", lambda t: hashed.append(1) or real(t))
+    return hashed
+
+
+def test_a_shard_that_passed_is_not_hashed_again_until_it_changes(copy, remembering):
+    hashed = remembering
+    sh.read_packed(copy)
+    first = len(hashed)
+    assert first == sum(1 for _ in index_of(copy)["checksums"])   # every tensor hashed once
+    sh.read_packed(copy)
+    assert len(hashed) == first                                    # nothing hashed: every shard passed before
+    time.sleep(0.05)                                               # past the file system's time granularity
+    file = _shard_holding(copy, VALUES)
+    _flip_tensor_byte(file, VALUES, at=3)                          # same size, new times
+    with pytest.raises(SparsekitError, match=rf"corrupt shard {file.name}, tensor {VALUES}: sha256"):
+        sh.read_packed(copy)
+    assert len(hashed) > first
+
+
+def test_a_shard_is_hashed_again_under_rehash_or_when_just_written(copy, remembering, monkeypatch):
+    from sparsekit.packed import trusted
+
+    hashed = remembering
+    sh.read_packed(copy)
+    n = len(hashed)
+    sh.read_packed(copy, rehash=True)
+    assert len(hashed) == 2 * n
+    monkeypatch.setenv("SPARSEKIT_REHASH", "1")
+    sh.read_packed(copy)
+    assert len(hashed) == 3 * n
+    monkeypatch.delenv("SPARSEKIT_REHASH")
+    other = copy.parent / "fresh"
+    shutil.copytree(copy, other)                                   # another path, other inodes: never passed
+    monkeypatch.setattr(trusted, "SETTLE_S", 60.0)                 # written just now: not remembered
+    sh.read_packed(other)
+    sh.read_packed(other)
+    assert len(hashed) == 5 * n

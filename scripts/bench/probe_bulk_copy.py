@@ -4,7 +4,7 @@ bulk copies into a ring per block, nothing else (``sparsekit.kernels.copy_probe`
 
     python -m scripts.bench.probe_bulk_copy [--steps 1024,4096,16384] [--pieces 1,3] [--stages 4] [--per-sm 2,3,5] \
         [--holds 0,1000,2000] [--mbytes 16 --laps 16] [--shared 32768 --share 1,2 --cluster 1,2,4 [--split]] \
-        [--tma-box 128]
+        [--tma-box 128 [--tma-map global,const]]
 
 ``--holds``: SM cycles the reader keeps each stage after it lands (a consumer's decode and products). ``--laps``:
 each block reads its share that many times, so with ``--mbytes`` below the L2's size the copies after the first
@@ -12,7 +12,8 @@ lap are L2 hits (the rate of an X slab that every row block reads). ``--shared``
 group of ``--share`` blocks (an X slab beside a block's own weight bytes), each block copying them itself, or with
 ``--cluster`` 2 or 4 multicast by the cluster's first block into all of them (the group is then the cluster;
 ``--split``: each block multicasts a slice, the readers freeing a stage in every block at once). ``--tma-box``:
-the tensor form of the copy (``kernels/tma_probe.py``), boxes of that many 128-byte rows.
+the tensor form of the copy (``kernels/tma_probe.py``), boxes of that many 128-byte rows, the tensor map in global
+memory or baked into the kernel's constant memory (``--tma-map``).
 
 Prints TB/s per configuration (CUDA-graph replays): bytes landed in the rings, and bytes read from memory (a
 multicast part counts once a cluster), and where the checking launch put its blocks (SMs used, the most blocks on
@@ -44,6 +45,8 @@ def main() -> int:
     ap.add_argument("--tma-box", type=int, default=0,
                     help="tensor copies of this many 128-byte rows (cp.async.bulk.tensor)")
     ap.add_argument("--tma-swizzle", action="store_true", help="tensor copies: the 128-byte swizzle")
+    ap.add_argument("--tma-map", default="global",
+                    help="tensor copies: where the map lives, global and/or const (the kernel's constant memory)")
     args = ap.parse_args()
     cuda_or_exit("the bulk-copy probe")
     from sparsekit.kernels.copy_probe import bulk_stream, stream_sums
@@ -53,9 +56,13 @@ def main() -> int:
     dst = torch.empty_like(src)
     tc, _ = time_calls([lambda: dst.copy_(src)])
     print(f"torch copy of {args.mbytes} MB: {2 * src.numel() * 8 / tc / 1e6:.2f} TB/s (read + write)")
-    print("| step bytes | shared | share / cluster | copies | stages | blocks / SM | hold cycles | TB/s landed "
-          "| TB/s read | SMs used, most blocks on one |")
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    maps = args.tma_map.split(",") if args.tma_box else ["-"]
+    if not set(maps) <= {"global", "const", "-"}:
+        print(f"error: --tma-map takes global and/or const, got {args.tma_map!r}", file=sys.stderr)
+        return 2
+    print("| step bytes | shared | share / cluster | copies | stages | blocks / SM | hold cycles | tensor map "
+          "| TB/s landed | TB/s read | SMs used, most blocks on one |")
+    print("|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---|")
     groups = [(g, 1) for g in ints_arg(args.share)] + [(c, c) for c in ints_arg(args.cluster) if c > 1]
     if not args.shared:
         groups = [(1, 1)]
@@ -73,22 +80,22 @@ def main() -> int:
                         used = src[: blocks * nstep * step // 8]
                         kw = dict(laps=args.laps, shared_bytes=args.shared, share=share)
                         want = stream_sums(used, blocks, step, **kw)
-                        for hold in ints_arg(args.holds):
+                        for hold, where_map in ((h, m) for h in ints_arg(args.holds) for m in maps):
+                            tk = dict(tma_box=args.tma_box, tma_swizzle=args.tma_swizzle,
+                                      tma_const=where_map == "const")
                             where = torch.zeros(blocks, dtype=torch.int64, device="cuda")
                             sink = bulk_stream(used, blocks, step, stages, pieces, hold, cluster=cl, sms=where,
-                                               split=args.split, tma_box=args.tma_box,
-                                               tma_swizzle=args.tma_swizzle, **kw)
+                                               split=args.split, **tk, **kw)
                             on_sm = torch.bincount(where, minlength=sms)
                             if not torch.equal(sink, want):
                                 print(f"FAIL step {step} pieces {pieces} share {share} cluster {cl}: a step did not "
                                       "land", file=sys.stderr)
                                 return 1
                             t, _ = time_calls([lambda: bulk_stream(used, blocks, step, stages, pieces, hold, cluster=cl,
-                                                                   split=args.split, tma_box=args.tma_box,
-                                                                   tma_swizzle=args.tma_swizzle, **kw)])
+                                                                   split=args.split, **tk, **kw)])
                             landed = blocks * nstep * step * args.laps
                             read = blocks * nstep * args.laps * (own + args.shared / cl)
-                            print(f"| {step} | {args.shared} | {share} / {cl} | {pieces} | {stages} | {per} | {hold} | "
+                            print(f"| {step} | {args.shared} | {share} / {cl} | {pieces} | {stages} | {per} | {hold} | {where_map} | "
                                   f"{landed / t / 1e6:.2f} | {read / t / 1e6:.2f} | {int((on_sm > 0).sum())}, "
                                   f"{int(on_sm.max())} |", flush=True)
     return 0

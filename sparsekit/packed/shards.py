@@ -231,13 +231,17 @@ def _check_sums(shard: str, tensors: dict[str, torch.Tensor], checksums: dict[st
 
 
 def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
-                check_checksums: bool = True) -> PackedCheckpoint:
+                check_checksums: bool = True, rehash: bool = False) -> PackedCheckpoint:
     """Load a packed directory: dense tensors, TcaBme weights (on ``device``), layer info, metadata.
 
     Every tensor is checked against the sha256 recorded in the index (``check_checksums``), so a
     damaged shard is one clear error naming the shard and tensor instead of silently wrong weights.
+    A shard that passed before and whose file has not changed since is not hashed again
+    (``sparsekit.packed.trusted``) unless ``rehash``.
     """
     from safetensors import safe_open
+
+    from sparsekit.packed import trusted
 
     path = Path(path)
     index = load_index(path)
@@ -258,7 +262,10 @@ def read_packed(path: str | os.PathLike, device: str | torch.device = "cpu", *,
                             f"shard {shard} lacks tensor {name} listed in {INDEX_NAME}: the checkpoint is corrupt; re-run `sparsekit encode`"
                         )
                     tensors[name] = f.get_tensor(name)
-                _check_sums(shard, {n: tensors[n] for n in names if n in checksums}, checksums)
+                digest = trusted.checksums_digest(names, checksums) if checksums else None
+                if digest and (rehash or not trusted.passed_before(file, digest)):
+                    _check_sums(shard, {n: tensors[n] for n in names if n in checksums}, checksums)
+                    trusted.remember(file, digest)
                 for name in names:
                     tensors[name] = tensors[name].to(device)
         except SparsekitError:
