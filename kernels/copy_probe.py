@@ -25,6 +25,7 @@ from .block import dynamic_smem
 from .common import SIM
 
 _KERNELS: dict = {}
+_MAPS: dict = {}   # (source pointer, size, device, box, swizzle) -> its tensor map, in global memory and as a record
 
 
 def _make_reader(STAGES: int, CL: int, ONE: bool):
@@ -117,7 +118,7 @@ def _build_tma(STAGES: int, CL: int, BOX: int, CMAP=None):
     from .tma_probe import tma_prefetch, tma_rows, tma_rows_mc
 
     BW = BOX * 16                                    # words a box
-    read = _make_reader(STAGES, CL, True)
+    read = _make_reader(STAGES, CL, CL > 1)          # one block: freed by a local arrive, as the 1D kernel's
 
     @cuda.jit
     def kernel(src, gmap, sink, SW, NSTEP, HOLD, LAPS, XW, SHARE):
@@ -210,8 +211,12 @@ def bulk_stream(src: torch.Tensor, blocks: int, step_bytes: int, stages: int = 4
     if tma_box:
         from .tma_probe import const_map, tensor_map_rows
 
-        gmap = tensor_map_rows(src, tma_box, tma_swizzle)
-        cmap = const_map(gmap) if tma_const else None
+        mkey = (src.data_ptr(), src.numel(), src.device, tma_box, tma_swizzle)
+        if mkey not in _MAPS:   # made once: a host-to-device copy per call would sync the stream and break capture
+            gmap = tensor_map_rows(src, tma_box, tma_swizzle)
+            _MAPS[mkey] = (gmap, const_map(gmap))
+        gmap, cmap = _MAPS[mkey]
+        cmap = cmap if tma_const else None
         key += (None if cmap is None else cmap.tobytes(),)
     if key not in _KERNELS:
         _KERNELS[key] = (_build_tma(stages, cluster, tma_box, cmap) if tma_box
