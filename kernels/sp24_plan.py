@@ -99,14 +99,17 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = F
     - "wg" (sp24_wg) on weights both tall (WG_MIN_M rows or more) and K-deep (WG_DEEP_K columns or more)
       up to WS_MIN_N tokens: 28672x8192 1.66 / 1.58 at 1 / 16 against sp24_ws's 1.54 / 1.52.
     - "ws" (sp24_ws, warp-specialized) on weights of WS_MIN_M rows or more, or K-deep ones, from WS_MIN_N
-      to WS_MAX_N tokens, where it beat rows and wg at every measured count but 16 tokens on 4096x11008
+      tokens on, where it beat rows and wg at every measured count but 16 tokens on 4096x11008
       (1.17 against 1.20):
       22016x4096 1.43 / 1.33 / 1.13 / 0.66 / 0.47 at 16 / 32 / 64 / 128 / 256 against rows' 1.37 / 1.17 /
       0.90 / 0.67 / 0.35; 28672x8192 1.45 / 1.40 / 0.86 / 0.52 at 32 / 64 / 128 / 256 against wg's 1.48 /
       1.20 / 0.79 / 0.46; 8192x28672 1.55 / 1.48 / 1.24 / 0.73 at 16 / 32 / 64 / 128 against rows' 1.47 /
       1.36 / 0.97 / 0.58; 12288x4096 (WS_MIN_M rows) 1.21 / 1.23 / 0.85 / 0.67 at 16 / 32 / 64 / 128
       against 1.16 / 1.07 / 0.78 / 0.47. Not on 4096x4096, where it lost up to 32 tokens (0.93 against
-      rows' 0.99 at 16).
+      rows' 0.99 at 16). Past 256 tokens too (docs/kernels-notes.md "v31", its prefill tile of ``ws_tokens``):
+      at 512 / 2048 / 4096 tokens 22016x4096 0.53 / 0.62 / 0.58 against rows' 0.30 / 0.33 / 0.32, 28672x8192
+      0.65 / 0.77 / 0.76 against 0.32 / 0.36 / 0.35, 4096x11008 0.41 / 0.68 / 0.68 against 0.22 / 0.22 / 0.24,
+      12288x4096 0.49 / 0.59 / 0.58 against 0.32 / 0.31 / 0.32.
     - Below WS_MIN_N tokens elsewhere, rows (22016x4096 1.59 at one token against wg's 1.50).
     - Weights with dense tiles: rows. sp24_ws takes them (``kernel="ws"``) but measured slower: 22016x4096
       at 35% (hybrid) 1.05 / 1.08 / 0.67 / 0.77 at 1 / 16 / 32 / 64 tokens against rows' 1.32 / 1.24 /
@@ -121,7 +124,7 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = F
         return "wg"
     if wg_ok and not hybrid and wg_few(m, k, n):
         return "wg"
-    if wg_ok and not hybrid and (m >= WS_MIN_M or deep) and WS_MIN_N <= n <= WS_MAX_N:
+    if wg_ok and not hybrid and (m >= WS_MIN_M or deep) and n >= WS_MIN_N:
         return "ws"
     if n >= ROWS_AUTO_N:
         return "rows"
@@ -194,8 +197,10 @@ WG_STAGES = 4                   # ring depth (6 and 8 measured no faster on the 
 WG_MIN_M = 16384                # kernel_for: tall weights (this many rows or more) ...
 WG_DEEP_K = 8192                # ... and K-deep ones (this many columns or more)
 WS_MIN_M = 12288                # sp24_ws on weights of this many rows or more (or K-deep ones) ...
-WS_MIN_N = 16                   # ... from this many tokens (sp24_wg below it, on tall and deep weights) ...
-WS_MAX_N = 256                  # ... up to this many (the widest measured)
+WS_MIN_N = 16                   # ... from this many tokens on (sp24_wg below it, on tall and deep weights; past 256
+#                                 tokens, prefill, it beats rows 1.6-3x: H100, docs/kernels-notes.md "v31")
+WS_WIDE_NT = 256                # sp24_ws's prefill tile: tokens per output tile past 256 tokens on tall weights, ...
+WS_WIDE_FROM = 1024             # ... and from this many tokens on the others (128 below: H100, "v31")
 WS_STAGES_FEW, WS_STAGES_MANY = 6, 3   # sp24_ws's ring up to 32 tokens a tile, and from 64 (H100 sweep)
 WS_MIN_SPLIT_COLS = 40          # sp24_ws's K split leaves every split this many tile columns or more
 WG_FEW_N = 4                    # kernel_for: sp24_wg up to this many tokens on K-deep weights of ...
@@ -224,9 +229,14 @@ def ws_tokens(n: int, m: int = 0, hybrid: bool = False) -> int:
     4096x11008 60.2 against 62.2; a 64-token tile needs 87-106 registers, so two blocks share an SM), except on
     tall all-2:4 weights (WG_MIN_M rows or more), which take one chunk of 128 tokens in tiles of two warpgroups
     of two tile rows (``ws_shape``; H100, "v29": 28672x8192 1.18x cuBLAS at 128 tokens against 0.88, 22016x4096
-    0.88 against 0.82)."""
+    0.88 against 0.82). Past 256 tokens, all-2:4 weights take WS_WIDE_NT-token tiles (one tile row, two warpgroups:
+    128 x 256 outputs a block) on tall weights and from WS_WIDE_FROM tokens on the others, where the H100 sweep of
+    "v31" found them fastest (22016x4096 at 2048 tokens 0.62x cuBLAS against 0.52 with 128-token tiles; 4096x11008
+    at 512 0.32 against 0.41)."""
     if 64 < n <= 128:
         return 128 if m >= WG_MIN_M and not hybrid else 64
+    if n > 256 and not hybrid and (m >= WG_MIN_M or n >= WS_WIDE_FROM):
+        return WS_WIDE_NT
     return wg_tokens(n)
 
 
@@ -234,11 +244,12 @@ def ws_shape(m: int, k: int, nt: int, n: int = 0, hybrid: bool = False) -> tuple
     """(tile rows per warpgroup, consumer warpgroups, ring depth) of sp24_ws's default plan, from the H100
     sweeps (docs/kernels-notes.md "v18 outcome"): two warpgroups on tall or K-deep weights, one elsewhere
     (12288x4096: 1.21 against 1.14 at 16 tokens); two tile rows each on tall weights up to 32 tokens a
-    tile, and at one 128-token tile for 65 to 128 tokens (``ws_tokens``), else one; a ring of 6 up to 32
-    tokens, 3 from 64 (deeper measured slower there)."""
+    tile, and at one 128-token tile for 65 to 128 tokens (``ws_tokens``), else one; two warpgroups at the prefill
+    tile too (12288x4096 0.59x cuBLAS at 2048 tokens, "v31"); a ring of 6 up to 32 tokens, 3 from 64 (deeper
+    measured slower there; at the prefill tile 4 stages took 1123 us against 3's 859 on 22016x4096)."""
     tall = m >= WG_MIN_M
     r = 2 if tall and (nt <= 32 or (nt == 128 and 64 < n <= 128 and not hybrid)) else 1
-    wg = 2 if (tall or k >= WG_DEEP_K) and m > 64 * r else 1
+    wg = 2 if (tall or k >= WG_DEEP_K or nt == WS_WIDE_NT) and m > 64 * r else 1
     return r, wg, WS_STAGES_FEW if nt <= 32 else WS_STAGES_MANY
 
 

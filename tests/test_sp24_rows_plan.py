@@ -55,9 +55,9 @@ def test_a_forced_plan_too_big_for_shared_memory_is_one_clear_error():
 
 @pytest.mark.parametrize("m,k,n,kernel", [
     (22016, 4096, 1, "rows"), (22016, 4096, 15, "rows"), (22016, 4096, 16, "ws"), (22016, 4096, 64, "ws"),
-    (22016, 4096, 256, "ws"), (22016, 4096, 257, "rows"),
+    (22016, 4096, 256, "ws"), (22016, 4096, 257, "ws"), (22016, 4096, 4096, "ws"),   # prefill too ("v31")
     (28672, 8192, 1, "wg"), (28672, 8192, 16, "wg"), (28672, 8192, 17, "ws"), (28672, 8192, 256, "ws"),
-    (28672, 8192, 512, "rows"),
+    (28672, 8192, 512, "ws"), (4096, 11008, 2048, "ws"), (12288, 4096, 512, "ws"), (4096, 4096, 2048, "rows"),
     (8192, 28672, 1, "rows"), (8192, 28672, 8, "rows"), (8192, 28672, 16, "ws"),
     (4096, 11008, 1, "wg"), (4096, 11008, 4, "wg"), (4096, 11008, 5, "rows"), (4096, 14336, 2, "wg"),
     (4096, 4096, 1, "warps"), (5120, 13824, 1, "rows"), (8192, 28672, 128, "ws"), (4096, 11008, 64, "ws"),
@@ -101,17 +101,19 @@ def test_a_forced_wg_plan_too_big_is_one_clear_error():
 @pytest.mark.parametrize("m,gk,n,splits", [
     (22016, 64, 32, 1), (22016, 64, 64, 1), (22016, 64, 128, 1), (28672, 128, 100, 1),   # tall: no K split
     (8192, 448, 16, 2), (8192, 448, 64, 4), (4096, 172, 32, 4), (4096, 172, 64, 4),     # the H100 sweep's picks
-    (12288, 64, 32, 1), (64, 4, 9, 1), (200, 3, 300, 1),
+    (12288, 64, 32, 1), (64, 4, 9, 1), (200, 3, 300, 1), (22016, 64, 512, 1), (12288, 64, 2048, 1),
+    (4096, 172, 2048, 1), (4096, 172, 512, 2),
 ])
 def test_every_ws_plan_fits_covers_n_and_splits_as_measured(m, gk, n, splits):
     from sparsekit.kernels.sp24_ws import smem_bytes
 
     p, r, wg, ks = sp24_plan.wg_plan(m, gk, n, specialized=True)
     assert ks == 1 and p.r == r * wg and p.ks == splits
-    assert wg == (2 if (m >= 16384 or gk * 64 >= 8192) and m > 64 * r else 1)   # one warpgroup on 12288x4096
+    wide = n > 256 and (m >= 16384 or n >= 1024)                # prefill: 256-token tiles, one row each
+    assert wg == (2 if (m >= 16384 or gk * 64 >= 8192 or wide) and m > 64 * r else 1)   # one on 12288x4096 ...
     assert p.dyn == smem_bytes(p.nt, p.stages, r, wg) <= sp24_plan.WG_SMEM_MAX
     tall128 = m >= 16384 and 64 < n <= 128                      # tall weights: one 128-token tile, 2 x 2 rows
-    assert (p.nt, r, wg) == (128, 2, 2) if tall128 else r * p.nt < 256
+    assert (p.nt, r, wg) == (128, 2, 2) if tall128 else (p.nt, r) == (256, 1) if wide else r * p.nt < 256
     assert (p.chunks - 1) * p.nt < n <= p.chunks * p.nt
     assert p.rb * p.r * 64 >= m > (p.rb - 1) * p.r * 64
     assert p.blocks == p.tiles * p.ks and (p.ks - 1) * p.per < gk <= p.ks * p.per
@@ -137,3 +139,15 @@ def test_tall_weights_take_one_128_token_tile_of_two_by_two_rows_from_65_tokens(
     assert sp24_plan.wg_plan(4096, 172, 128, specialized=True)[0].nt == 64          # not tall: two chunks of 64
     assert sp24_plan.wg_plan(22016, 64, 128, specialized=True, hybrid=True)[1] == 1  # dense tiles: one row each
     assert sp24_plan.wg_plan(22016, 64, 200, specialized=True)[1] == 1               # two chunks: one row each
+
+
+def test_prefill_takes_256_token_tiles_on_tall_weights_and_from_1024_tokens_elsewhere():
+    """sp24_ws past 256 tokens (H100, docs/kernels-notes.md "v31"): 128 x 256 outputs a block, a ring of 3, where
+    they measured fastest; 128-token tiles below 1024 tokens on weights that are not tall, and for dense tiles."""
+    p, r, wg, _ = sp24_plan.wg_plan(22016, 64, 2048, specialized=True)
+    assert (p.nt, r, wg, p.stages, p.chunks) == (256, 1, 2, 3, 8)
+    assert sp24_plan.wg_plan(22016, 64, 257, specialized=True)[0].nt == 256
+    assert sp24_plan.wg_plan(12288, 64, 2048, specialized=True)[2] == 2               # ... two warpgroups there
+    assert sp24_plan.wg_plan(4096, 172, 512, specialized=True)[0].nt == 128          # not tall, below 1024
+    assert sp24_plan.wg_plan(4096, 172, 1024, specialized=True)[0].nt == 256
+    assert sp24_plan.wg_plan(22016, 64, 2048, specialized=True, hybrid=True)[0].nt == 128   # dense tiles
