@@ -110,7 +110,7 @@ def test_every_ws_plan_fits_covers_n_and_splits_as_measured(m, gk, n, splits):
     p, r, wg, ks = sp24_plan.wg_plan(m, gk, n, specialized=True)
     assert ks == 1 and p.r == r * wg and p.ks == splits
     wide = n > 256 and (m >= 16384 or n >= 1024)                # prefill: 256-token tiles, one row each
-    assert wg == (2 if (m >= 16384 or gk * 64 >= 8192 or wide) and m > 64 * r else 1)   # one on 12288x4096 ...
+    assert wg == (2 if (m >= 16384 or gk * 64 >= 8192 or n > 256) and m > 64 * r else 1)   # one on 12288x4096 ...
     assert p.dyn == smem_bytes(p.nt, p.stages, r, wg) <= sp24_plan.WG_SMEM_MAX
     tall128 = m >= 16384 and 64 < n <= 128                      # tall weights: one 128-token tile, 2 x 2 rows
     assert (p.nt, r, wg) == (128, 2, 2) if tall128 else (p.nt, r) == (256, 1) if wide else r * p.nt < 256
@@ -147,7 +147,8 @@ def test_prefill_takes_256_token_tiles_on_tall_weights_and_from_1024_tokens_else
     p, r, wg, _ = sp24_plan.wg_plan(22016, 64, 2048, specialized=True)
     assert (p.nt, r, wg, p.stages, p.chunks) == (256, 1, 2, 3, 8)
     assert sp24_plan.wg_plan(22016, 64, 257, specialized=True)[0].nt == 256
-    assert sp24_plan.wg_plan(12288, 64, 2048, specialized=True)[2] == 2               # ... two warpgroups there
+    assert sp24_plan.wg_plan(12288, 64, 2048, specialized=True)[2] == 2               # ... two warpgroups past 256
+    assert sp24_plan.wg_plan(12288, 64, 512, specialized=True)[2] == 2
     assert sp24_plan.wg_plan(4096, 172, 512, specialized=True)[0].nt == 128          # not tall, below 1024
     assert sp24_plan.wg_plan(4096, 172, 1024, specialized=True)[0].nt == 256
     assert sp24_plan.wg_plan(22016, 64, 2048, specialized=True, hybrid=True)[0].nt == 128   # dense tiles
