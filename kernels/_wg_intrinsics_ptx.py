@@ -34,6 +34,8 @@ offset is the step along N, D in ``mma``'s per-warp C layout for each 8-token bl
   m64nNk16 with both operands in shared memory (A at descriptor ``a_q``, K-major 8x8 core matrices as B's;
   B at ``b_q``): one 64x64 dense tile against 64 K of B, with no A registers to guard (spmm_pf).
 - ``wg_bar(scr, tid)``: the warpgroup's 128 threads meet (``bar.sync`` on named barrier 1 + warpgroup).
+- ``regs_inc232()``, ``regs_dec40()``, ``regs_inc168()``, ``regs_dec168()``: ``setmaxnreg`` (the warpgroup's
+  registers a thread raised or lowered to that count; every thread of the warpgroup runs it).
 - ``wg_commit()``: ``wgmma.commit_group`` (the products issued since the last one form a group).
 - ``wg_wait0(acc)``: ``wgmma.wait_group 0`` (every product group done), returning ``acc`` through the
   wait so that nothing reads it earlier. (Products with A in registers must wait for this one: ptxas
@@ -43,6 +45,11 @@ offset is the step along N, D in ``mma``'s per-warp C layout for each 8-token bl
   are all in shared memory (``wg_mmss``), where no register of an earlier group can be overwritten.
 - ``wg_hold(acc)``: no instruction; ``acc`` passes through an empty asm statement (a second tuple
   waited for by the same ``wg_wait*``).
+- ``wg_keep(a, m0, m1, guard)``: a product's 8 A registers and two metadata words read by a store that never
+  runs (predicated on ``guard`` being all ones, which ptxas cannot rule out; an empty asm statement reaches ptxas
+  as nothing, and a definition would make it serialize the products), so they stay live and ptxas gives nothing
+  else their registers until that point: placed after the ``wg_wait1`` that retires their
+  group, it lets the next group's operands load while it runs (sp24_ws's pipelined turns).
 """
 from __future__ import annotations
 
@@ -55,8 +62,8 @@ from ._intrinsics_ptx import _asm_fn2, _asm_stmt, _asm_tuple
 from .common import STRIP_LUT
 from .compat_numba import cuda_typing
 
-__all__ = ["lds_a8", "strip_a16", "wscan", "wsync", "wg_bar", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_mmss",
-           "wg_wait0", "wg_wait1", "wshfl_idx"]
+__all__ = ["lds_a8", "regs_dec40", "regs_dec168", "regs_inc168", "regs_inc232", "strip_a16", "wscan", "wsync", "wg_bar",
+           "wg_commit", "wg_hold", "wg_keep", "wg_mma2", "wg_mmad", "wg_mmss", "wg_wait0", "wg_wait1", "wshfl_idx"]
 
 types, _ = cuda_typing()
 _i32, _i64, _f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -228,6 +235,33 @@ def wg_bar(scr, tid):
     _bar_wg(np.uint32(1 + (tid >> 7)), np.uint32(128))
 
 
+@intrinsic
+def _keep(typingctx, a, m0, m1, guard):
+    u = types.uint32
+    sig = types.void(types.UniTuple(u, 8), u, u, u)
+    # a store that never runs (``guard`` is never all ones) but that ptxas cannot drop: it reads the registers
+    text = ("{\n.reg .pred p;\n.reg .u32 z;\nmov.u32 z, 0;\nsetp.eq.u32 p, $10, 0xffffffff;\n"
+            "@p st.shared.v4.b32 [z], {$0,$1,$2,$3};\n@p st.shared.v4.b32 [z+16], {$4,$5,$6,$7};\n"
+            "@p st.shared.v2.b32 [z+32], {$8,$9};\n}")
+
+    def codegen(context, builder, sig, args):
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(32)] * 11)
+        ins = [builder.extract_value(args[0], i) for i in range(8)] + [args[1], args[2], args[3]]
+        builder.call(ir.InlineAsm(fnty, text, ",".join(["r"] * 11) + ",~{memory}", side_effect=True), ins)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@cuda.jit(device=True, inline=True)
+def wg_keep(a, m0, m1, guard):
+    _keep(a, np.uint32(m0), np.uint32(m1), np.uint32(guard))
+
+
+regs_inc232 = _asm_stmt("setmaxnreg.inc.sync.aligned.u32 232;")
+regs_dec40 = _asm_stmt("setmaxnreg.dec.sync.aligned.u32 40;")
+regs_inc168 = _asm_stmt("setmaxnreg.inc.sync.aligned.u32 168;")
+regs_dec168 = _asm_stmt("setmaxnreg.dec.sync.aligned.u32 168;")
 wg_commit = _asm_stmt("wgmma.commit_group.sync.aligned;")
 wg_wait0 = _tied("wgmma.wait_group.sync.aligned 0;")
 wg_wait1 = _tied("wgmma.wait_group.sync.aligned 1;")

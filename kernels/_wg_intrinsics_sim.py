@@ -19,8 +19,8 @@ from ._intrinsics_sim import _SMEM_BASE, _soff
 from .common import STRIP_LUT
 from .compat_numba import sim_kernel
 
-__all__ = ["lds_a8", "strip_a16", "wscan", "wsync", "wg_bar", "wg_commit", "wg_hold", "wg_mma2", "wg_mmad", "wg_mmss",
-           "wg_wait0", "wg_wait1", "wshfl_idx"]
+__all__ = ["lds_a8", "regs_dec40", "regs_dec168", "regs_inc168", "regs_inc232", "strip_a16", "wscan", "wsync", "wg_bar",
+           "wg_commit", "wg_hold", "wg_keep", "wg_mma2", "wg_mmad", "wg_mmss", "wg_wait0", "wg_wait1", "wshfl_idx"]
 
 _W = 16   # scratch words per thread: 8 A registers and 2 metadata words (wg_mma2) or 16 A registers
           # (wg_mmad); one stride for both, as two warpgroups of a block may run one of each at once
@@ -239,3 +239,14 @@ def wg_wait0(acc):
 
 wg_hold = wg_wait0
 wg_wait1 = wg_wait0
+
+
+def wg_keep(a, m0, m1, guard):
+    """Registers kept live (the simulator has none to guard)."""
+
+
+def _regs():
+    """setmaxnreg: the simulator has no register file."""
+
+
+regs_inc232 = regs_dec40 = regs_inc168 = regs_dec168 = _regs

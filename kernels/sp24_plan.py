@@ -245,8 +245,9 @@ def ws_shape(m: int, k: int, nt: int, n: int = 0, hybrid: bool = False) -> tuple
     sweeps (docs/kernels-notes.md "v18 outcome"): two warpgroups on tall or K-deep weights, one elsewhere
     (12288x4096: 1.21 against 1.14 at 16 tokens); two tile rows each on tall weights up to 32 tokens a
     tile, and at one 128-token tile for 65 to 128 tokens (``ws_tokens``), else one; two warpgroups past 256 tokens too
-    (12288x4096 0.49 / 0.59x cuBLAS at 512 / 2048 tokens against 0.43 / 0.56 with one, "v31"); a ring of 6 up to 32 tokens, 3 from 64 (deeper
-    measured slower there; at the prefill tile 4 stages took 1123 us against 3's 859 on 22016x4096)."""
+    (12288x4096 0.49 / 0.59x cuBLAS at 512 / 2048 tokens against 0.43 / 0.56 with one, "v31"); a ring of 6 up to
+    32 tokens, 3 from 64 (deeper measured slower there; at the prefill tile 4 stages took 1123 us against 3's 859
+    on 22016x4096)."""
     tall = m >= WG_MIN_M
     r = 2 if tall and (nt <= 32 or (nt == 128 and 64 < n <= 128 and not hybrid)) else 1
     wg = 2 if (tall or k >= WG_DEEP_K or n > 256) and m > 64 * r else 1

@@ -32,7 +32,8 @@ from .common import quarter_regs
 from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, clock32, cluster_sync, gtimer32,
                           mbar_arrive, mbar_arrive_remote, mbar_expect, mbar_init, mbar_wait)
 from ._warp_intrinsics import byte_addr
-from ._wg_intrinsics import lds_a8, wg_commit, wg_hold, wg_mmad, wg_wait0, wsync
+from ._wg_intrinsics import (lds_a8, regs_dec40, regs_dec168, regs_inc168, regs_inc232, wg_commit, wg_hold, wg_keep,
+                             wg_mma2, wg_mmad, wg_wait0, wg_wait1, wsync)
 from .block import block_row, dynamic_smem, make_tile_end, split_sharers, stamp, step_col, thread_ids
 from .sp24_wg import NTS, SLOT, make_tile_ops, x_desc
 from sparsekit.packed.sp24 import DENSE_STRIP_WORDS, DENSE_TILE_WORDS
@@ -97,12 +98,22 @@ def max_registers(nt: int, r: int, wg: int, blocks: int = 1) -> int:
 # "early_release" retires the previous step's products and frees their stage before waiting for this step's
 # copies at every tile width, "late_release" after (the default: early from 64 tokens a tile, where late was 2-7%
 # slower, late below, where early was 0-3% slower; v25); "two_blocks" caps the registers so that two blocks fit
-# an SM (no faster at 128 tokens, v25).
+# an SM (no faster at 128 tokens, v25); "pipelined" (two tile rows a warpgroup) gives each tile row's products a
+# group of their own and keeps one group running while the other row's operands load (``wg_wait1``, the operands
+# kept live by ``wg_keep`` until their group is retired), its producer a warpgroup that gives the consumers its
+# registers (``setmaxnreg``: 232 each, 40 left to it, so two tile rows of accumulators and two sets of operands
+# fit; v31).
 ABLATIONS = ("no_products", "no_copies", "no_x", "no_weights", "no_loop")
-VARIANTS = ("early_release", "late_release", "two_blocks")
+VARIANTS = ("early_release", "late_release", "two_blocks", "pipelined")
 LATE_UP_TO = 32      # tokens a tile up to which a step waits for its copies before it releases the last stage
 STAMPS = "stamps"     # the whole kernel writing time stamps into ``ws`` (no K split; ``sp24_ws_probe.ws_stamps``)
 probe_build: list = [None]
+
+
+def block_threads(wg: int) -> int:
+    """Threads of a block of ``wg`` consumer warpgroups: one producer warp more, or a producer warpgroup in the
+    "pipelined" build (``setmaxnreg`` moves registers a warpgroup at a time)."""
+    return 32 * (4 * wg + (4 if probe_build[0] == "pipelined" else 1))
 
 
 def get_kernel(nt: int, stages: int, r: int = 2, wg: int = 2, hybrid: bool = False, cluster: int = 1):
@@ -121,6 +132,8 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
     assert NT in NTS and 2 <= STAGES <= 8 and R in (1, 2) and WG in (1, 2) and not (HY and R != 1)
     assert CL in (1, 2, 4) and (AB is None or (AB in ABLATIONS + VARIANTS + (STAMPS,) and not HY and CL == 1))
     STAMP = AB == STAMPS
+    PIPE = AB == "pipelined"
+    assert not PIPE or R == 2, "the pipelined turns take two tile rows a warpgroup"
     NO_PRODUCTS, NO_COPIES, NO_LOOP = AB == "no_products", AB == "no_copies", AB == "no_loop"
     X_BYTES_IN, W_TILES_IN = AB != "no_x", AB != "no_weights"
     # wait for the step's copies before retiring the previous products (rings of 6 up to 32 tokens a tile), or
@@ -128,7 +141,9 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
     LATE = AB in ("late_release", "no_products") or (NT <= LATE_UP_TO and AB != "early_release")
     REGS = max_registers(NT, R, WG, 2 if AB == "two_blocks" else 1)
     CW = 4 * WG                           # consumer warps; the producer is warp CW
-    THREADS = 32 * (CW + 1)
+    THREADS = 32 * (CW + (4 if PIPE else 1))   # (pipelined: a producer warpgroup, for setmaxnreg)
+    if PIPE:
+        REGS = quarter_regs(CW + 4)       # 168 at launch; the consumers take 232 and the producers keep 40
     NACC = NT // 2
     XBYTES = NT * 128
     STAGE = stage_bytes(NT, R, WG, HY)
@@ -141,6 +156,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
     _, strip_offsets, operands, products, acc_store, block_piece = make_tile_ops(NT, R, WG)
     ZERO = (np.float32(0.0),) * NACC
     u32 = np.uint32
+    ZA = ((u32(0),) * 8, u32(0), u32(0))
 
     @cuda.jit(device=True, inline="always")
     def produce(d64, sp, dn, tiles, xs, kinds, full, empty, chunk, tr0, nr, rot, nst, k0, GK, xempty, rank, ws, sb0,
@@ -220,15 +236,42 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
         st = STAMP and tid == 0                              # (the consumers' stamps: warp 0, lane 0)
         acc0 = ZERO
         acc1 = ZERO
-        if warp == CW:
-            if lane == 0 and not (NO_COPIES or NO_LOOP):
+        if warp == CW or (PIPE and warp > CW):
+            if PIPE:                                         # registers move from the producer warpgroup to the
+                regs_dec40()                                 # consumers: 8 x 232 + 4 x 40 = 12 x 168, the launch's
+            if (not PIPE or warp == CW) and lane == 0 and not (NO_COPIES or NO_LOOP):
                 produce(d64, sp, dn, tiles, xs, kinds, full, empty, chunk, tr0, nr, rot, nst, k0, GK, xempty, rank,
                         ws, sb0, t0)
+            if PIPE:
+                wsync(scr, tid)                              # (setmaxnreg is warp-aligned)
+                regs_inc168()                                # back to the launch's count for the end
         else:
+            if PIPE:
+                regs_inc232()
             # hybrid (R = 1): warpgroup wg's tile sits at slot wg, 2:4 strips SLOT apart, dense ones DENSE_STRIP
             aoff, moff, moff1 = strip_offsets(XBYTES + (wg * (TB - 4 * SLOT) if HY else 0), wg, wwarp, lane)
             doff = u32(XBYTES + wg * TB + wwarp * DENSE_STRIP + lane * 16)
-            for i in range(0 if NO_LOOP else nst):
+            a0, m0, m0b = ZA
+            a1, m1, m1b = ZA
+            for i in range(nst if PIPE else 0):          # (variant "pipelined": the tile rows take turns)
+                s = i % STAGES
+                mbar_wait(full, s, (i // STAGES) & 1)
+                sb = ring + u32(s * STAGE)
+                xd = x_desc(sb)
+                xd1 = x_desc(sb + u32(512))
+                acc0 = wg_wait1(acc0)                    # row 0 of step i-1 done (its row 1 may still run) ...
+                wg_keep(a0, m0, m0b, M)                  # ... so only now may its operands' registers be reused
+                a0, m0, m0b = operands(d64, d32, sb, aoff, moff, moff1)
+                acc0 = wg_mma2(scr, tid, a0, m0, m0b, xd, xd1, acc0)
+                wg_commit()
+                acc1 = wg_wait1(acc1)                    # row 1 of step i-1 done: step i-1's stage is free
+                wg_keep(a1, m1, m1b, M)
+                if i > 0 and lane == 0:
+                    mbar_arrive(empty, (i - 1) % STAGES)
+                a1, m1, m1b = operands(d64, d32, sb + u32(4 * SLOT), aoff, moff, moff1)
+                acc1 = wg_mma2(scr, tid, a1, m1, m1b, xd, xd1, acc1)
+                wg_commit()
+            for i in range(0 if NO_LOOP or PIPE else nst):
                 s = i % STAGES
                 if st:
                     stamp(ws, sb0 + i * 8, t0)               # (probe: the step begins)
@@ -271,6 +314,8 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
             acc0 = wg_wait0(acc0)
             if R == 2:
                 acc1 = wg_hold(acc1)
+            if PIPE:
+                regs_dec168()
         cuda.syncthreads()                                   # every copy consumed: the ring is free
         if warp < CW:
             acc_store(df, acc0, acc1, wg, wwarp, g, t)

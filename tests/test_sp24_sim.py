@@ -263,6 +263,22 @@ def test_ws_probe_builds_ablations_variants_and_only_inside_the_block():
 
 
 @pytest.mark.warpgroup_sim
+def test_ws_pipelined_build_computes_the_product():
+    """sp24_ws's "pipelined" build (two tile rows a warpgroup taking turns, one product group kept running while
+    the other row's operands load, a producer warpgroup handing its registers over): the product of the default,
+    with a 2- and a 3-stage ring (every stage refilled through its release) and a last block of one tile row."""
+    from sparsekit.kernels.sp24_ws_probe import built_as
+
+    g = torch.Generator().manual_seed(7)
+    w = _weight(192, 256, "2:4", g)
+    x = torch.randn(3, 256, generator=g).half()
+    lay = sp24.transcode(w)
+    with built_as("pipelined"):
+        for stages in (2, 3):
+            assert _rel_err(lay, w, x, kernel="ws", groups=1, strips=2, stages=stages) < 1e-3
+
+
+@pytest.mark.warpgroup_sim
 def test_ws_stamps_build_computes_the_product_and_stamps_every_step_in_order():
     """The time-stamped sp24_ws (``sp24_ws_probe.ws_stamps``, a diagnostic): the product as the shipped kernel
     computes it; per block and step the consumer's stamps in the order of its step (an 8-token tile releases

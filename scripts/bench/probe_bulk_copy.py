@@ -92,13 +92,13 @@ def main() -> int:
                                 print(f"FAIL step {step} pieces {pieces} share {share} cluster {cl}: a step did not "
                                       "land", file=sys.stderr)
                                 return 1
-                            t, mode = time_calls([lambda: bulk_stream(used, blocks, step, stages, pieces, hold, cluster=cl,
-                                                                   split=args.split, **tk, **kw)])
+                            t, mode = time_calls([lambda: bulk_stream(used, blocks, step, stages, pieces, hold,
+                                                                      cluster=cl, split=args.split, **tk, **kw)])
                             landed = blocks * nstep * step * args.laps
                             read = blocks * nstep * args.laps * (own + args.shared / cl)
-                            print(f"| {step} | {args.shared} | {share} / {cl} | {pieces} | {stages} | {per} | {hold} | {where_map} | "
-                                  f"{landed / t / 1e6:.2f} | {read / t / 1e6:.2f} | {int((on_sm > 0).sum())}, "
-                                  f"{int(on_sm.max())} | {mode} |", flush=True)
+                            print(f"| {step} | {args.shared} | {share} / {cl} | {pieces} | {stages} | {per} | {hold} | "
+                                  f"{where_map} | {landed / t / 1e6:.2f} | {read / t / 1e6:.2f} | "
+                                  f"{int((on_sm > 0).sum())}, {int(on_sm.max())} | {mode} |", flush=True)
     return 0
 
 
