@@ -6,7 +6,9 @@ ptxas does not protect those registers: a spmm_ws variant that decoded the next 
 the previous step's products compiled without a word, put the new A values into the registers the
 in-flight products were reading, and gave wrong results on an H100 (docs/kernels-notes.md "v20"). So
 every kernel that issues ``wgmma`` with A from registers must retire its products before those registers
-are written again, and this check reads the SASS to see that it does. Exits 1 on any hazard.
+are written again, and this check reads the SASS to see that it does. Exits 1 on any hazard. It also says
+where ptxas serialized a kernel's products (its "C75xx Potential Performance Loss" advisories: each product then
+waits for the one before; docs/kernels-notes.md "v31").
 
 Needs numba-cuda with NVVM, ``ptxas`` and ``nvdisasm`` (see ``scripts/checks/ptxas_sp24.py``)::
 
@@ -31,13 +33,18 @@ _INST = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
 _HGMMA_A = re.compile(r"^HGMMA\.\S+ R\d+, R(\d+),")
 _DEST = re.compile(r"^(?:@!?U?P[T\d]\s+)?([A-Z][A-Z0-9._]*)\s+(R\d+)\b")
 _BRANCH = re.compile(r"BRA(?:\.\S+)?\s+(?:\S+,\s*)?`\((\.L_x_\d+)\)")
+_DEPBAR_LE = re.compile(r"DEPBAR\.LE gsb0, 0x([0-9a-f]+)")
+_SERIALIZED = re.compile(r"\((C75\d\d)\) Potential Performance Loss: wgmma\.mma_async instructions are serialized due to "
+                         r"([a-z -]+?)(?: (?:in|for) the function|$)", re.M)
 _NO_DEST = ("ST", "BRA", "ISETP", "FSETP", "SYNCS", "WARPGROUP", "BSYNC", "BSSY", "HGMMA", "RED", "ATOM", "BAR")
 
 
 def a_register_hazards(sass: str, window: int = 600) -> list[tuple[str, str]]:
     """``(hgmma, instruction)`` pairs: an instruction that writes one of the four A registers of an
-    ``HGMMA`` (register form) after it and before the next ``WARPGROUP.DEPBAR``, following the code in
-    order and at most one backward branch (the step loop's)."""
+    ``HGMMA`` (register form) after it and before the ``WARPGROUP.DEPBAR`` that retires its group, following
+    the code in order and at most one backward branch (the step loop's). A group ends at the first ``HGMMA``
+    marked ``gsb0`` from this one on; ``DEPBAR.LE gsb0, 0xN`` retires it once N or more groups were closed
+    after it (a pipelined kernel keeps the newest N running)."""
     insts: list[str] = []
     labels: dict[str, int] = {}
     for line in sass.splitlines():
@@ -54,12 +61,20 @@ def a_register_hazards(sass: str, window: int = 600) -> list[tuple[str, str]]:
         if not m:
             continue
         regs = {f"R{int(m.group(1)) + k}" for k in range(4)}
+        closed = "gsb0" in ins                    # its group ends here, or at a later HGMMA marked gsb0
+        newer = 0                                 # groups closed after it
         j, hops, steps = i + 1, 0, 0
         while j < len(insts) and steps < window:
             t = insts[j]
             steps += 1
+            if t.startswith("HGMMA") and "gsb0" in t:
+                if closed:
+                    newer += 1
+                closed = True
             if t.startswith("WARPGROUP.DEPBAR"):
-                break
+                keep = _DEPBAR_LE.search(t)
+                if closed and newer >= (int(keep.group(1), 16) if keep else 0):
+                    break
             d = _DEST.match(t)
             if d and not d.group(1).startswith(_NO_DEST) and d.group(2) in regs:
                 found.append((ins, t))
@@ -86,9 +101,17 @@ def _variants():
         regs = spmm_ws_plan.max_registers(nt, 2)
         yield (f"spmm_ws alt nt={nt} stages={st} regs={regs}", spmm_ws.get_kernel(nt, st, 2, regs=regs, alt=True),
                (a64, a64, a32, a64, a16, af, a32) + (i64,) * 6, regs)
-    for nt, st, r, wg, hy in [(16, 6, 2, 2, False), (32, 6, 1, 2, False), (64, 3, 1, 2, False), (64, 3, 1, 2, True)]:
+    for nt, st, r, wg, hy in [(16, 6, 2, 2, False), (32, 6, 1, 2, False), (64, 3, 1, 2, False), (64, 3, 1, 2, True),
+                              (128, 3, 2, 2, False), (256, 3, 1, 2, False)]:
         yield (f"sp24_ws nt={nt} stages={st} r={r} wg={wg} hybrid={hy}", sp24_ws.get_kernel(nt, st, r, wg, hy),
                (a64, a64, a32, a64, a16, af, a32) + (i64,) * 5, sp24_ws.max_registers(nt, r, wg))
+    from sparsekit.kernels.sp24_ws_probe import built_as
+
+    for nt, st in [(128, 3), (128, 4), (64, 4)]:                # the two tile rows taking turns (v31)
+        with built_as("pipelined"):
+            kern = sp24_ws.get_kernel(nt, st, 2, 2)
+        yield (f"sp24_ws pipelined nt={nt} stages={st} r=2 wg=2", kern, (a64, a64, a32, a64, a16, af, a32) + (i64,) * 5,
+               168)
     for nt, st, r, wg in [(8, 4, 1, 1), (16, 4, 2, 2), (64, 4, 1, 2)]:
         yield (f"sp24_wg nt={nt} stages={st} r={r} wg={wg}", sp24_wg.get_kernel(nt, st, r, wg),
                (a32, a32, a16, af, a32) + (i64,) * 6, 232 if r * nt >= 128 else 168)
@@ -111,8 +134,8 @@ def main() -> int:
     out = Path(args.keep or tempfile.mkdtemp())
     out.mkdir(parents=True, exist_ok=True)
     bad = 0
-    print("| kernel | registers | spills | HGMMA | A-register hazards |")
-    print("|---|---|---|---|---|")
+    print("| kernel | registers | spills | HGMMA | products serialized by ptxas | A-register hazards |")
+    print("|---|---|---|---|---|---|")
     for k, (name, kern, sig, regs) in enumerate(_variants()):
         ptx, _ = cuda.compile_ptx(kern.py_func, sig, cc=(9, 0))
         ptx = re.sub(r"^\.target sm_90\b", ".target sm_90a", ptx, flags=re.M)
@@ -133,8 +156,10 @@ def main() -> int:
         spill = re.search(r"(\d+) bytes spill stores", res.stderr)
         hz = a_register_hazards(sass)
         bad += bool(hz)
+        ser = _SERIALIZED.search(res.stderr)
         print(f"| {name} | {used.group(1) if used else '?'} | {spill.group(1) if spill else '?'} | "
-              f"{sass.count('HGMMA')} | {len(hz)}{' (first: ' + hz[0][1] + ')' if hz else ''} |", flush=True)
+              f"{sass.count('HGMMA')} | {ser.group(1) + ': ' + ser.group(2).strip() if ser else 'no'} | "
+              f"{len(hz)}{' (first: ' + hz[0][1] + ')' if hz else ''} |", flush=True)
     print(f"files in {out}", file=sys.stderr)
     return 1 if bad else 0
 
