@@ -117,7 +117,8 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
         dn, sp = _buffers(layout)
         tensors = (sp.view(torch.int64), dn.view(torch.int64), layout.tiles, sp24_ws.slabs_or_make(x, p.nt, slabs),
                    y, ws, cnt)
-        kern, threads = sp24_ws.get_kernel(p.nt, p.stages, r, wg, hybrid, cluster), sp24_ws.block_threads(wg)
+        kern = sp24_ws.get_kernel(p.nt, p.stages, r, wg, hybrid, cluster)
+        threads = sp24_ws.block_threads(wg, r, hybrid, cluster)
         scalars = (m, n, gk, p.chunks, p.per)
     else:             # every tile is 2:4: tile t is slot t of ``sp``, no map
         tensors = (layout.sp, x.reshape(-1).view(torch.int32), y, ws, cnt)

@@ -110,10 +110,17 @@ STAMPS = "stamps"     # the whole kernel writing time stamps into ``ws`` (no K s
 probe_build: list = [None]
 
 
-def block_threads(wg: int) -> int:
+def _build_for(r: int, hybrid: bool, cluster: int) -> str | None:
+    """The probe build a plan gets inside ``built_as``: "pipelined" only where it applies (two tile rows a
+    warpgroup, all-2:4, no cluster); other plans run the default build."""
+    ab = probe_build[0]
+    return None if ab == "pipelined" and (r != 2 or hybrid or cluster > 1) else ab
+
+
+def block_threads(wg: int, r: int = 2, hybrid: bool = False, cluster: int = 1) -> int:
     """Threads of a block of ``wg`` consumer warpgroups: one producer warp more, or a producer warpgroup in the
     "pipelined" build (``setmaxnreg`` moves registers a warpgroup at a time)."""
-    return 32 * (4 * wg + (4 if probe_build[0] == "pipelined" else 1))
+    return 32 * (4 * wg + (4 if _build_for(r, hybrid, cluster) == "pipelined" else 1))
 
 
 def get_kernel(nt: int, stages: int, r: int = 2, wg: int = 2, hybrid: bool = False, cluster: int = 1):
@@ -121,7 +128,7 @@ def get_kernel(nt: int, stages: int, r: int = 2, wg: int = 2, hybrid: bool = Fal
     per warpgroup (1, 2) and ``wg`` consumer warpgroups (1, 2). ``hybrid``: tiles may be dense too (one
     tile row per warpgroup). ``cluster`` (2, 4): thread-block clusters of blocks on neighbouring tile rows whose
     leader multicasts each X slab into all of them (spmm_ws's protocol, docs/kernels-notes.md "v22")."""
-    ab = probe_build[0]
+    ab = _build_for(r, hybrid, cluster)
     key = (nt, stages, r, wg, hybrid) + ((cluster,) if cluster > 1 else ()) + ((ab,) if ab else ())
     if key not in _KERNELS:
         _KERNELS[key] = kcache.tag(_build(nt, stages, r, wg, hybrid, cluster, ab), "sp24_ws", key)

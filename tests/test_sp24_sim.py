@@ -276,6 +276,7 @@ def test_ws_pipelined_build_computes_the_product():
     with built_as("pipelined"):
         for stages in (2, 3):
             assert _rel_err(lay, w, x, kernel="ws", groups=1, strips=2, stages=stages) < 1e-3
+        assert _rel_err(lay, w, x, kernel="ws", groups=1, strips=1, stages=2) < 1e-3   # one row: the default build
 
 
 @pytest.mark.warpgroup_sim

@@ -45,6 +45,7 @@ FORCED_WG = [dict(tokens=t, groups=g, strips=r) for t in (8, 32, 128) for g in (
 FORCED_CLUSTER = [dict(cluster=2), dict(cluster=4, tokens=64), dict(cluster=2, groups=1, strips=1)]
 SWEEP_ROWS = [dict(splits=s) for s in (1, 2, 3, 4, 6, 8)] + [dict(strips=2, splits=s) for s in (1, 2, 4)] + \
     [dict(tokens=t) for t in (8, 16, 32)] + [dict(stages=s) for s in (2, 3, 4, 6)]
+WS_PLAN: dict = {}   # --ws-plan: the ws column's forced plan
 # NUMBA_ENABLE_CUDASIM=1 (a dry run of the checks on CPU tensors, tiny shapes only: --check-shapes)
 DEV = "cpu" if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else "cuda"
 
@@ -191,7 +192,8 @@ def bench(shapes, ns, hybrids, kernels=("auto", "rows", "warps"), sweep: bool = 
                     print(f"cuSPARSELt {m}x{k} N={n}: n/a ({type(e).__name__}: {str(e)[:120]})")
             row = f"| {m}x{k} | {n} | {t_cublas:.1f} | {t_semi:.1f} | {t_cublas / t_semi:.2f}"
             for kn in kernels:
-                t_sp, _ = time_calls([lambda lay=lay: sp24_matmul(x, lay, kernel=kn) for lay in lays])
+                plan = WS_PLAN if kn == "ws" else {}
+                t_sp, _ = time_calls([lambda lay=lay: sp24_matmul(x, lay, kernel=kn, **plan) for lay in lays])
                 row += f" | {t_sp:.1f} | {t_cublas / t_sp:.2f}"
             for lays_h in hyb:
                 t_h, _ = time_calls([lambda lay=lay: sp24_matmul(x, lay, kernel=kernels[0]) for lay in lays_h])
@@ -225,7 +227,30 @@ def main() -> int:
     ap.add_argument("--kernels", default="auto,rows,warps", help="2:4 kernels to check and time: auto, rows, warps, "
                     "wg and ws (Hopper only)")
     ap.add_argument("--sweep", action="store_true", help="also time forced sp24_rows plans (splits, tokens, stages)")
+    ap.add_argument("--build", default=None, help="sp24_ws built another way for every check and timing "
+                    "(sparsekit.kernels.sp24_ws_probe.VARIANTS, e.g. pipelined; plans it does not apply to run the "
+                    "default build)")
+    ap.add_argument("--ws-plan", default=None, help="the ws kernel's plan for the timings, e.g. "
+                    "tokens=128,strips=2,groups=2,stages=3 (default: its own)")
     args = ap.parse_args()
+    if args.build or args.ws_plan:
+        from sparsekit.kernels.sp24_ws_probe import VARIANTS, built_as
+
+        if args.build and args.build not in VARIANTS:
+            ap.error(f"--build takes one of {', '.join(VARIANTS)}, got {args.build!r}")
+        try:
+            WS_PLAN.update({k: int(v) for k, v in (kv.split("=") for kv in args.ws_plan.split(","))}
+                           if args.ws_plan else {})
+        except ValueError:
+            ap.error(f"--ws-plan takes KEY=INT[,...], got {args.ws_plan!r}")
+        if args.build:
+            with built_as(args.build):
+                print(f"sp24_ws built as {args.build!r}")
+                return _run(args)
+    return _run(args)
+
+
+def _run(args) -> int:
     print(f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'CUDA simulator'}, torch {torch.__version__}")
     if not args.bench_only:
         bad = check_mma_sp()
