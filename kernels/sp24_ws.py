@@ -124,7 +124,7 @@ def block_threads(wg: int, r: int = 2, hybrid: bool = False, cluster: int = 1) -
 
 
 def get_kernel(nt: int, stages: int, r: int = 2, wg: int = 2, hybrid: bool = False, cluster: int = 1):
-    """Kernel for ``nt`` tokens per output tile (8 .. 128), a ring of ``stages`` (2-8), ``r`` tile rows
+    """Kernel for ``nt`` tokens per output tile (8 .. 256), a ring of ``stages`` (2-8), ``r`` tile rows
     per warpgroup (1, 2) and ``wg`` consumer warpgroups (1, 2). ``hybrid``: tiles may be dense too (one
     tile row per warpgroup). ``cluster`` (2, 4): thread-block clusters of blocks on neighbouring tile rows whose
     leader multicasts each X slab into all of them (spmm_ws's protocol, docs/kernels-notes.md "v22")."""
