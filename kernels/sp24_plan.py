@@ -192,7 +192,7 @@ def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = Non
 # ---- sp24_wg (Hopper sparse warpgroup MMA: WG warpgroups x R tile rows per block, all-2:4 weights)
 WG_NTS = (8, 16, 32, 64, 128)   # tokens per output tile; more run as further chunks of the same launch
 WG_SMEM_MAX = 160 * 1024        # dynamic shared bytes per block the default plan may take (one block per SM)
-WG_SMEM_OPTIN = 200 * 1024      # the most a forced plan may take (Hopper's opt-in limit is 227 KB)
+WG_SMEM_OPTIN = 220 * 1024      # the most a forced plan may take (Hopper's opt-in limit is 227 KB)
 WG_STAGES = 4                   # ring depth (6 and 8 measured no faster on the H100, but see WG_FEW_STAGES)
 WG_MIN_M = 16384                # kernel_for: tall weights (this many rows or more) ...
 WG_DEEP_K = 8192                # ... and K-deep ones (this many columns or more)
