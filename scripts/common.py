@@ -181,6 +181,12 @@ def ints_arg(text: str | None) -> list | None:
     return [int(v) for v in text.split(",")] if text else None
 
 
+def plan_arg(text: str) -> dict:
+    """``"tokens=128,strips=2"`` -> {"tokens": 128, "strips": 2}: a kernel plan's forced numbers (ValueError if not
+    KEY=INT pairs)."""
+    return {k: int(v) for k, v in (kv.split("=") for kv in text.split(","))}
+
+
 def floats_arg(text: str | None) -> list | None:
     """``"0.5,0.7"`` -> [0.5, 0.7] (None stays None)."""
     return [float(v) for v in text.split(",")] if text else None

@@ -18,7 +18,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from scripts.common import cuda_or_exit, ints_arg, shapes_arg
+from scripts.common import cuda_or_exit, ints_arg, plan_arg, shapes_arg
 
 
 def plans_arg(text: str) -> list[dict]:
@@ -27,7 +27,7 @@ def plans_arg(text: str) -> list[dict]:
     for part in text.split(";"):
         part = part.strip()
         try:
-            out.append({} if part in ("", "own") else {k: int(v) for k, v in (kv.split("=") for kv in part.split(","))})
+            out.append({} if part in ("", "own") else plan_arg(part))
         except ValueError:
             print(f"--plans takes 'own' or KEY=INT[,...] separated by ';', got {part!r}", file=sys.stderr)
             raise SystemExit(2) from None

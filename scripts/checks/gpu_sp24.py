@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from scripts.common import copies_for, floats_arg, ints_arg, shapes_arg, time_calls
+from scripts.common import copies_for, floats_arg, ints_arg, plan_arg, shapes_arg, time_calls
 from sparsekit.kernels.sp24 import sp24_matmul
 from sparsekit.kernels.sp24_probe import c_fragment, mma_sp_once, random_operands, swap_halves
 from sparsekit.packed.sp24 import transcode
@@ -239,8 +239,7 @@ def main() -> int:
         if args.build and args.build not in VARIANTS:
             ap.error(f"--build takes one of {', '.join(VARIANTS)}, got {args.build!r}")
         try:
-            WS_PLAN.update({k: int(v) for k, v in (kv.split("=") for kv in args.ws_plan.split(","))}
-                           if args.ws_plan else {})
+            WS_PLAN.update(plan_arg(args.ws_plan) if args.ws_plan else {})
         except ValueError:
             ap.error(f"--ws-plan takes KEY=INT[,...], got {args.ws_plan!r}")
         if args.build:
