@@ -213,8 +213,9 @@ _cluster_rank = _asm_fn2("mov.u32 $0, %cluster_ctarank;", "=r,r,r", ret=True)
 _clock32 = _asm_fn2("mov.u32 $0, %clock;", "=r,r,r,~{memory}", ret=True)   # the SM's cycle counter (probes)
 _smid = _asm_fn2("mov.u32 $0, %smid;", "=r,r,r", ret=True)                   # the SM a block runs on (probes)
 _gtimer32 = _asm_fn2("{ .reg .u64 t; mov.u64 t, %globaltimer; cvt.u32.u64 $0, t; }", "=r,r,r,~{memory}", ret=True)
+# (remote arrivals .release.cta, as CUTLASS's: ".release.cluster" slowed multicast rings 1.5-2.5x; kernels-notes v33)
 _mbar_arrive_remote = _asm_fn2("{ .reg .b32 ra; mapa.shared::cluster.u32 ra, $0, $1; "
-                               "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra]; }", "r,r,~{memory}")
+                               "mbarrier.arrive.shared::cluster.b64 _, [ra]; }", "r,r,~{memory}")
 cluster_sync = _asm_stmt("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;")
 
 

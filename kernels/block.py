@@ -177,6 +177,16 @@ def make_tile_end(TILE: int, ROWS: int, THREADS: int):
     return tile_end
 
 
+def unrolled(name: str, args: str, lines: list[str]):
+    """The device function ``def name(args)`` with body ``lines``, generated: for a warp's accumulator tuple
+    stored with every index a constant. numba lowers a tuple indexed by a loop variable to a chain of compares
+    and branches on every access (~100 instructions a value), which made the tile end of sp24_ws's 128x256
+    plan 37% of its time at 2048 tokens (H100, docs/kernels-notes.md "v33")."""
+    ns: dict = {"np": np}
+    exec(f"def {name}({args}):\n" + "".join(f"    {line}\n" for line in lines), ns)
+    return _device(ns[name])
+
+
 @_device
 def split_piece(b, GK, PER, nch, NT):
     """Block ``b``'s K split ``(tt, k0, nst, rb, n0)`` = output tile, its first column, columns, row block,

@@ -34,7 +34,7 @@ from ._sp_intrinsics import cp16, cp_commit, cp_wait3, cp_wait4, cp_wait5, cp_wa
 from ._warp_intrinsics import byte_addr, lds32b
 from ._wg_intrinsics import lds_a8, wg_commit, wg_hold, wg_mma2, wg_wait0
 from .wgmma import descriptor
-from .block import dynamic_smem, make_tile_end, split_piece, split_sharers, step_col, thread_ids
+from .block import dynamic_smem, make_tile_end, split_piece, split_sharers, step_col, thread_ids, unrolled
 from sparsekit.packed.sp24 import SP_STRIP_WORDS, SP_TILE_WORDS, SP_VALUE_WORDS
 
 NTS = (8, 16, 32, 64, 128, 256)   # 256: the warp-specialized kernels' prefill tile (forced plans)
@@ -119,15 +119,14 @@ def make_tile_ops(NT: int, R: int, WG: int):
         so = base + (wg * R * 4 + wwarp) * SLOT
         return np.uint32(so + lane * 16), np.uint32(so + 1024 + lane * 4), np.uint32(so + 1024 + (lane ^ 2) * 4)
 
-    @_device
-    def acc_store(df, acc0, acc1, wg, wwarp, g, t):
-        c0 = wg * 64 * R + wwarp * 16 + g
-        for jb in range(NT // 8):
-            for oi in range(4):
-                n = 8 * jb + 2 * t + (oi & 1)
-                df[n * ROWS + c0 + 8 * (oi >> 1)] = acc0[4 * jb + oi]
-                if R == 2:
-                    df[n * ROWS + c0 + 64 + 8 * (oi >> 1)] = acc1[4 * jb + oi]
+    # acc_store: value 4 jb + oi of a tile row's accumulators is row 8 (oi >> 1) of the warp's 16 and token
+    # 8 jb + 2 t + (oi & 1), written out with constant indices (``block.unrolled``)
+    lines = [f"b = 2 * t * {ROWS} + wg * {64 * R} + wwarp * 16 + g"]
+    for jb in range(NT // 8):
+        for oi in range(4):
+            off = (8 * jb + (oi & 1)) * ROWS + 8 * (oi >> 1)
+            lines += [f"df[b + {off + 64 * r}] = acc{r}[{4 * jb + oi}]" for r in range(R)]
+    acc_store = unrolled("acc_store", "df, acc0, acc1, wg, wwarp, g, t", lines)
 
     return piece, strip_offsets, operands, products, acc_store, block_piece
 

@@ -278,28 +278,31 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
                 a1, m1, m1b = operands(d64, d32, sb + u32(4 * SLOT), aoff, moff, moff1)
                 acc1 = wg_mma2(scr, tid, a1, m1, m1b, xd, xd1, acc1)
                 wg_commit()
+            s = u32(0)                                   # step i's stage and its "full" phase, carried as
+            ph = u32(0)                                  # 32-bit counters (i % STAGES on the int64 i cost ~50
+            sprev = u32(STAGES - 1)                      # dependent instructions a step, v33)
             for i in range(0 if NO_LOOP or PIPE else nst):
-                s = i % STAGES
                 if st:
                     stamp(ws, sb0 + i * 8, t0)               # (probe: the step begins)
                 if LATE and not NO_COPIES:
-                    mbar_wait(full, s, (i // STAGES) & 1)   # step i's copies first (up to 32 tokens a tile)
+                    mbar_wait(full, s, ph)                  # step i's copies first (up to 32 tokens a tile)
                     if st:
                         stamp(ws, sb0 + i * 8 + 2, t0)       # (probe: "full")
                 if NO_PRODUCTS:                              # (ablation: the stage is released at once, once
                     wsync(scr, tid)                          # every lane of the warp has seen it land)
                     if lane == 0:
                         mbar_arrive(empty, s)
+                    s, ph = (u32(0), ph ^ u32(1)) if s == STAGES - 1 else (s + u32(1), ph)
                     continue
                 acc0 = wg_wait0(acc0)                        # step i-1's products are done ...
                 if R == 2:
                     acc1 = wg_hold(acc1)
                 if i > 0 and lane == 0 and not NO_COPIES:
-                    mbar_arrive(empty, (i - 1) % STAGES)     # ... so its stage may be refilled at once
+                    mbar_arrive(empty, sprev)                # ... so its stage may be refilled at once
                 if st:
                     stamp(ws, sb0 + i * 8 + 1, t0)           # (probe: retired and released)
                 if not (LATE or NO_COPIES):
-                    mbar_wait(full, s, (i // STAGES) & 1)   # only then: step i's copies have landed
+                    mbar_wait(full, s, ph)                  # only then: step i's copies have landed
                     if st:
                         stamp(ws, sb0 + i * 8 + 2, t0)
                 sb = ring + u32(s * STAGE)
@@ -318,6 +321,8 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
                 wg_commit()
                 if st:
                     stamp(ws, sb0 + i * 8 + 4, t0)           # (probe: the products issued)
+                sprev = s
+                s, ph = (u32(0), ph ^ u32(1)) if s == STAGES - 1 else (s + u32(1), ph)
             acc0 = wg_wait0(acc0)
             if R == 2:
                 acc1 = wg_hold(acc1)

@@ -33,7 +33,8 @@ from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, clock32, 
 from ._sp_intrinsics import sts128
 from ._warp_intrinsics import byte_addr, lds128b, sts64b
 from ._wg_intrinsics import strip_a16, wg_commit, wg_mmad, wg_wait0, wscan, wshfl_idx, wsync
-from .block import block_row, dynamic_smem, make_tile_end, split_sharers, stamp, step_col, thread_ids
+from .block import (block_row, dynamic_smem, make_tile_end, split_sharers, stamp, step_col, thread_ids,
+                    unrolled)
 from .sp24_wg import NTS, _device, make_tile_ops, x_desc
 from .spmm_ws_plan import (BITMAP_BYTES, TABLE_BYTES, WINDOW, block_warps, max_registers, slot_bytes, value_room,
                            ws_plan)
@@ -217,14 +218,10 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
     _, _, _, _, acc_store, block_piece = make_tile_ops(NT, 1, TG)
     ZERO = (np.float32(0.0),) * NACC
 
-    @cuda.jit(device=True, inline="always")
-    def acc_add(df, acc, wwarp, g, t):
-        """``acc_store``'s layout for one tile row, adding the warp's accumulators to what is there."""
-        c0 = wwarp * 16 + g
-        for jb in range(NT // 8):
-            for oi in range(4):
-                e = (8 * jb + 2 * t + (oi & 1)) * 64 + c0 + 8 * (oi >> 1)
-                df[e] = df[e] + acc[4 * jb + oi]
+    # acc_add: acc_store's layout for one tile row, adding the warp's accumulators to what is there
+    offs = [((8 * jb + (oi & 1)) * 64 + 8 * (oi >> 1), 4 * jb + oi) for jb in range(NT // 8) for oi in range(4)]
+    acc_add = unrolled("acc_add", "df, acc, wwarp, g, t", ["b = 2 * t * 64 + wwarp * 16 + g"] +
+                       [f"df[b + {o}] = df[b + {o}] + acc[{i}]" for o, i in offs])
 
     publish, produce = make_roles(NT, STAGES, TG, WIN, CL, STAMP)
 

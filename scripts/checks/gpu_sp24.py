@@ -42,7 +42,8 @@ FORCED_ROWS = [dict(splits=1), dict(splits=3), dict(tokens=8), dict(tokens=64, s
 FORCED_WG = [dict(tokens=t, groups=g, strips=r) for t in (8, 32, 128) for g in (1, 2) for r in (1, 2)] + \
     [dict(splits=3), dict(stages=3), dict(kstep=2, splits=3), dict(tokens=64, groups=2, strips=2, stages=4, splits=1)]
 # sp24_ws in thread-block clusters sharing X by multicast (docs/kernels-notes.md "v22"), every shape, a few N
-FORCED_CLUSTER = [dict(cluster=2), dict(cluster=4, tokens=64), dict(cluster=2, groups=1, strips=1)]
+FORCED_CLUSTER = [dict(cluster=2), dict(cluster=4, tokens=64), dict(cluster=2, groups=1, strips=1),
+                  dict(cluster=4, tokens=256, strips=1, groups=2, stages=3)]   # (the 128x256 prefill tile)
 SWEEP_ROWS = [dict(splits=s) for s in (1, 2, 3, 4, 6, 8)] + [dict(strips=2, splits=s) for s in (1, 2, 4)] + \
     [dict(tokens=t) for t in (8, 16, 32)] + [dict(stages=s) for s in (2, 3, 4, 6)]
 WS_PLAN: dict = {}   # --ws-plan: the ws column's forced plan
