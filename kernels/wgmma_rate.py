@@ -61,7 +61,8 @@ def _build(N: int, SPARSE: bool, WAIT: int):
 
 def product_rate(n: int, sparse: bool, wait: str, groups: int, iters: int = 2000) -> dict:
     """``{"us", "tflops"}``: one launch of ``groups`` warpgroups per block (2 blocks per SM for one warpgroup,
-    else one) for ``n`` tokens (64, 128 or 256); ``tflops``: dense-equivalent (2 x 64 x n x 64 per call and warpgroup)."""
+    else one) for ``n`` tokens (64, 128 or 256); ``tflops``: dense-equivalent (2 x 64 x n x 64 per call and
+    warpgroup)."""
     if n not in (64, 128, 256) or wait not in WAITS or groups not in (1, 2, 3):
         raise ValueError("product_rate takes n 64, 128 or 256, wait in WAITS and 1-3 warpgroups")
     key = (n, sparse, wait)
