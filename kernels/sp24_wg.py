@@ -60,6 +60,14 @@ def x_desc(addr):
     return _DESC | ((np.uint64(addr) & _AMASK) >> _FOUR)
 
 
+def acc_offsets(NT: int, ROWS: int) -> list[tuple[int, int]]:
+    """``(offset, i)`` for each of a warp's ``NT / 2`` accumulators of one tile row: value ``i = 4 jb + oi`` is row
+    ``8 (oi >> 1)`` of the warp's 16 and token ``8 jb + 2 t + (oi & 1)``, so it goes ``offset`` past the lane's first
+    value (token ``2 t``, row ``g``) of a token-major fp32 tile of ``ROWS`` rows (``acc_store``, spmm_ws's
+    ``acc_add``)."""
+    return [((8 * jb + (oi & 1)) * ROWS + 8 * (oi >> 1), 4 * jb + oi) for jb in range(NT // 8) for oi in range(4)]
+
+
 def make_tile_ops(NT: int, R: int, WG: int):
     """``(piece, strip_offsets, operands, products, acc_store, block_piece)``, the pieces sp24_wg, sp24_ws and
     spmm_ws share:
@@ -119,13 +127,8 @@ def make_tile_ops(NT: int, R: int, WG: int):
         so = base + (wg * R * 4 + wwarp) * SLOT
         return np.uint32(so + lane * 16), np.uint32(so + 1024 + lane * 4), np.uint32(so + 1024 + (lane ^ 2) * 4)
 
-    # acc_store: value 4 jb + oi of a tile row's accumulators is row 8 (oi >> 1) of the warp's 16 and token
-    # 8 jb + 2 t + (oi & 1), written out with constant indices (``block.unrolled``)
-    lines = [f"b = 2 * t * {ROWS} + wg * {64 * R} + wwarp * 16 + g"]
-    for jb in range(NT // 8):
-        for oi in range(4):
-            off = (8 * jb + (oi & 1)) * ROWS + 8 * (oi >> 1)
-            lines += [f"df[b + {off + 64 * r}] = acc{r}[{4 * jb + oi}]" for r in range(R)]
+    lines = [f"b = 2 * t * {ROWS} + wg * {64 * R} + wwarp * 16 + g"]   # written out by ``block.unrolled``
+    lines += [f"df[b + {off + 64 * r}] = acc{r}[{i}]" for off, i in acc_offsets(NT, ROWS) for r in range(R)]
     acc_store = unrolled("acc_store", "df, acc0, acc1, wg, wwarp, g, t", lines)
 
     return piece, strip_offsets, operands, products, acc_store, block_piece

@@ -166,6 +166,11 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
     ZA = ((u32(0),) * 8, u32(0), u32(0))
 
     @cuda.jit(device=True, inline="always")
+    def advance(s, ph):
+        """The consumers' next ring stage and the phase its "full" barrier completes in."""
+        return (u32(0), ph ^ u32(1)) if s == STAGES - 1 else (s + u32(1), ph)
+
+    @cuda.jit(device=True, inline="always")
     def produce(d64, sp, dn, tiles, xs, kinds, full, empty, chunk, tr0, nr, rot, nst, k0, GK, xempty, rank, ws, sb0,
                 t0):
         """Lane 0 of the producer warp: every step's bulk copies, each stage once the consumers freed it.
@@ -292,7 +297,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
                     wsync(scr, tid)                          # every lane of the warp has seen it land)
                     if lane == 0:
                         mbar_arrive(empty, s)
-                    s, ph = (u32(0), ph ^ u32(1)) if s == STAGES - 1 else (s + u32(1), ph)
+                    s, ph = advance(s, ph)
                     continue
                 acc0 = wg_wait0(acc0)                        # step i-1's products are done ...
                 if R == 2:
@@ -322,7 +327,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int, HY: bool = False, CL: int = 1,
                 if st:
                     stamp(ws, sb0 + i * 8 + 4, t0)           # (probe: the products issued)
                 sprev = s
-                s, ph = (u32(0), ph ^ u32(1)) if s == STAGES - 1 else (s + u32(1), ph)
+                s, ph = advance(s, ph)
             acc0 = wg_wait0(acc0)
             if R == 2:
                 acc1 = wg_hold(acc1)

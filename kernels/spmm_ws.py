@@ -35,7 +35,7 @@ from ._warp_intrinsics import byte_addr, lds128b, sts64b
 from ._wg_intrinsics import strip_a16, wg_commit, wg_mmad, wg_wait0, wscan, wshfl_idx, wsync
 from .block import (block_row, dynamic_smem, make_tile_end, split_sharers, stamp, step_col, thread_ids,
                     unrolled)
-from .sp24_wg import NTS, _device, make_tile_ops, x_desc
+from .sp24_wg import NTS, _device, acc_offsets, make_tile_ops, x_desc
 from .spmm_ws_plan import (BITMAP_BYTES, TABLE_BYTES, WINDOW, block_warps, max_registers, slot_bytes, value_room,
                            ws_plan)
 
@@ -219,9 +219,8 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
     ZERO = (np.float32(0.0),) * NACC
 
     # acc_add: acc_store's layout for one tile row, adding the warp's accumulators to what is there
-    offs = [((8 * jb + (oi & 1)) * 64 + 8 * (oi >> 1), 4 * jb + oi) for jb in range(NT // 8) for oi in range(4)]
     acc_add = unrolled("acc_add", "df, acc, wwarp, g, t", ["b = 2 * t * 64 + wwarp * 16 + g"] +
-                       [f"df[b + {o}] = df[b + {o}] + acc[{i}]" for o, i in offs])
+                       [f"df[b + {o}] = df[b + {o}] + acc[{i}]" for o, i in acc_offsets(NT, 64)])
 
     publish, produce = make_roles(NT, STAGES, TG, WIN, CL, STAMP)
 

@@ -23,9 +23,15 @@ _wait1 = _tied("wgmma.wait_group.sync.aligned 1;")
 _KERNELS: dict = {}
 
 
+def _slab(n: int) -> int:
+    """Bytes between the two X slabs (``n`` x 128 bytes each) the calls alternate on; 0 at 256 tokens, where two
+    would pass the 48 KB of shared memory a launch gets without opting in."""
+    return n * 128 if n <= 128 else 0
+
+
 def _build(N: int, SPARSE: bool, WAIT: int):
     ZERO = (np.float32(0.0),) * (N // 2)
-    SLAB = N * 128 if N <= 128 else 0
+    SLAB = _slab(N)
     u32 = np.uint32
 
     @cuda.jit(max_registers=168)
@@ -39,7 +45,7 @@ def _build(N: int, SPARSE: bool, WAIT: int):
         a = (v, v, v, v, v, v, v, v)
         meta = u32(0x44444444)
         for i in range(iters):
-            sb = base + u32((i & 1) * SLAB)      # two X slabs of N x 128 bytes, alternately (N = 256: one)
+            sb = base + u32((i & 1) * SLAB)
             if SPARSE:
                 acc = wg_mma2(scr, tid, a, meta, meta, x_desc(sb), x_desc(sb + u32(512)), acc)
             else:
@@ -72,7 +78,7 @@ def product_rate(n: int, sparse: bool, wait: str, groups: int, iters: int = 2000
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     blocks, threads = sms * (2 if groups == 1 else 1), 128 * groups
     out = cuda.device_array(blocks * threads, np.float32)
-    dyn = (2 if n <= 128 else 1) * n * 128 + 1024   # (within the 48 KB a launch gets without opting in)
+    dyn = _slab(n) + n * 128 + 1024
     kern[blocks, threads, 0, dyn](out, 10)      # compile and warm up
     cuda.synchronize()
     t0, t1 = cuda.event(), cuda.event()
