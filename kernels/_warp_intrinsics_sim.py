@@ -14,7 +14,7 @@ from ._intrinsics_sim import _SMEM_BASE, _select_pair, _soff, shfl_idx
 from .plan import XROW_BYTES
 from .compat_numba import sim_syncthreads
 
-__all__ = ["byte_addr", "decode_at", "lds128b", "lds32b", "make_step_issue", "scan_counts", "sts64b"]
+__all__ = ["byte_addr", "decode_at", "lds128b", "lds32b", "lds_f4", "make_step_issue", "scan_counts", "sts64b"]
 
 
 def byte_addr(d64, i):
@@ -40,6 +40,13 @@ def sts64b(d64, addr, val):
 def lds128b(d64, addr):
     i = _soff(addr) >> 3
     return np.uint64(d64[i]), np.uint64(d64[i + 1])
+
+
+def lds_f4(df, i):
+    """``df[i .. i + 3]`` (GPU: one 16-byte ``ld.shared.v4.f32``, so ``i`` must be a multiple of 4)."""
+    if i % 4:
+        raise ValueError(f"lds_f4: index {i} is not a multiple of 4 (the GPU load would be misaligned)")
+    return np.float32(df[i]), np.float32(df[i + 1]), np.float32(df[i + 2]), np.float32(df[i + 3])
 
 
 def make_step_issue(cmax: int, xit: int, nbm: int = 8):

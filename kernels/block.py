@@ -13,6 +13,18 @@ import numpy as np
 from numba import cuda
 
 from ._intrinsics import SIM, clock32, f2h, gtimer32, smid, stg_h4
+from ._warp_intrinsics import lds_f4
+
+TILE_PAD = 4   # fp32 words of padding after each token's row of a warpgroup kernel's tile (``tile_ld``)
+
+
+def tile_ld(rows: int) -> int:
+    """The row stride (fp32 words) of a warpgroup kernel's token-major fp32 tile of ``rows`` output rows in shared
+    memory: ``rows`` + TILE_PAD. A warp's accumulator store (``sp24_wg.acc_offsets``) writes rows g and tokens 2t:
+    at a stride of ``rows`` (a multiple of 32) the four t land in one bank, 4-way conflicts (ncu, H100: 4.2M a
+    launch of sp24_ws at 2048 tokens, docs/kernels-notes.md "v33"); 4 more words put them 8 banks apart, and
+    keep every row 16-byte aligned for ``lds_f4``."""
+    return rows + TILE_PAD
 
 if SIM:
     from .compat_numba import sim_kernel, sim_syncthreads as _syncthreads
@@ -98,10 +110,11 @@ def make_warp_sums(R: int, NB: int, NT: int):
     return warp_sums
 
 
-def make_tile_end(TILE: int, ROWS: int, THREADS: int):
+def make_tile_end(TILE: int, ROWS: int, THREADS: int, LD: int | None = None):
     """``tile_end(df, y, ws, cnt, flag, tid, M, N, m0, n0, tt, GK, b, nst, q0, q1)``: the end of block ``b``'s
     K split of output tile ``tt``, after the block's fp32 tile (``TILE`` = tokens x ``ROWS`` values,
-    token-major, from row ``m0`` and token ``n0``) is in ``df`` and every thread has passed a barrier.
+    token-major, from row ``m0`` and token ``n0``, a token's row ``LD`` words after the previous one's: ``ROWS``
+    by default, ``tile_ld(ROWS)`` for the warpgroup kernels) is in ``df`` and every thread has passed a barrier.
 
     The split covered ``nst`` of the tile's ``GK`` columns. A whole tile (``nst == GK``) is written as
     fp16. Otherwise the partial goes to slot ``2b`` of the fp32 workspace ``ws`` (two slots per block,
@@ -114,6 +127,9 @@ def make_tile_end(TILE: int, ROWS: int, THREADS: int):
 
     V = 4                      # values per fp16 store where M allows (8 bytes: ROWS and m0 are multiples of 64)
     RV, UNITS = ROWS // V, TILE // V
+    LD = LD or ROWS
+    GAP = LD - ROWS            # the padding after each token's row
+    assert LD % V == 0 and ROWS % V == 0
 
     @_device
     def tile_end(df, y, ws, cnt, flag, tid, M, N, m0, n0, tt, GK, b, nst, q0, q1):
@@ -125,17 +141,18 @@ def make_tile_end(TILE: int, ROWS: int, THREADS: int):
                     e = u * V
                     m = m0 + e - n * ROWS
                     if n0 + n < N and m < M:
-                        stg_h4(y, (n0 + n) * M + m, df[e], df[e + 1], df[e + 2], df[e + 3])
+                        a, c, d, f = lds_f4(df, e + n * GAP)
+                        stg_h4(y, (n0 + n) * M + m, a, c, d, f)
             else:
                 for e in range(tid, TILE, THREADS):
                     n = e // ROWS
                     m = m0 + e - n * ROWS
                     if n0 + n < N and m < M:
-                        y[(n0 + n) * M + m] = np.int16(f2h(df[e]))
+                        y[(n0 + n) * M + m] = np.int16(f2h(df[e + n * GAP]))
         else:
             wb = 2 * b * TILE
             for e in range(tid, TILE, THREADS):
-                ws[wb + e] = df[e]
+                ws[wb + e] = df[e + (e // ROWS) * GAP]
             _threadfence()
             _syncthreads()
             if tid == 0:

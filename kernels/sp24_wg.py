@@ -34,7 +34,7 @@ from ._sp_intrinsics import cp16, cp_commit, cp_wait3, cp_wait4, cp_wait5, cp_wa
 from ._warp_intrinsics import byte_addr, lds32b
 from ._wg_intrinsics import lds_a8, wg_commit, wg_hold, wg_mma2, wg_wait0
 from .wgmma import descriptor
-from .block import dynamic_smem, make_tile_end, split_piece, split_sharers, step_col, thread_ids, unrolled
+from .block import dynamic_smem, make_tile_end, split_piece, split_sharers, step_col, thread_ids, tile_ld, unrolled
 from sparsekit.packed.sp24 import SP_STRIP_WORDS, SP_TILE_WORDS, SP_VALUE_WORDS
 
 NTS = (8, 16, 32, 64, 128, 256)   # 256: the warp-specialized kernels' prefill tile (forced plans)
@@ -60,12 +60,12 @@ def x_desc(addr):
     return _DESC | ((np.uint64(addr) & _AMASK) >> _FOUR)
 
 
-def acc_offsets(NT: int, ROWS: int) -> list[tuple[int, int]]:
+def acc_offsets(NT: int, LD: int) -> list[tuple[int, int]]:
     """``(offset, i)`` for each of a warp's ``NT / 2`` accumulators of one tile row: value ``i = 4 jb + oi`` is row
     ``8 (oi >> 1)`` of the warp's 16 and token ``8 jb + 2 t + (oi & 1)``, so it goes ``offset`` past the lane's first
-    value (token ``2 t``, row ``g``) of a token-major fp32 tile of ``ROWS`` rows (``acc_store``, spmm_ws's
-    ``acc_add``)."""
-    return [((8 * jb + (oi & 1)) * ROWS + 8 * (oi >> 1), 4 * jb + oi) for jb in range(NT // 8) for oi in range(4)]
+    value (token ``2 t``, row ``g``) of a token-major fp32 tile whose tokens are ``LD`` words apart (``block.tile_ld``;
+    ``acc_store``, spmm_ws's ``acc_add``)."""
+    return [((8 * jb + (oi & 1)) * LD + 8 * (oi >> 1), 4 * jb + oi) for jb in range(NT // 8) for oi in range(4)]
 
 
 def make_tile_ops(NT: int, R: int, WG: int):
@@ -78,8 +78,9 @@ def make_tile_ops(NT: int, R: int, WG: int):
       words (the lane's own, and lane ^ 2's: the second 32 columns'), ``so`` the tile row's strips;
     - ``products(scr, tid, xaddr, a0, m0, m0b, a1, m1, m1b, acc0, acc1)``: one tile column's products;
     - ``acc_store(df, acc0, acc1, wg, wwarp, g, t)``: the warp's accumulators of its ``R`` tile rows into
-      the block's fp32 tile ``[NT, 64 R WG]``."""
+      the block's fp32 tile ``[NT, 64 R WG]``, tokens ``tile_ld(64 R WG)`` words apart."""
     ROWS = 64 * R * WG
+    LD = tile_ld(ROWS)
     desc = x_desc
 
     @_device
@@ -127,8 +128,8 @@ def make_tile_ops(NT: int, R: int, WG: int):
         so = base + (wg * R * 4 + wwarp) * SLOT
         return np.uint32(so + lane * 16), np.uint32(so + 1024 + lane * 4), np.uint32(so + 1024 + (lane ^ 2) * 4)
 
-    lines = [f"b = 2 * t * {ROWS} + wg * {64 * R} + wwarp * 16 + g"]   # written out by ``block.unrolled``
-    lines += [f"df[b + {off + 64 * r}] = acc{r}[{i}]" for off, i in acc_offsets(NT, ROWS) for r in range(R)]
+    lines = [f"b = 2 * t * {LD} + wg * {64 * R} + wwarp * 16 + g"]   # written out by ``block.unrolled``
+    lines += [f"df[b + {off + 64 * r}] = acc{r}[{i}]" for off, i in acc_offsets(NT, LD) for r in range(R)]
     acc_store = unrolled("acc_store", "df, acc0, acc1, wg, wwarp, g, t", lines)
 
     return piece, strip_offsets, operands, products, acc_store, block_piece
@@ -141,7 +142,7 @@ def stage_bytes(nt: int, r: int, wg: int, ks: int = 1) -> int:
 
 def smem_bytes(nt: int, stages: int, r: int, wg: int, ks: int = 1) -> int:
     """Dynamic shared bytes: the ring, reused for the block's fp32 tile at the end."""
-    return max(stages * stage_bytes(nt, r, wg, ks), nt * 64 * r * wg * 4)
+    return max(stages * stage_bytes(nt, r, wg, ks), nt * tile_ld(64 * r * wg) * 4)
 
 
 def compiled_kernels() -> dict:
@@ -171,7 +172,7 @@ def _build(NT: int, STAGES: int, R: int, WG: int, KS: int):
     TILE = NT * ROWS
     # all but the newest STAGES - 3 copy groups have landed (copies run STAGES - 2 steps ahead)
     wait = (cp_wait0, cp_wait1, cp_wait2, cp_wait3, cp_wait4, cp_wait5, cp_wait6)[STAGES - 3]
-    tile_end = make_tile_end(TILE, ROWS, THREADS)
+    tile_end = make_tile_end(TILE, ROWS, THREADS, tile_ld(ROWS))
     piece, strip_offsets, operands, products, acc_store, _ = make_tile_ops(NT, R, WG)
     ZERO = (np.float32(0.0),) * NACC
     u32 = np.uint32

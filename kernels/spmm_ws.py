@@ -33,7 +33,7 @@ from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, clock32, 
 from ._sp_intrinsics import sts128
 from ._warp_intrinsics import byte_addr, lds128b, sts64b
 from ._wg_intrinsics import strip_a16, wg_commit, wg_mmad, wg_wait0, wscan, wshfl_idx, wsync
-from .block import (block_row, dynamic_smem, make_tile_end, split_sharers, stamp, step_col, thread_ids,
+from .block import (block_row, dynamic_smem, make_tile_end, split_sharers, stamp, step_col, thread_ids, tile_ld,
                     unrolled)
 from .sp24_wg import NTS, _device, acc_offsets, make_tile_ops, x_desc
 from .spmm_ws_plan import (BITMAP_BYTES, TABLE_BYTES, WINDOW, block_warps, max_registers, slot_bytes, value_room,
@@ -214,13 +214,13 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
     XBYTES = NT * 128
     ROWS = 64 * TG
     TILE = NT * ROWS
-    tile_end = make_tile_end(TILE, ROWS, THREADS)
+    tile_end = make_tile_end(TILE, ROWS, THREADS, tile_ld(ROWS))
     _, _, _, _, acc_store, block_piece = make_tile_ops(NT, 1, TG)
     ZERO = (np.float32(0.0),) * NACC
 
     # acc_add: acc_store's layout for one tile row, adding the warp's accumulators to what is there
-    acc_add = unrolled("acc_add", "df, acc, wwarp, g, t", ["b = 2 * t * 64 + wwarp * 16 + g"] +
-                       [f"df[b + {o}] = df[b + {o}] + acc[{i}]" for o, i in acc_offsets(NT, 64)])
+    acc_add = unrolled("acc_add", "df, acc, wwarp, g, t", [f"b = 2 * t * {tile_ld(64)} + wwarp * 16 + g"] +
+                       [f"df[b + {o}] = df[b + {o}] + acc[{i}]" for o, i in acc_offsets(NT, tile_ld(64))])
 
     publish, produce = make_roles(NT, STAGES, TG, WIN, CL, STAMP)
 
