@@ -12,7 +12,8 @@ from .io import output_for, padded
 def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, kernel: str = "auto",
                 warps: int | None = None, strips: int | None = None, tokens: int | None = None,
                 splits: int | None = None, stages: int | None = None, groups: int | None = None,
-                kstep: int | None = None, cluster: int = 1, slabs: torch.Tensor | None = None) -> torch.Tensor:
+                kstep: int | None = None, cluster: int | None = None,
+                slabs: torch.Tensor | None = None) -> torch.Tensor:
     """``y[N, M] = x[N, K] @ W^T`` (fp16 in and out, fp32 accumulate) for W in the 2:4 mosaic layout.
 
     ``kernel``:
@@ -26,9 +27,10 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
       ``splits``, ``stages``, ``strips`` (tile rows per warpgroup), ``groups`` (warpgroups per block) and
       ``kstep`` (tile columns per step) force its plan);
     - ``"ws"`` (``sp24_ws``: the same products, warp-specialized, Hopper only; dense tiles too, one tile row
-      per warpgroup; ``tokens``, ``splits``, ``stages``, ``strips``, ``groups`` force its plan; ``cluster`` (2,
-      4; GPU only, not yet run on one): thread-block clusters of neighbouring row blocks sharing each X slab by
-      multicast, with no K split, docs/kernels-notes.md "v22").
+      per warpgroup; ``tokens``, ``splits``, ``stages``, ``strips``, ``groups`` force its plan; ``cluster`` (1, 2,
+      4; more than 1 on a GPU only): thread-block clusters of neighbouring row blocks sharing each X slab by
+      multicast, with no K split, docs/kernels-notes.md "v22"; by default ``sp24_plan.ws_cluster``'s choice on a
+      GPU where no K split is forced, 1 elsewhere).
 
     ``slabs``: X already rewritten as sp24_ws reads it (``slab_tokens`` says for which tile width; the runtime
     makes them inside a compiled step); used where sp24_ws runs, ignored by the other kernels."""
@@ -49,7 +51,7 @@ def sp24_matmul(x: torch.Tensor, layout, out: torch.Tensor | None = None, *, ker
     gm, gk = layout.grid
     kp = gk * 64
     x = padded(x, kp)
-    if cluster > 1 and kernel != "ws":
+    if (cluster or 1) > 1 and kernel != "ws":
         raise ValueError(f"clusters take the warp-specialized kernel (kernel='ws'), not kernel={kernel!r}")
     if kernel == "auto":
         kernel = auto_kernel(x.device, m, k, n, layout.dense.numel() > 0)
@@ -87,7 +89,7 @@ def _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, s
 
 
 def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, strips, groups, kstep,
-               specialized: bool = False, cluster: int = 1, stamps: bool = False, slabs=None):
+               specialized: bool = False, cluster: int | None = 1, stamps: bool = False, slabs=None):
     """sp24_wg, or with ``specialized`` sp24_ws (its X as core-matrix slabs, one producer warp more; dense
     tiles too), whose blocks may form clusters sharing X (``cluster``). ``stamps`` (``sp24_ws_probe.ws_stamps``,
     inside its ``built_as``): the kernel writes into a zeroed float32 buffer instead of the K-split workspace.
@@ -95,11 +97,12 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
     from . import sp24_wg, sp24_ws
     from .common import SIM
 
+    hybrid = layout.dense.numel() > 0
+    if cluster is None:   # the plan's choice, where clusters can run
+        cluster = sp24_plan.ws_cluster(m, n, hybrid) if specialized and not SIM and (splits or 1) == 1 else 1
     if cluster > 1 and (not specialized or cluster not in (2, 4) or (splits or 1) > 1 or SIM):
         raise ValueError(f"clusters (got {cluster}) take 2 or 4 blocks of the warp-specialized kernel "
                          "(kernel='ws'), no K split, on a GPU (the simulator runs one block at a time)")
-
-    hybrid = layout.dense.numel() > 0
     if hybrid and not specialized:
         raise ValueError("the warpgroup 2:4 kernel (kernel='wg') takes weights whose tiles are all 2:4; this one "
                          "has dense tiles (kernel='ws' or 'rows' takes them)")

@@ -203,6 +203,7 @@ WS_WIDE_NT = 256                # sp24_ws's prefill tile: tokens per output tile
 WS_WIDE_FROM = 1024             # ... and from this many tokens on the others (128 below: H100, "v31")
 WS_STAGES_FEW, WS_STAGES_MANY = 6, 3   # sp24_ws's ring up to 32 tokens a tile, and from 64 (H100 sweep)
 WS_MIN_SPLIT_COLS = 40          # sp24_ws's K split leaves every split this many tile columns or more
+WS_CLUSTER_FROM = 1024          # sp24_ws's default plan takes clusters of 2 from this many tokens (``ws_cluster``)
 WG_FEW_N = 4                    # kernel_for: sp24_wg up to this many tokens on K-deep weights of ...
 WG_FEW_MAX_M = 4096             # ... at most this many rows (a 7B or 8B model's down projection), with
 WG_FEW_STAGES = 6               # this deep a ring and a K split of about WG_FEW_PER_SM blocks per SM
@@ -238,6 +239,17 @@ def ws_tokens(n: int, m: int = 0, hybrid: bool = False) -> int:
     if n > 256 and not hybrid and (m >= WG_MIN_M or n >= WS_WIDE_FROM):
         return WS_WIDE_NT
     return wg_tokens(n)
+
+
+def ws_cluster(m: int, n: int, hybrid: bool = False) -> int:
+    """Blocks a thread-block cluster of sp24_ws's default plan: 2 (neighbouring row blocks sharing each X slab by
+    multicast, no K split) on all-2:4 weights of fewer than WG_MIN_M rows from WS_CLUSTER_FROM tokens on, else 1.
+    H100, x cuBLAS at 1024 / 2048 / 4096 tokens with clusters against without (docs/kernels-notes.md "v34"):
+    4096x11008 0.85 / 0.84 / 0.80 against 0.54 / 0.80 / 0.78, 4096x4096 0.78 / 0.79 / 0.76 against 0.75 / 0.76 /
+    0.74, 12288x4096 0.84 / 0.82 / 0.78 against 0.83 / 0.83 / 0.79, 8192x28672 0.84 / 0.95 / 0.87 against 0.86 /
+    0.91 / 0.76. At 512 tokens they lost on three of those four (4096x4096 0.56 against 0.63), on the tall
+    22016x4096 they were within 4% either way, and at 16-128 tokens they lost on every shape."""
+    return 2 if not hybrid and m < WG_MIN_M and n >= WS_CLUSTER_FROM else 1
 
 
 def ws_shape(m: int, k: int, nt: int, n: int = 0, hybrid: bool = False) -> tuple[int, int, int]:

@@ -152,3 +152,15 @@ def test_prefill_takes_256_token_tiles_on_tall_weights_and_from_1024_tokens_else
     assert sp24_plan.wg_plan(4096, 172, 512, specialized=True)[0].nt == 128          # not tall, below 1024
     assert sp24_plan.wg_plan(4096, 172, 1024, specialized=True)[0].nt == 256
     assert sp24_plan.wg_plan(22016, 64, 2048, specialized=True, hybrid=True)[0].nt == 128   # dense tiles
+
+
+def test_ws_clusters_only_at_prefill_on_all_24_weights_that_are_not_tall():
+    """``ws_cluster``: clusters of 2 where the H100 runs measured them faster (weights of fewer than WG_MIN_M rows,
+    from WS_CLUSTER_FROM tokens), never for hybrid weights (dense tiles), tall ones or decode-sized token counts."""
+    from sparsekit.kernels.sp24_plan import WG_MIN_M, WS_CLUSTER_FROM, ws_cluster
+
+    for m in (64, 4096, 8192, WG_MIN_M - 64):
+        assert ws_cluster(m, WS_CLUSTER_FROM) == ws_cluster(m, 4096) == 2
+        assert ws_cluster(m, WS_CLUSTER_FROM - 1) == ws_cluster(m, 128) == 1
+        assert ws_cluster(m, 4096, hybrid=True) == 1
+    assert ws_cluster(WG_MIN_M, 4096) == ws_cluster(22016, 512) == 1
