@@ -283,12 +283,14 @@ def test_2of4_layers_get_the_2of4_kernel_where_it_beats_tcabme(monkeypatch):
     assert c["sp24_max_n"] == 0 and model["c"].form == "tcabme" and model["c"].sp24_bytes() == 0   # layout given back
     assert "sp24_max_n" not in u and model["u"].form == "tcabme"
     assert rep["sp24_layout_bytes"] == model["a"].sp24_bytes() + model["b"].sp24_bytes() > 0
+    assert "2 of 4 sparse layers run the 2:4 kernel" in dispatch.sp24_runs_note(rep, 4)
+    assert "beside the packed weights" in dispatch.sp24_runs_note(rep, 4)
     for k in ("a", "b", "c", "u"):
         assert torch.equal(model[k].dense_weight(torch.float32), ref[k])
 
 
-def test_prefer_memory_and_sp24_off_make_no_layout(monkeypatch):
-    for kw in (dict(prefer="memory", sp24=True), dict(prefer="speed", sp24=False), dict(prefer="speed")):
+def test_sp24_off_makes_no_layout(monkeypatch):
+    for kw in (dict(prefer="memory", sp24=False), dict(prefer="speed", sp24=False), dict(prefer="speed")):
         model = sp24_model()
         fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0), (8, 3.0, 2.0)], (128, 64): [(1, 1.0, 2.0), (8, 3.0, 2.0)]})
         monkeypatch.setattr(dispatch, "time_sp24", lambda mods, n: pytest.fail("timed the 2:4 kernel"))
@@ -297,6 +299,37 @@ def test_prefer_memory_and_sp24_off_make_no_layout(monkeypatch):
         assert rep["sp24_layout_bytes"] == 0
         if kw == dict(prefer="speed"):          # opt-in for now: said in one note
             assert "3 2:4/hybrid layers stay on the TCA-BME kernel" in rep["sp24_note"] and "SPARSEKIT_SP24=1" in rep["sp24_note"]
+
+
+def test_prefer_memory_keeps_one_form_the_2of4_layout_where_it_wins_at_every_count(monkeypatch):
+    """Issue 22 item 1: with prefer=memory a 2:4 group whose kernel took less time than TCA-BME over the counts timed
+    keeps only its 2:4 layout (TCA-BME buffers freed, the same weight, the model smaller than with both forms), even
+    where it lost at one count; a group where it took longer keeps TCA-BME and gives the layout back; no dense copy."""
+    from sparsekit.runtime.timing import model_bytes
+
+    model = sp24_model()
+    ref = {k: m.dense_weight(torch.float32) for k, m in model.items()}
+    before = model_bytes(model)
+    fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0), (8, 1.5, 2.0)], (128, 64): [(1, 1.0, 2.0), (8, 1.5, 2.0)]})
+    sp24_ms = {(64, 128): {1: 1.1, 8: 1.2}, (128, 64): {1: 0.9, 8: 1.7}}   # 2.3 < 2.5; 2.6 > 2.5
+    monkeypatch.setattr(dispatch, "time_sp24", lambda mods, n: sp24_ms[(mods[0].out_features, mods[0].in_features)][n])
+    rep = dispatch.plan_dispatch(model, prefer="memory", token_counts=(1, 8), cache=False, sp24=True)
+    by = {(tuple(g["shape"]), g["layers"]): g for g in rep["groups"]}
+    assert by[((64, 128), 2)]["form"].startswith("2:4 kernel at every token count (0.92x TCA-BME's time at N=1-8")
+    assert by[((128, 64), 1)]["form"].startswith("sparse (TCA-BME, 0.96x the 2:4 kernel's time at N=1-8")
+    for k in ("a", "b"):
+        m = model[k]
+        assert m.sp24_only and m.form == "sp24" and m.values.numel() == m.bitmaps.numel() == 0
+        assert m.sp24_at(1) and m.sp24_at(4096) and m.dense_copy is None
+    assert model["c"].form == "tcabme" and not model["c"].sp24_only and model["c"].sp24_bytes() == 0
+    assert model["u"].form == "tcabme" and not model["u"].sp24_only
+    for k in ("a", "b", "c", "u"):
+        assert torch.equal(model[k].dense_weight(torch.float32), ref[k])
+    assert rep["tcabme_freed_bytes"] > 0 and rep["sp24_layout_bytes"] == model["a"].sp24_bytes() * 2
+    assert model_bytes(model) == before - rep["tcabme_freed_bytes"] + rep["sp24_layout_bytes"]
+    assert rep["dense_copy_bytes"] == 0 and rep["dense_layers"] == {}
+    assert dispatch.sp24_runs_note(rep, 4).startswith("2 of 4 sparse layers run the 2:4 kernel (2:4 layouts: ")
+    assert "their only form: TCA-BME freed" in dispatch.sp24_runs_note(rep, 4)
 
 
 def test_2of4_layers_without_a_census_are_named_once(monkeypatch):

@@ -59,6 +59,28 @@ def test_cpu_forward_is_unchanged(monkeypatch):
     assert torch.equal(model[0](x), before)
 
 
+def test_a_layer_that_keeps_only_its_layout_computes_the_same_and_has_no_tcabme_form(monkeypatch):
+    """``keep_only_sp24`` (prefer=memory): TCA-BME buffers freed, the CPU forward bit-equal to before, the weight
+    decoded from the layout, ``packed`` refused in one line, the sparsity still known, the module dense again on
+    request; a layer without a layout is refused."""
+    from sparsekit.runtime.sp24 import keep_only_sp24
+
+    monkeypatch.setenv("SPARSEKIT_STRICT", "0")
+    model, w = _model(2)
+    x = torch.randn(3, 128).half()
+    before, sparsity = model[0](x), model[0].sparsity
+    with pytest.raises(SparsekitError, match="2:4 layout first"):
+        keep_only_sp24(model[1])
+    enable_sp24(model)
+    freed = keep_only_sp24(model[0])
+    m = model[0]
+    assert freed >= 64 * 128 // 2 * 2 and m.sp24_only and m.values.numel() == m.bitmaps.numel() == 0
+    assert torch.equal(m(x), before) and torch.equal(m.dense_weight(), w) and m.sparsity == sparsity
+    with pytest.raises(SparsekitError, match="keeps only its 2:4 layout"):
+        m.packed
+    assert torch.equal(m.to_linear(torch.float16).weight, w) and keep_only_sp24(m) == 0   # (already done)
+
+
 def test_the_op_matches_float64():
     if not SIM and not torch.cuda.is_available():
         pytest.skip("neither the CUDA simulator nor a GPU")

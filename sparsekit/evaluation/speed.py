@@ -98,7 +98,7 @@ from sparsekit.hf.modules import set_submodule
 from sparsekit.packed.shards import is_packed_dir
 from sparsekit.progress import Progress, report
 from sparsekit.runtime.cats import cats_activations, remove_thresholds
-from sparsekit.runtime.dispatch import plan_dispatch
+from sparsekit.runtime.dispatch import plan_dispatch, sp24_runs_note
 from sparsekit.runtime.fusion import fuse_projections, prepare_for_decode
 from sparsekit.runtime.loader import load_packed, open_model
 from sparsekit.runtime.sparse_linear import SparseLinear, kernel
@@ -247,10 +247,8 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
                      f"{dispatch['dense_copy_bytes'] / GIB:.3f} GiB (--prefer memory keeps none)")
     if dispatch.get("sp24_note"):
         notes.append(dispatch["sp24_note"])
-    n24 = sum(g["layers"] for g in dispatch["groups"] if g.get("sp24_max_n") or g.get("sp24_from_n"))
-    if n24:
-        notes.append(f"{n24} of {n_sparse} sparse layers run the 2:4 kernel at some token counts (2:4 layouts: "
-                     f"{dispatch['sp24_layout_bytes'] / GIB:.3f} GiB beside the packed weights; --json: per shape)")
+    if sp24_runs_note(dispatch, n_sparse):
+        notes.append(sp24_runs_note(dispatch, n_sparse))
     tick("loaded")
     kw = dict(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, compile=compile)
 

@@ -20,7 +20,10 @@ token count where that beats the TCA-BME kernel at that count and every smaller 
 while that wins, the 2:4 kernel again from the count on which it wins at every count up to the
 crossover (Hopper's warpgroup kernel, from 32 tokens on tall weights), dense above. A group where the
 2:4 kernel never wins gives its layouts back. The report says per group which kernel runs up to which
-token count (``form``, ``sp24_max_n``, ``sp24_from_n``) and the bytes the layouts take. ``prefer="memory"`` makes no layout (it would add ~1.1 bytes per weight).
+token count (``form``, ``sp24_max_n``, ``sp24_from_n``) and the bytes the layouts take. With ``prefer="memory"`` a
+group keeps one form only: its 2:4 layout where that kernel took less time than TCA-BME over the token counts timed
+(the TCA-BME buffers freed, ``runtime.sp24.keep_only_sp24``: the layout then runs at every count, prefill included,
+at about the same ~1.1 bytes a weight), else TCA-BME (``tcabme_freed_bytes`` in the report counts what was freed).
 
 **Small weights are not timed** (issue 20). With ``prefer="speed"``, a group whose weight has fewer than
 ``UNTIMED_BELOW`` (2^21) elements runs dense at once, without compiling or timing any kernel for it. At
@@ -49,7 +52,7 @@ from sparsekit.packed.sp24 import census_fits
 from sparsekit.hf.modules import set_submodule
 from sparsekit.progress import Progress, report
 from sparsekit.runtime import dispatch_cache
-from sparsekit.runtime.sparse_linear import SparseLinear, kernels_ready
+from sparsekit.runtime.sparse_linear import SparseLinear, kernels_ready, release_kernel_caches
 from sparsekit.runtime.timing import graph_ms
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64)
@@ -174,6 +177,18 @@ def time_small_wanted() -> bool:
     return env_switch("SPARSEKIT_TIME_SMALL", "time the sparse kernel on small weights too")
 
 
+def sp24_runs_note(report: dict, n_sparse: int) -> str | None:
+    """One line: how many of the ``n_sparse`` sparse layers run the 2:4 kernel and what their layouts cost, beside the
+    packed weights (``prefer="speed"``) or as their only form (``prefer="memory"``); None where none does."""
+    n24 = sum(g["layers"] for g in report["groups"]
+              if g.get("sp24_max_n") or g.get("sp24_from_n") or g.get("sp24_only"))
+    if not n24:
+        return None
+    where = "their only form: TCA-BME freed" if report.get("tcabme_freed_bytes") else "beside the packed weights"
+    return (f"{n24} of {n_sparse} sparse layers run the 2:4 kernel (2:4 layouts: "
+            f"{report['sp24_layout_bytes'] / 2**30:.3f} GiB, {where}; --json: per shape)")
+
+
 def untimed_note(untimed: dict) -> str:
     """One line: how many sparse layers run dense untimed, their shapes, why, and how to time them."""
     shapes = ", ".join(f"{m}x{k}" for m, k in untimed["shapes"])
@@ -217,7 +232,7 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
         others = " other" if out.get("untimed") else ""
         out["skipped"] = f"no usable GPU kernels: the{others} sparse layers keep the reference path"
         return out
-    if sp24 and prefer == "speed":
+    if sp24:
         note = make_sp24_layouts(model, names)
         if note:
             out["sp24_note"] = note
@@ -248,6 +263,12 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
         sp24_from = sp24_from if 0 < sp24_from <= max_n else 0
         entry = {"shape": [key[0], key[1]], "sparsity": key[2], "layers": len(members), "sparse_max_n": max_n,
                  "timings": rows}
+        if key[4] and prefer == "memory":     # one form only: the 2:4 layout, or TCA-BME
+            entry["form"] = _one_form(mods, rows, out)
+            entry["sp24_only"] = mods[0].sp24_only
+            out["groups"].append(entry)
+            report(progress, "dispatch", gi + 1, len(groups))
+            continue
         if key[4]:
             entry["sp24_max_n"] = sp24_n
             entry["sp24_from_n"] = sp24_from
@@ -310,6 +331,25 @@ def _run_dense_untimed(model: nn.Module, names: dict[str, SparseLinear], small: 
     untimed = {"below_elements": UNTIMED_BELOW, "layers": layers, "shapes": shapes}
     untimed["note"] = untimed_note(untimed)
     return untimed
+
+
+def _one_form(mods: list[SparseLinear], rows: list[dict], out: dict[str, Any]) -> str:
+    """``prefer="memory"`` for a group with 2:4 layouts: the layout becomes each layer's only form where its kernel took
+    less time than TCA-BME over the counts timed (summed), else the layouts go back. Returns the group's ``form``."""
+    from sparsekit.runtime.sp24 import keep_only_sp24
+
+    sp24_ms, tcabme_ms = sum(r["sp24_ms"] for r in rows), sum(r["sparse_ms"] for r in rows)
+    counts = f"N={rows[0]['n']}-{rows[-1]['n']}"
+    if not sp24_ms < tcabme_ms:
+        for m in mods:
+            m.use_sp24(None)
+        return (f"sparse (TCA-BME, {tcabme_ms / sp24_ms:.2f}x the 2:4 kernel's time at {counts}; kernel up to "
+                f"N={mods[0].dense_above}, decode + cuBLAS above)")
+    out["tcabme_freed_bytes"] = out.get("tcabme_freed_bytes", 0) + sum(keep_only_sp24(m) for m in mods)
+    out["sp24_layout_bytes"] += sum(m.sp24_bytes() for m in mods)
+    release_kernel_caches()   # the kernels' cached views would keep the freed buffers alive
+    return (f"2:4 kernel at every token count ({sp24_ms / tcabme_ms:.2f}x TCA-BME's time at {counts}; its layout the "
+            "only form, TCA-BME freed)")
 
 
 def _sp24_form(rows: list[dict], sp24_n: int, sp24_from: int, max_n: int) -> str:

@@ -164,7 +164,7 @@ def equalize_packed_sizes(model: nn.Module) -> float:
     """
     groups: dict = {}
     for mod in model.modules():
-        if isinstance(mod, SparseLinear):
+        if isinstance(mod, SparseLinear) and not mod.sp24_only:   # (a freed TCA-BME form stays empty)
             groups.setdefault((mod.out_features, mod.in_features, mod.values.dtype), []).append(mod)
     added = total = 0
     for mods in groups.values():

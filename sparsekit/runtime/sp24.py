@@ -8,7 +8,9 @@ GPU wherever they would run the TCA-BME kernel (fp16, at most ``dense_above`` to
 ``SparseLinear.sp24_at`` allows (up to ``sp24_max_n``, and from ``sp24_from_n`` when set); prefill and the
 CPU keep their paths. The dispatch plan (``runtime.dispatch``, ``prefer="speed"``, under
 ``SPARSEKIT_SP24=1`` until the path is on by default) calls it for the layers whose encode-time tile
-census fits, times both kernels, and keeps each layout only where the 2:4 kernel measures faster.
+census fits, times both kernels, and keeps each layout only where the 2:4 kernel measures faster. With
+``prefer="memory"`` a layer keeps one form: :func:`keep_only_sp24` frees its TCA-BME buffers where the layout wins,
+and the 2:4 kernel then runs at every token count.
 """
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ import torch
 from torch import nn
 
 from sparsekit.errors import SparsekitError, strict_mode
-from sparsekit.packed.sp24 import Sp24Layout, transcode
+from sparsekit.packed.sp24 import Sp24Layout, to_dense, transcode
+
+ALWAYS = 1 << 62   # more tokens than any call: a layer that keeps only its 2:4 layout runs its kernel at every count
 
 
 def sp24_mm_eager(x: torch.Tensor, dense: torch.Tensor, sp: torch.Tensor, tiles: torch.Tensor, out_features: int,
@@ -105,3 +109,36 @@ def enable_sp24(model: nn.Module, only: set[str] | None = None) -> dict[str, str
         m.use_sp24(layout)
         out[name] = "sp24"
     return out
+
+
+def layout_of(m) -> Sp24Layout:
+    """The 2:4 layout a ``SparseLinear`` holds (``use_sp24``)."""
+    return Sp24Layout(dense=m.sp24_dense, sp=m.sp24_sp, tiles=m.sp24_tiles, shape=(m.out_features, m.in_features))
+
+
+def sp24_weight(m, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The ``[out, in]`` weight of a layer that keeps only its 2:4 layout, decoded from it (exact; torch ops)."""
+    w = to_dense(layout_of(m))
+    return w if dtype is None else w.to(dtype)
+
+
+def keep_only_sp24(m) -> int:
+    """``prefer="memory"`` (``runtime.dispatch``): make the 2:4 layout of ``SparseLinear`` ``m`` the only copy of its
+    weight. Its TCA-BME buffers are freed (left empty), the 2:4 kernel runs at every token count on a GPU (prefill
+    included: sp24_ws's wide tiles on Hopper), and ``dense_weight`` decodes the layout (the CPU path, ``to_linear``,
+    ``dequantize``). The layer has no TCA-BME form afterwards (``packed`` says so). Returns the bytes freed."""
+    if m.sp24_tiles is None:
+        raise SparsekitError("keep_only_sp24 needs the layer's 2:4 layout first (use_sp24)")
+    if m.sp24_only:
+        return 0
+    m._nnz = m.nnz                       # counted while the bitmaps are there
+    freed = 0
+    for name in ("bitmaps", "values", "gtile_offsets", "strip_offsets"):
+        t = getattr(m, name)
+        freed += t.numel() * t.element_size()
+        setattr(m, name, t.new_empty(0))
+    m.n_values = 0
+    m._packed = m._packed_src = None
+    m.sp24_only = True
+    m.sp24_max_n = m.dense_above = ALWAYS
+    return freed

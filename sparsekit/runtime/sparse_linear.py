@@ -10,9 +10,9 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
 * CUDA, ``N > dense_above`` with a kept dense copy (``runtime.dispatch``, ``prefer="speed"``) ->
   ``F.linear`` on that copy.
 * CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (``sparsekit.kernels.decode``;
-  inside a compiled or captured step too, through the op ``tcabme_mm``: no host sync), then ``F.linear``
-  (cuBLAS). The threshold was measured by ``scripts/checks/gpu_runtime.py`` (docs/benchmarks.md, "End to
-  end"); override it with ``SPARSEKIT_DENSE_ABOVE`` or per module (``layer.dense_above = n``).
+  inside a compiled or captured step too, through the op ``tcabme_mm``: no host sync), then ``F.linear``. The
+  threshold: ``SPARSEKIT_DENSE_ABOVE`` or per module (``layer.dense_above = n``). A layer that keeps only its 2:4
+  layout (``runtime.sp24.keep_only_sp24``, ``prefer="memory"``) runs the 2:4 kernel at every N instead.
 * Anything else (CPU, bf16/fp32 activations, kernels missing) -> the reference path (decode + matmul in the
   activation dtype), announced once per process on the CPU. The packed tensors are module buffers, so
   ``model.to(device)`` moves them with the rest.
@@ -32,7 +32,7 @@ from sparsekit.hf.modules import weight_out_in
 from sparsekit.errors import SparsekitError, SparsekitWarning
 from sparsekit.packed.tcabme import TcaBme, decode, decode_dense, encode
 from sparsekit.runtime.slabs import sp24_slabs, tcabme_slabs
-from sparsekit.runtime.sp24 import sp24_mm, sp24_mm_eager
+from sparsekit.runtime.sp24 import sp24_mm, sp24_mm_eager, sp24_weight
 
 # Kernel up to and including this many tokens, decode + cuBLAS above: measured on an H100 with
 # scripts/checks/gpu_runtime.py (7B shapes, 50%, eager calls; see docs/benchmarks.md, "End to end").
@@ -136,8 +136,7 @@ tcabme_mm = torch.library.custom_op("sparsekit::tcabme_mm", mutates_args=())(tca
 
 
 def op_or_eager(op: Callable, fn: Callable) -> Callable:
-    """``op`` (a custom op: kept whole by ``torch.compile``) inside a compiled step, its own function ``fn``
-    elsewhere: in eager calls the op's dispatch costs ~20-60 us a call for nothing."""
+    """``op`` (a custom op: kept whole by ``torch.compile``) inside a compiled step, else ``fn`` (~20-60 us less)."""
     return op if torch.compiler.is_compiling() else fn
 
 
@@ -164,6 +163,7 @@ class SparseLinear(nn.Module):
     # re-reads X per 16-64 rows, which the prediction (docs/kernels-notes.md "v13-sp") says loses from 32 on
     sp24_max_n: int = 16
     sp24_from_n: int = 0          # nonzero: the 2:4 kernel also from this many tokens up to dense_above
+    sp24_only: bool = False       # the 2:4 layout is the weight's only copy (``runtime.sp24.keep_only_sp24``)
 
     def __init__(self, packed: TcaBme, bias: torch.Tensor | None = None, *, transposed: bool = False):
         super().__init__()
@@ -228,6 +228,8 @@ class SparseLinear(nn.Module):
     @property
     def packed(self) -> TcaBme:
         """The weight as a TcaBme over this module's buffers (cached; rebuilt after ``.to()``)."""
+        if self.sp24_only:
+            raise SparsekitError("this layer keeps only its 2:4 layout (prefer='memory'): it has no TCA-BME form")
         p = self._packed
         if p is None or self._packed_src is not self.values or p.bitmaps is not self.bitmaps:
             values = self.values if self.values.numel() == self.n_values else self.values[: self.n_values]
@@ -252,7 +254,9 @@ class SparseLinear(nn.Module):
         """The decoded ``[out, in]`` weight (bit-exact), optionally cast. On a GPU with the bundled
         kernels, one decode kernel (``sparsekit.kernels.decode``); otherwise ``tcabme.decode``.
         ``use_kernels=False`` never touches the kernels (no self-test, no compile): on a GPU the sync-free
-        torch decode (:func:`decode_dense`), which the dispatch plan uses for layers it makes dense untimed."""
+        torch decode (:func:`decode_dense`). ``sp24_only``: the 2:4 layout, decoded (``runtime.sp24``)."""
+        if self.sp24_only:
+            return sp24_weight(self, dtype)
         p = self.packed
         if not use_kernels:
             w = decode_dense(p) if p.values.is_cuda else decode(p)
@@ -276,8 +280,7 @@ class SparseLinear(nn.Module):
         return lin
 
     def keep_dense_copy(self) -> None:
-        """Keep the decoded fp16 weight beside the packed one: above ``dense_above`` tokens the layer
-        then runs cuBLAS on it directly instead of decoding first (faster; costs the dense bytes)."""
+        """Keep the decoded fp16 weight beside the packed one: above ``dense_above`` tokens cuBLAS runs on it."""
         if self.dense_copy is None:
             self.dense_copy = self.dense_weight(torch.float16).contiguous()
 
@@ -301,9 +304,9 @@ class SparseLinear(nn.Module):
         return 0 if self.dense_copy is None else self.dense_copy.numel() * self.dense_copy.element_size()
 
     def sp24_bytes(self) -> int:
-        """Bytes of the 2:4 layout kept beside the packed weight (0 without one)."""
-        return sum(t.numel() * t.element_size() for t in (self.sp24_dense, self.sp24_sp, self.sp24_tiles)
-                   if t is not None)
+        """Bytes of the 2:4 layout (0 without one)."""
+        ts = (self.sp24_dense, self.sp24_sp, self.sp24_tiles)
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def sp24_forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x[N, K] @ W^T + b`` through the 2:4 tile-mosaic kernel whatever N is (CUDA, fp16; ``forward`` at its
@@ -327,13 +330,11 @@ class SparseLinear(nn.Module):
         return 1.0 - self.nnz / max(1, self.out_features * self.in_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, sparsity={self.sparsity:.3f}, dtype={self.values.dtype}"
-                + (", form=sp24" if self.form == "sp24" else ""))
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"sparsity={self.sparsity:.3f}, dtype={self.values.dtype}" + (", form=sp24" * (self.form == "sp24")))
 
     def sp24_at(self, n: int) -> bool:
-        """Whether ``n`` tokens (fp16, on a GPU) run the 2:4 kernel: the layer has its 2:4 layout and ``n`` is
-        at most ``sp24_max_n``, or from ``sp24_from_n`` (when nonzero) up to ``dense_above``."""
+        """Whether ``n`` tokens (fp16, GPU) run the 2:4 kernel: up to ``sp24_max_n`` or from ``sp24_from_n`` (> 0)."""
         return (self.sp24_tiles is not None and n <= self.dense_above
                 and (n <= self.sp24_max_n or 0 < self.sp24_from_n <= n))
 
@@ -342,9 +343,8 @@ class SparseLinear(nn.Module):
         dc = self.dense_copy
         if (dc is not None and self.bias is None and x.dtype == dc.dtype and x.is_cuda
                 and x.numel() > self.dense_above * self.in_features):
-            # above the crossover with a dense copy (prefill, large batches): the dense layer's own call, nothing
-            # else. Eager prefill of a small model is bound by Python per call, and the general path below costs a
-            # few us more per linear (issue 20: packed prefill 0.95-0.97x dense on the same dense copies, the demo).
+            # above the crossover with a dense copy: the dense layer's own call, nothing else (the path below costs a
+            # few us more per linear; issue 20: the demo's packed prefill was 0.95-0.97x dense on the same copies)
             return F.linear(x, dc)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
@@ -352,6 +352,8 @@ class SparseLinear(nn.Module):
         if x2.is_cuda:
             if self.sp24_at(n) and x2.dtype == torch.float16 and kernels_ready():
                 return self.sp24_forward(x2).reshape(*lead, self.out_features)
+            elif self.sp24_only:   # another dtype, or no kernels: the layout decoded (no TCA-BME form to read)
+                y = F.linear(x2, self.dense_weight(x2.dtype))
             elif (n <= self.dense_above and x2.dtype == torch.float16 and self.values.dtype == torch.float16
                     and kernels_ready()):
                 return self.kernel_forward(x2).reshape(*lead, self.out_features)
