@@ -26,6 +26,11 @@ def tile_ld(rows: int) -> int:
     keep every row 16-byte aligned for ``lds_f4``."""
     return rows + TILE_PAD
 
+
+def tile_bytes(nt: int, rows: int) -> int:
+    """Shared bytes of a warpgroup kernel's fp32 tile of ``nt`` tokens x ``rows`` output rows (``tile_ld`` apart)."""
+    return nt * tile_ld(rows) * 4
+
 if SIM:
     from .compat_numba import sim_kernel, sim_syncthreads as _syncthreads
 

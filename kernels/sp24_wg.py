@@ -34,7 +34,8 @@ from ._sp_intrinsics import cp16, cp_commit, cp_wait3, cp_wait4, cp_wait5, cp_wa
 from ._warp_intrinsics import byte_addr, lds32b
 from ._wg_intrinsics import lds_a8, wg_commit, wg_hold, wg_mma2, wg_wait0
 from .wgmma import descriptor
-from .block import dynamic_smem, make_tile_end, split_piece, split_sharers, step_col, thread_ids, tile_ld, unrolled
+from .block import (dynamic_smem, make_tile_end, split_piece, split_sharers, step_col, thread_ids, tile_bytes,
+                    tile_ld, unrolled)
 from sparsekit.packed.sp24 import SP_STRIP_WORDS, SP_TILE_WORDS, SP_VALUE_WORDS
 
 NTS = (8, 16, 32, 64, 128, 256)   # 256: the warp-specialized kernels' prefill tile (forced plans)
@@ -142,7 +143,7 @@ def stage_bytes(nt: int, r: int, wg: int, ks: int = 1) -> int:
 
 def smem_bytes(nt: int, stages: int, r: int, wg: int, ks: int = 1) -> int:
     """Dynamic shared bytes: the ring, reused for the block's fp32 tile at the end."""
-    return max(stages * stage_bytes(nt, r, wg, ks), nt * tile_ld(64 * r * wg) * 4)
+    return max(stages * stage_bytes(nt, r, wg, ks), tile_bytes(nt, 64 * r * wg))
 
 
 def compiled_kernels() -> dict:

@@ -34,7 +34,8 @@ from ._intrinsics import (SCRATCH_WORDS, SIM, bulk_copy, bulk_copy_mc, clock32, 
 from ._warp_intrinsics import byte_addr
 from ._wg_intrinsics import (lds_a8, regs_dec40, regs_dec168, regs_inc168, regs_inc232, wg_commit, wg_hold, wg_keep,
                              wg_mma2, wg_mmad, wg_wait0, wg_wait1, wsync)
-from .block import block_row, dynamic_smem, make_tile_end, split_sharers, stamp, step_col, thread_ids, tile_ld
+from .block import (block_row, dynamic_smem, make_tile_end, split_sharers, stamp, step_col, thread_ids,
+                    tile_bytes, tile_ld)
 from .sp24_wg import NTS, SLOT, make_tile_ops, x_desc
 from sparsekit.packed.sp24 import DENSE_STRIP_WORDS, DENSE_TILE_WORDS
 
@@ -82,7 +83,7 @@ def stage_bytes(nt: int, r: int, wg: int, hybrid: bool = False) -> int:
 
 def smem_bytes(nt: int, stages: int, r: int, wg: int, hybrid: bool = False) -> int:
     """Dynamic shared bytes: the ring, reused for the block's fp32 tile at the end."""
-    return max(stages * stage_bytes(nt, r, wg, hybrid), nt * tile_ld(64 * r * wg) * 4)
+    return max(stages * stage_bytes(nt, r, wg, hybrid), tile_bytes(nt, 64 * r * wg))
 
 
 def max_registers(nt: int, r: int, wg: int, blocks: int = 1) -> int:

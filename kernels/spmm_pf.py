@@ -33,7 +33,7 @@ from ._intrinsics import (SCRATCH_WORDS, SIM, clock32, cluster_rank, cluster_syn
                           mbar_arrive, mbar_init, mbar_wait)
 from ._warp_intrinsics import byte_addr
 from ._wg_intrinsics import strip_a16, wg_bar, wg_commit, wg_mmss, wg_wait0, wg_wait1, wsync
-from .block import block_row, dynamic_smem, make_tile_end, stamp, thread_ids, tile_ld
+from .block import block_row, dynamic_smem, make_tile_end, stamp, thread_ids, tile_bytes, tile_ld
 from .common import quarter_regs
 from .sp24_wg import _device, make_tile_ops, x_desc
 from .spmm_ws import _publish_table, make_roles
@@ -56,7 +56,7 @@ def stage_bytes(nt: int, vbytes: int) -> int:
 
 def smem_bytes(nt: int, stages: int, vbytes: int) -> int:
     """Dynamic shared bytes: the ring and four A tiles (two per warpgroup), reused for the fp32 tile at the end."""
-    return max(stages * stage_bytes(nt, vbytes) + 4 * A_BYTES, nt * tile_ld(128) * 4)
+    return max(stages * stage_bytes(nt, vbytes) + 4 * A_BYTES, tile_bytes(nt, 128))
 
 
 # Diagnostics: a build named in ABLATIONS leaves that part of every step out (its output is wrong; only its time

@@ -3,7 +3,7 @@ split, and the largest GroupTile's value room of a weight (``value_room``). The 
 from __future__ import annotations
 
 from .common import SIM, quarter_regs
-from .block import tile_ld
+from .block import tile_bytes
 from .sp24_wg import NTS
 
 TABLE_BYTES = 1536                      # a GroupTile's decode table (``_publish_table``)
@@ -29,7 +29,7 @@ def stage_bytes(nt: int, wg: int, vbytes: int = VALUE_BYTES) -> int:
 
 def smem_bytes(nt: int, stages: int, wg: int, vbytes: int = VALUE_BYTES) -> int:
     """Dynamic shared bytes: the ring, reused for the block's fp32 tile at the end."""
-    return max(stages * stage_bytes(nt, wg, vbytes), nt * tile_ld(64 * wg) * 4)
+    return max(stages * stage_bytes(nt, wg, vbytes), tile_bytes(nt, 64 * wg))
 
 
 def block_warps(wg: int) -> int:

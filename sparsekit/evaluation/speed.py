@@ -247,8 +247,9 @@ def measure_speed(model_dir, *, device="cuda", batch_sizes=BATCH_SIZES, prompt_l
                      f"{dispatch['dense_copy_bytes'] / GIB:.3f} GiB (--prefer memory keeps none)")
     if dispatch.get("sp24_note"):
         notes.append(dispatch["sp24_note"])
-    if sp24_runs_note(dispatch, n_sparse):
-        notes.append(sp24_runs_note(dispatch, n_sparse))
+    note24 = sp24_runs_note(dispatch, n_sparse)
+    if note24:
+        notes.append(note24)
     tick("loaded")
     kw = dict(prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats, compile=compile)
 
