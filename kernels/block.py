@@ -15,6 +15,10 @@ from numba import cuda
 from ._intrinsics import SIM, clock32, f2h, gtimer32, smid, stg_h4
 from ._warp_intrinsics import lds_f4
 
+# Where the dynamic shared memory starts. ptxas pads the static arrays up to this, so every ring stage and tile
+# slot (multiples of 128 bytes) starts a 128-byte line; at the old 16 a bulk copy into a 4-stage ring (80 bytes
+# of static barriers) landed 16-byte aligned only and ran 1.6x slower (docs/kernels-notes.md v34, v35).
+SMEM_ALIGN = 128
 TILE_PAD = 4   # fp32 words of padding after each token's row of a warpgroup kernel's tile (``tile_ld``)
 
 
@@ -77,9 +81,10 @@ else:  # pragma: no cover - GPU only
 
     @cuda.jit(device=True, inline="always")
     def dynamic_smem():
-        """(uint64, uint32, float32) views of the block's dynamic shared memory, 16-byte aligned."""
-        return (cuda.shared.array(0, np.uint64, alignment=16), cuda.shared.array(0, np.uint32, alignment=16),
-                cuda.shared.array(0, np.float32, alignment=16))
+        """(uint64, uint32, float32) views of the block's dynamic shared memory, SMEM_ALIGN-byte aligned."""
+        return (cuda.shared.array(0, np.uint64, alignment=SMEM_ALIGN),
+                cuda.shared.array(0, np.uint32, alignment=SMEM_ALIGN),
+                cuda.shared.array(0, np.float32, alignment=SMEM_ALIGN))
 
 
 def make_warp_sums(R: int, NB: int, NT: int):
