@@ -94,10 +94,45 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
     tiles too), whose blocks may form clusters sharing X (``cluster``). ``stamps`` (``sp24_ws_probe.ws_stamps``,
     inside its ``built_as``): the kernel writes into a zeroed float32 buffer instead of the K-split workspace.
     Returns ``(plan, tile rows, warpgroups, that buffer or None)``."""
+    hybrid = layout.dense.numel() > 0
+    forced = (tokens, splits, stages, strips, groups, kstep, cluster, stamps) != (None,) * 6 + (None, False)
+    key = (x.device, m, gk, n, hybrid, specialized)
+    got = None if forced else _WG.get(key)
+    if got is None:
+        got = _wg_launch(x.device, m, gk, n, kp, launch, tokens, splits, stages, strips, groups, kstep, specialized,
+                         cluster, hybrid)
+        if not forced:
+            _WG[key] = got
+    p, r, wg, kern, threads, scalars, cl = got
+    if stamps:
+        ws = torch.zeros(p.blocks * (p.per + 1) * 8, dtype=torch.float32, device=x.device)
+        cnt = torch.zeros(max(p.tiles, 1), dtype=torch.int32, device=x.device)
+    else:
+        ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
+    y = out.reshape(-1).view(torch.int16)
+    if specialized:   # all 2:4: tile t is slot t of ``sp`` (the map is read only where tiles may be dense)
+        from .sp24_ws import slabs_or_make
+
+        dn, sp = _buffers(layout)
+        tensors = (sp.view(torch.int64), dn.view(torch.int64), layout.tiles, slabs_or_make(x, p.nt, slabs),
+                   y, ws, cnt)
+    else:             # every tile is 2:4: tile t is slot t of ``sp``, no map
+        tensors = (layout.sp, x.reshape(-1).view(torch.int32), y, ws, cnt)
+    launch.launch_tensors(kern, p.blocks, threads, tensors, scalars, dyn=p.dyn, cluster=cl)
+    return p, r, wg, ws if stamps else None
+
+
+_WG: dict = {}       # the default plans' launches (``_wg_launch``) by device, shape, tokens, kind and kernel
+_KERNEL: dict = {}   # ``auto_kernel``'s and ``slab_tokens``' answers by device, shape, tokens and kind
+
+
+def _wg_launch(device, m, gk, n, kp, launch, tokens, splits, stages, strips, groups, kstep, specialized, cluster,
+               hybrid):
+    """``(plan, tile rows, warpgroups, kernel, threads, scalars, cluster)`` of a ``_launch_wg``: everything but
+    the tensors, which an eager call at a token count planned before finds ready (~20 us of the host's time)."""
     from . import sp24_wg, sp24_ws
     from .common import SIM
 
-    hybrid = layout.dense.numel() > 0
     if cluster is None:   # the plan's choice, where clusters can run
         cluster = sp24_plan.ws_cluster(m, n, hybrid) if specialized and not SIM and (splits or 1) == 1 else 1
     if cluster > 1 and (not specialized or cluster not in (2, 4) or (splits or 1) > 1 or SIM):
@@ -106,48 +141,41 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
     if hybrid and not specialized:
         raise ValueError("the warpgroup 2:4 kernel (kernel='wg') takes weights whose tiles are all 2:4; this one "
                          "has dense tiles (kernel='ws' or 'rows' takes them)")
-    p, r, wg, ks = sp24_plan.wg_plan(m, gk, n, launch.sm_count(x.device), tokens, 1 if cluster > 1 else splits,
+    p, r, wg, ks = sp24_plan.wg_plan(m, gk, n, launch.sm_count(device), tokens, 1 if cluster > 1 else splits,
                                      stages, strips, groups, kstep, specialized=specialized, hybrid=hybrid)
     if cluster > 1:   # whole clusters of row blocks (the padding blocks only receive X)
         p = p._replace(blocks=-(-p.rb // cluster) * cluster * p.chunks)
-    if stamps:
-        ws = torch.zeros(p.blocks * (p.per + 1) * 8, dtype=torch.float32, device=x.device)
-        cnt = torch.zeros(max(p.tiles, 1), dtype=torch.int32, device=x.device)
-    else:
-        ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
-    y = out.reshape(-1).view(torch.int16)
-    if specialized:   # all 2:4: tile t is slot t of ``sp`` (the map is read only where tiles may be dense)
-        dn, sp = _buffers(layout)
-        tensors = (sp.view(torch.int64), dn.view(torch.int64), layout.tiles, sp24_ws.slabs_or_make(x, p.nt, slabs),
-                   y, ws, cnt)
+    if specialized:
         kern = sp24_ws.get_kernel(p.nt, p.stages, r, wg, hybrid, cluster)
-        threads = sp24_ws.block_threads(wg, r, hybrid, cluster)
-        scalars = (m, n, gk, p.chunks, p.per)
-    else:             # every tile is 2:4: tile t is slot t of ``sp``, no map
-        tensors = (layout.sp, x.reshape(-1).view(torch.int32), y, ws, cnt)
-        kern, threads = sp24_wg.get_kernel(p.nt, p.stages, r, wg, ks), 128 * wg
-        scalars = (m, n, gk, kp // 2, p.chunks, p.per)
-    launch.launch_tensors(kern, p.blocks, threads, tensors, scalars, dyn=p.dyn, cluster=cluster)
-    return p, r, wg, ws if stamps else None
+        return p, r, wg, kern, sp24_ws.block_threads(wg, r, hybrid, cluster), (m, n, gk, p.chunks, p.per), cluster
+    kern = sp24_wg.get_kernel(p.nt, p.stages, r, wg, ks)
+    return p, r, wg, kern, 128 * wg, (m, n, gk, kp // 2, p.chunks, p.per), cluster
 
 
 def auto_kernel(device: torch.device, m: int, k: int, n: int, hybrid: bool) -> str:
     """The kernel ``sp24_matmul(kernel="auto")`` runs for an ``m x k`` weight (with dense tiles: ``hybrid``) at
     ``n`` tokens on ``device`` (``sp24_plan.kernel_for``; the warpgroup kernels on a Hopper GPU only)."""
-    from . import launch
-    from .common import SIM
+    key = (device, m, k, n, hybrid)
+    got = _KERNEL.get(key)
+    if got is None:
+        from . import launch
+        from .common import SIM
 
-    return sp24_plan.kernel_for(m, k, n, not SIM and launch.hopper(device), hybrid)
+        got = _KERNEL[key] = sp24_plan.kernel_for(m, k, n, not SIM and launch.hopper(device), hybrid)
+    return got
 
 
 def slab_tokens(device: torch.device, m: int, k: int, n: int, hybrid: bool) -> int:
     """The tokens a tile of the X slabs that ``sp24_matmul(kernel="auto")`` reads for an ``m x k`` weight (with
     dense tiles: ``hybrid``) at ``n`` tokens, where its kernel is sp24_ws; 0 where the kernel reads X itself."""
-    from . import launch
+    key = ("slabs", device, m, k, n, hybrid)
+    got = _KERNEL.get(key)
+    if got is None:
+        from . import launch
 
-    if n < 1 or auto_kernel(device, m, k, n, hybrid) != "ws":
-        return 0
-    return sp24_plan.wg_plan(m, -(-k // 64), n, launch.sm_count(device), specialized=True, hybrid=hybrid)[0].nt
+        got = _KERNEL[key] = 0 if n < 1 or auto_kernel(device, m, k, n, hybrid) != "ws" else sp24_plan.wg_plan(
+            m, -(-k // 64), n, launch.sm_count(device), specialized=True, hybrid=hybrid)[0].nt
+    return got
 
 
 def _buffers(layout) -> tuple[torch.Tensor, torch.Tensor]:

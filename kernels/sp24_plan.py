@@ -192,6 +192,7 @@ def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = Non
 # ---- sp24_wg (Hopper sparse warpgroup MMA: WG warpgroups x R tile rows per block, all-2:4 weights)
 WG_NTS = (8, 16, 32, 64, 128)   # tokens per output tile; more run as further chunks of the same launch
 WG_SMEM_MAX = 160 * 1024        # dynamic shared bytes per block the default plan may take (one block per SM)
+WS_SMEM_MAX = 164 * 1024        # sp24_ws's: its 4-stage ring of 256-token tiles (167,936 bytes) fits
 WG_SMEM_OPTIN = 220 * 1024      # the most a forced plan may take (Hopper's opt-in limit is 227 KB)
 WG_STAGES = 4                   # ring depth (6 and 8 measured no faster on the H100, but see WG_FEW_STAGES)
 WG_MIN_M = 16384                # kernel_for: tall weights (this many rows or more) ...
@@ -201,7 +202,7 @@ WS_MIN_N = 16                   # ... from this many tokens on (sp24_wg below it
 #                                 tokens, prefill, it beats rows 1.6-3x: H100, docs/kernels-notes.md "v31")
 WS_WIDE_NT = 256                # sp24_ws's prefill tile: tokens per output tile past 256 tokens on tall weights, ...
 WS_WIDE_FROM = 1024             # ... and from this many tokens on the others (128 below: H100, "v31")
-WS_STAGES_FEW, WS_STAGES_MANY = 6, 3   # sp24_ws's ring up to 32 tokens a tile, and from 64 (H100 sweep)
+WS_STAGES_FEW, WS_STAGES_MANY = 6, 4   # sp24_ws's ring up to 32 tokens a tile, and from 64 (H100 sweeps, v35)
 WS_MIN_SPLIT_COLS = 40          # sp24_ws's K split leaves every split this many tile columns or more
 WS_CLUSTER_FROM = 1024          # sp24_ws's default plan takes clusters of 2 from this many tokens (``ws_cluster``)
 WG_FEW_N = 4                    # kernel_for: sp24_wg up to this many tokens on K-deep weights of ...
@@ -258,8 +259,8 @@ def ws_shape(m: int, k: int, nt: int, n: int = 0, hybrid: bool = False) -> tuple
     (12288x4096: 1.21 against 1.14 at 16 tokens); two tile rows each on tall weights up to 32 tokens a
     tile, and at one 128-token tile for 65 to 128 tokens (``ws_tokens``), else one; two warpgroups past 256 tokens too
     (12288x4096 0.49 / 0.59x cuBLAS at 512 / 2048 tokens against 0.43 / 0.56 with one, "v31"); a ring of 6 up to
-    32 tokens, 3 from 64 (deeper measured slower there; at the prefill tile 4 stages took 1123 us against 3's 859
-    on 22016x4096)."""
+    32 tokens, 4 from 64 (with the ring 128-byte aligned, "v35": 4 stages beat 3 on all four 7B and 70B shapes from
+    128 to 4096 tokens, 22016x4096 496 against 534 us at 2048; the 16-byte aligned 4-stage ring had run 1.6x slower)."""
     tall = m >= WG_MIN_M
     r = 2 if tall and (nt <= 32 or (nt == 128 and 64 < n <= 128 and not hybrid)) else 1
     wg = 2 if (tall or k >= WG_DEEP_K or n > 256) and m > 64 * r else 1
@@ -284,8 +285,8 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
     (256 rows share one X slice) and whole tiles (no K split), which the H100 sweep found fastest on
     22016x4096 and 28672x8192 from 16 to 256 tokens (86 and 112 blocks: fewer than the SMs, but a split
     costs more); elsewhere one tile row per warpgroup, two warpgroups from 64 tokens on, and the K split
-    of ``rows_splits``. The ring: WG_STAGES deep, shallower where WG_SMEM_MAX needs it. ``kernel_for``'s
-    few-token case (K-deep weights of WG_FEW_MAX_M rows or fewer, up to WG_FEW_N tokens): a ring of
+    of ``rows_splits``. The ring: WG_STAGES deep, shallower where WG_SMEM_MAX (sp24_ws: WS_SMEM_MAX) needs it.
+    ``kernel_for``'s few-token case (K-deep weights of WG_FEW_MAX_M rows or fewer, up to WG_FEW_N tokens): a ring of
     WG_FEW_STAGES and a split of about WG_FEW_PER_SM blocks per SM (4096x11008: 4 splits, not 8). ``specialized``:
     sp24_ws's plan (its ring holds whole tiles and one X slab per stage; no ``kstep``): the shape of
     ``ws_shape`` and, on weights that are not tall, the K split of ``ws_splits``; ``hybrid`` (dense tiles
@@ -324,7 +325,8 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
         st = stages_ or (WG_FEW_STAGES if few else WG_STAGES)
     ks, per, blocks = split_work(rb * chunks, gk, None if splits_ else rule, splits_)
     ksz = kstep_ or 1
-    while not stages_ and st > 3 and smem_bytes(nt, st, r, wg, ksz) > WG_SMEM_MAX:
+    cap = WS_SMEM_MAX if specialized else WG_SMEM_MAX
+    while not stages_ and st > 3 and smem_bytes(nt, st, r, wg, ksz) > cap:
         st -= 1
     dyn = smem_bytes(nt, st, r, wg, ksz)
     if dyn > WG_SMEM_OPTIN:

@@ -111,7 +111,8 @@ def test_every_ws_plan_fits_covers_n_and_splits_as_measured(m, gk, n, splits):
     assert ks == 1 and p.r == r * wg and p.ks == splits
     wide = n > 256 and (m >= 16384 or n >= 1024)                # prefill: 256-token tiles, one row each
     assert wg == (2 if (m >= 16384 or gk * 64 >= 8192 or n > 256) and m > 64 * r else 1)   # one on 12288x4096 ...
-    assert p.dyn == smem_bytes(p.nt, p.stages, r, wg) <= sp24_plan.WG_SMEM_MAX
+    assert p.dyn == smem_bytes(p.nt, p.stages, r, wg) <= sp24_plan.WS_SMEM_MAX
+    assert p.stages == (6 if p.nt <= 32 else 4)                 # the aligned ring: 4 deep from 64 tokens a tile
     tall128 = m >= 16384 and 64 < n <= 128                      # tall weights: one 128-token tile, 2 x 2 rows
     assert (p.nt, r, wg) == (128, 2, 2) if tall128 else (p.nt, r) == (256, 1) if wide else r * p.nt < 256
     assert (p.chunks - 1) * p.nt < n <= p.chunks * p.nt
@@ -135,17 +136,17 @@ def test_register_caps_fit_each_quarter_of_the_sm():
 
 def test_tall_weights_take_one_128_token_tile_of_two_by_two_rows_from_65_tokens():
     p, r, wg, _ = sp24_plan.wg_plan(22016, 64, 128, specialized=True)
-    assert (p.nt, r, wg, p.stages, p.chunks) == (128, 2, 2, 3, 1)
+    assert (p.nt, r, wg, p.stages, p.chunks) == (128, 2, 2, 4, 1)
     assert sp24_plan.wg_plan(4096, 172, 128, specialized=True)[0].nt == 64          # not tall: two chunks of 64
     assert sp24_plan.wg_plan(22016, 64, 128, specialized=True, hybrid=True)[1] == 1  # dense tiles: one row each
     assert sp24_plan.wg_plan(22016, 64, 200, specialized=True)[1] == 1               # two chunks: one row each
 
 
 def test_prefill_takes_256_token_tiles_on_tall_weights_and_from_1024_tokens_elsewhere():
-    """sp24_ws past 256 tokens (H100, docs/kernels-notes.md "v31"): 128 x 256 outputs a block, a ring of 3, where
-    they measured fastest; 128-token tiles below 1024 tokens on weights that are not tall, and for dense tiles."""
+    """sp24_ws past 256 tokens (H100, docs/kernels-notes.md "v31", "v35"): 128 x 256 outputs a block, a ring of 4
+    (the ring 128-byte aligned), where they measured fastest; 128-token tiles below 1024 tokens on weights that are not tall, and for dense tiles."""
     p, r, wg, _ = sp24_plan.wg_plan(22016, 64, 2048, specialized=True)
-    assert (p.nt, r, wg, p.stages, p.chunks) == (256, 1, 2, 3, 8)
+    assert (p.nt, r, wg, p.stages, p.chunks) == (256, 1, 2, 4, 8)
     assert sp24_plan.wg_plan(22016, 64, 257, specialized=True)[0].nt == 256
     assert sp24_plan.wg_plan(12288, 64, 2048, specialized=True)[2] == 2               # ... two warpgroups past 256
     assert sp24_plan.wg_plan(12288, 64, 512, specialized=True)[2] == 2

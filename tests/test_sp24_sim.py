@@ -204,6 +204,28 @@ def test_ws_kernel_catches_a_planted_dense_fragment_bug():
     assert _rel_err(bad, w, x, kernel="ws", groups=1) > 0.1
 
 
+@pytest.mark.warpgroup_sim
+def test_a_default_ws_plan_is_made_once_per_shape_and_token_count(monkeypatch):
+    """An eager call's host work (issue 22: a 7B prefill at batch 1 is host-bound): sp24_ws's default plan is made
+    the first time a weight shape meets a token count and reused after, a forced plan is made at every call,
+    and every answer stays right."""
+    from sparsekit.kernels import sp24_plan
+
+    made = []
+    real = sp24_plan.wg_plan
+    monkeypatch.setattr(sp24_plan, "wg_plan", lambda *a, **kw: made.append(a[:3]) or real(*a, **kw))
+    g = torch.Generator().manual_seed(11)
+    w = _weight(64, 192, "2:4", g)
+    lay = sp24.transcode(w)
+    x = torch.randn(6, 192, generator=g).half()
+    for _ in range(2):
+        assert _rel_err(lay, w, x, kernel="ws") < 1e-3
+    assert made == [(64, 3, 6)]
+    for _ in range(2):
+        assert _rel_err(lay, w, x, kernel="ws", tokens=8) < 1e-3
+    assert made == [(64, 3, 6)] * 3
+
+
 def test_x_slabs_put_each_value_where_the_descriptor_reads_it():
     from sparsekit.kernels.sp24_ws import x_slabs
 
