@@ -94,9 +94,11 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
     tiles too), whose blocks may form clusters sharing X (``cluster``). ``stamps`` (``sp24_ws_probe.ws_stamps``,
     inside its ``built_as``): the kernel writes into a zeroed float32 buffer instead of the K-split workspace.
     Returns ``(plan, tile rows, warpgroups, that buffer or None)``."""
+    from .sp24_ws import probe_build, slabs_or_make
+
     hybrid = layout.dense.numel() > 0
     forced = (tokens, splits, stages, strips, groups, kstep, cluster, stamps) != (None,) * 6 + (None, False)
-    key = (x.device, m, gk, n, hybrid, specialized)
+    key = (x.device, m, gk, n, hybrid, specialized, probe_build[0])   # (a probe build is a kernel of its own)
     got = None if forced else _WG.get(key)
     if got is None:
         got = _wg_launch(x.device, m, gk, n, kp, launch, tokens, splits, stages, strips, groups, kstep, specialized,
@@ -111,8 +113,6 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
         ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
     y = out.reshape(-1).view(torch.int16)
     if specialized:   # all 2:4: tile t is slot t of ``sp`` (the map is read only where tiles may be dense)
-        from .sp24_ws import slabs_or_make
-
         dn, sp = _buffers(layout)
         tensors = (sp.view(torch.int64), dn.view(torch.int64), layout.tiles, slabs_or_make(x, p.nt, slabs),
                    y, ws, cnt)
@@ -122,7 +122,7 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
     return p, r, wg, ws if stamps else None
 
 
-_WG: dict = {}       # the default plans' launches (``_wg_launch``) by device, shape, tokens, kind and kernel
+_WG: dict = {}       # the default plans' launches (``_wg_launch``) by device, shape, tokens, kind, kernel, build
 _KERNEL: dict = {}   # ``auto_kernel``'s and ``slab_tokens``' answers by device, shape, tokens and kind
 
 

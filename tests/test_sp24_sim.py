@@ -207,8 +207,8 @@ def test_ws_kernel_catches_a_planted_dense_fragment_bug():
 @pytest.mark.warpgroup_sim
 def test_a_default_ws_plan_is_made_once_per_shape_and_token_count(monkeypatch):
     """An eager call's host work (issue 22: a 7B prefill at batch 1 is host-bound): sp24_ws's default plan is made
-    the first time a weight shape meets a token count and reused after, a forced plan is made at every call,
-    and every answer stays right."""
+    the first time a weight shape meets a token count and reused after, a forced plan is made at every call, a
+    probe build inside ``built_as`` is not served the remembered default kernel, and every answer stays right."""
     from sparsekit.kernels import sp24_plan
 
     made = []
@@ -224,6 +224,12 @@ def test_a_default_ws_plan_is_made_once_per_shape_and_token_count(monkeypatch):
     for _ in range(2):
         assert _rel_err(lay, w, x, kernel="ws", tokens=8) < 1e-3
     assert made == [(64, 3, 6)] * 3
+    from sparsekit.kernels.sp24_ws_probe import built_as
+
+    with built_as("no_loop"):                      # a probe build is a kernel of its own, never the remembered one
+        y = sp24_matmul(x.to(DEV), lay.to(DEV), kernel="ws")
+    assert torch.count_nonzero(y) == 0
+    assert _rel_err(lay, w, x, kernel="ws") < 1e-3
 
 
 def test_x_slabs_put_each_value_where_the_descriptor_reads_it():
