@@ -97,7 +97,7 @@ def _launch_wg(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, str
     from .sp24_ws import probe_build, slabs_or_make
 
     hybrid = layout.dense.numel() > 0
-    forced = (tokens, splits, stages, strips, groups, kstep, cluster, stamps) != (None,) * 6 + (None, False)
+    forced = stamps or any(v is not None for v in (tokens, splits, stages, strips, groups, kstep, cluster))
     key = (x.device, m, gk, n, hybrid, specialized, probe_build[0])   # (a probe build is a kernel of its own)
     got = None if forced else _WG.get(key)
     if got is None:
