@@ -203,6 +203,7 @@ WS_MIN_N = 16                   # ... from this many tokens on (sp24_wg below it
 WS_WIDE_NT = 256                # sp24_ws's prefill tile: tokens per output tile past 256 tokens on tall weights, ...
 WS_WIDE_FROM = 1024             # ... and from this many tokens on the others (128 below: H100, "v31")
 WS_STAGES_FEW, WS_STAGES_MANY = 6, 4   # sp24_ws's ring up to 32 tokens a tile, and from 64 (H100 sweeps, v35)
+WS_STAGES_DECODE = 8            # ... and on all-2:4 weights that are not tall, up to 64 tokens (``ws_shape``, v36)
 WS_MIN_SPLIT_COLS = 40          # sp24_ws's K split leaves every split this many tile columns or more
 WS_CLUSTER_FROM = 1024          # sp24_ws's default plan takes clusters of 2 from this many tokens (``ws_cluster``)
 WG_FEW_N = 4                    # kernel_for: sp24_wg up to this many tokens on K-deep weights of ...
@@ -260,10 +261,17 @@ def ws_shape(m: int, k: int, nt: int, n: int = 0, hybrid: bool = False) -> tuple
     tile, and at one 128-token tile for 65 to 128 tokens (``ws_tokens``), else one; two warpgroups past 256 tokens too
     (12288x4096 0.49 / 0.59x cuBLAS at 512 / 2048 tokens against 0.43 / 0.56 with one, "v31"); a ring of 6 up to
     32 tokens, 4 from 64 (with the ring 128-byte aligned, "v35": 4 stages beat 3 on all four 7B and 70B shapes from
-    128 to 4096 tokens, 22016x4096 496 against 534 us at 2048; the 16-byte aligned 4-stage ring had run 1.6x slower)."""
+    128 to 4096 tokens, 22016x4096 496 against 534 us at 2048; the 16-byte aligned 4-stage ring had run 1.6x slower);
+    a ring of WS_STAGES_DECODE on all-2:4 weights that are not tall, up to 64 tokens in all, with 32-token tiles or
+    one warpgroup ("v36", x cuBLAS at 1 / 16 / 32 / 64 tokens, 8 stages against 6 and 4: 12288x4096 1.31 / 1.44 /
+    1.49 / 1.32 against 1.26 / 1.38 / 1.42 / 1.23, 8192x28672 1.65 / 1.68 / 1.65 at 1-32 against 1.60 / 1.62 / 1.62,
+    4096x11008 1-3% faster; on 22016x4096 (tall) 2-3% slower, on 8192x28672 at 64 tokens 3% slower, and from 65
+    tokens, two 64-token chunks, 1.4x slower on 12288x4096)."""
     tall = m >= WG_MIN_M
     r = 2 if tall and (nt <= 32 or (nt == 128 and 64 < n <= 128 and not hybrid)) else 1
     wg = 2 if (tall or k >= WG_DEEP_K or n > 256) and m > 64 * r else 1
+    if not tall and not hybrid and n <= 64 and (nt <= 32 or wg == 1):
+        return r, wg, WS_STAGES_DECODE
     return r, wg, WS_STAGES_FEW if nt <= 32 else WS_STAGES_MANY
 
 

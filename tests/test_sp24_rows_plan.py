@@ -112,7 +112,8 @@ def test_every_ws_plan_fits_covers_n_and_splits_as_measured(m, gk, n, splits):
     wide = n > 256 and (m >= 16384 or n >= 1024)                # prefill: 256-token tiles, one row each
     assert wg == (2 if (m >= 16384 or gk * 64 >= 8192 or n > 256) and m > 64 * r else 1)   # one on 12288x4096 ...
     assert p.dyn == smem_bytes(p.nt, p.stages, r, wg) <= sp24_plan.WS_SMEM_MAX
-    assert p.stages == (6 if p.nt <= 32 else 4)                 # the aligned ring: 4 deep from 64 tokens a tile
+    decode = m < 16384 and n <= 64 and (p.nt <= 32 or wg == 1)  # not tall, one chunk: 8 deep (v36)
+    assert p.stages == (8 if decode else 6 if p.nt <= 32 else 4)  # the aligned ring: 4 deep from 64 tokens a tile
     tall128 = m >= 16384 and 64 < n <= 128                      # tall weights: one 128-token tile, 2 x 2 rows
     assert (p.nt, r, wg) == (128, 2, 2) if tall128 else (p.nt, r) == (256, 1) if wide else r * p.nt < 256
     assert (p.chunks - 1) * p.nt < n <= p.chunks * p.nt
@@ -165,3 +166,16 @@ def test_ws_clusters_only_at_prefill_on_all_24_weights_that_are_not_tall():
         assert ws_cluster(m, WS_CLUSTER_FROM - 1) == ws_cluster(m, 128) == 1
         assert ws_cluster(m, 4096, hybrid=True) == 1
     assert ws_cluster(WG_MIN_M, 4096) == ws_cluster(22016, 512) == 1
+
+
+def test_ws_decode_ring_is_deeper_on_all_24_weights_that_are_not_tall():
+    """sp24_ws's ring up to 64 tokens (H100, docs/kernels-notes.md "v36"): 8 stages on weights under WG_MIN_M rows
+    (32-token tiles, or one warpgroup), 6 on tall weights and for dense tiles, 4 from 65 tokens (two chunks)."""
+    def stages(m, gk, n, hybrid=False):
+        return sp24_plan.wg_plan(m, gk, n, specialized=True, hybrid=hybrid)[0].stages
+
+    assert [stages(12288, 64, n) for n in (1, 16, 32, 64, 65, 128)] == [8, 8, 8, 8, 4, 4]
+    assert [stages(4096, 172, n) for n in (1, 32, 64)] == [8, 8, 4]         # K-deep: two warpgroups at 64
+    assert [stages(8192, 448, n) for n in (16, 64)] == [8, 4]
+    assert [stages(22016, 64, n) for n in (1, 32, 64)] == [6, 6, 4]          # tall
+    assert stages(12288, 64, 16, hybrid=True) == 6
