@@ -6,6 +6,9 @@ Checked against torch 2.11 (the GPU image) and 2.13.0 (the CPU build CI installs
 
 * ``raise_recompile_limit``: ``torch._dynamo.config.recompile_limit`` (``cache_size_limit`` before
   2.6): how many compiled variants one function may keep.
+* ``recompile_limit_raises`` / ``is_recompile_limit_hit``: ``torch._dynamo.config.fail_on_recompile_limit_hit``
+  (``fail_on_cache_limit_hit`` before 2.6) and the ``FailOnRecompileLimitHit`` it raises, so that a compiled call
+  that runs out of variants is an error, not the silent uncompiled run torch makes of it by default.
 * ``start_compile_workers``: ``torch._inductor.async_compile.maybe_warm_pool``, the call with which
   Inductor starts its pool of compile worker processes at its first compile (checked on 2.13; on 2.11 the
   GPU run of ``eval --speed`` shows it: where it is missing, its notes say so).
@@ -16,6 +19,7 @@ Checked against torch 2.11 (the GPU image) and 2.13.0 (the CPU build CI installs
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Iterator
 
 import torch
@@ -32,6 +36,31 @@ def raise_recompile_limit(at_least: int) -> None:
             return
     raise RuntimeError(f"torch {torch.__version__} has neither torch._dynamo.config.recompile_limit nor "
                        "cache_size_limit: update sparsekit.torch_compat")
+
+
+@contextlib.contextmanager
+def recompile_limit_raises():
+    """Within: a ``torch.compile``-d function that would need more variants than its recompile limit raises
+    (``is_recompile_limit_hit`` tells the error) instead of running uncompiled with only a log line."""
+    cfg = torch._dynamo.config
+    for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
+        if hasattr(cfg, name):
+            with cfg.patch(**{name: True}):
+                yield
+            return
+    raise RuntimeError(f"torch {torch.__version__} has neither torch._dynamo.config.fail_on_recompile_limit_hit "
+                       "nor fail_on_cache_limit_hit: update sparsekit.torch_compat")
+
+
+def is_recompile_limit_hit(e: BaseException) -> bool:
+    """Whether ``e`` is the error ``recompile_limit_raises`` makes torch raise."""
+    return type(e).__name__ in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+
+
+def recompile_limit() -> int:
+    """How many variants one compiled function may keep (``raise_recompile_limit``)."""
+    cfg = torch._dynamo.config
+    return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 0)))
 
 
 def start_compile_workers() -> None:

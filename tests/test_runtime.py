@@ -274,6 +274,46 @@ def test_a_compiled_step_that_breaks_is_an_error_when_strict_and_a_note_otherwis
         decoder.reset_compiled_layer()
 
 
+def test_a_compiled_step_out_of_variants_is_an_error_when_strict_and_a_note_otherwise(monkeypatch):
+    """No silent fallback past torch's recompile limit (which torch itself answers by running the layer uncompiled
+    with a log line): layers whose packed sizes were not equalized each need their own variant; with room for one,
+    the second layer raises under SPARSEKIT_STRICT and, without it, the step decodes uncompiled with one note that
+    says why. Equalized, the same stack decodes compiled, in that one variant, with no note."""
+    from sparsekit.runtime import decoder
+    from sparsekit.runtime.decoder import GreedyDecoder
+    from sparsekit.runtime.fusion import equalize_packed_sizes
+    from sparsekit.runtime.swap import sparsify
+
+    monkeypatch.setattr(decoder, "COMPILE_OPTIONS", {"backend": "aot_eager", "fullgraph": False})   # as shipped
+    monkeypatch.setattr(decoder, "raise_recompile_limit", lambda at_least: None)
+    model = pruned_tiny("llama")
+    sparsify(model)
+    ids = IDS[:, :6]
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1):      # (monkeypatch's undo would delete the setting)
+            for strict in ("1", "0"):
+                torch._dynamo.reset()
+                decoder.reset_compiled_layer()
+                monkeypatch.setenv("SPARSEKIT_STRICT", strict)
+                dec = GreedyDecoder(model, batch_size=2, max_len=12, use_graph=False, compile=True)
+                if strict == "1":
+                    with pytest.raises(SparsekitError, match="more than torch's 1 variants: layers of one shape"):
+                        dec.generate(ids, 4)
+                    continue
+                assert torch.equal(dec.generate(ids, 4), ref)
+                assert not dec.compile and len(dec.notes) == 1 and "more than torch's 1 variants" in dec.notes[0]
+            torch._dynamo.reset()
+            decoder.reset_compiled_layer()
+            equalize_packed_sizes(model)
+            dec = GreedyDecoder(model, batch_size=2, max_len=12, use_graph=False, compile=True)
+            assert torch.equal(dec.generate(ids, 4), ref) and dec.compile and dec.notes == []
+    finally:
+        torch._dynamo.reset()
+        decoder.reset_compiled_layer()
+
+
 # --- load_packed ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def packed_llama(tmp_path_factory):

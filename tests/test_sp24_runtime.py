@@ -108,3 +108,51 @@ def test_kernel_check_passes_and_a_wrong_kernel_is_one_line(monkeypatch):
         mod.kernel_check(dev)
     assert "\n" not in str(e.value)
     mod.forget_checks()
+
+
+def _hybrid(dense_tiles: set, seed: int) -> SparseLinear:
+    """A 128x192 layer (2 x 3 tiles of 64x64): the tiles of ``dense_tiles`` dense, the others 2:4."""
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(192, 128)
+    keep = nm_mask(torch.rand(128, 192, generator=g), 2, 4).bool()
+    for i, j in dense_tiles:
+        keep[64 * i:64 * i + 64, 64 * j:64 * j + 64] = True
+    with torch.no_grad():
+        lin.weight.copy_(torch.where(keep, lin.weight, 0.0))
+    return SparseLinear.from_linear(lin)
+
+
+def test_equalized_layouts_of_one_shape_have_one_size_and_compute_the_same(monkeypatch):
+    """``fusion.equalize_sp24_layouts``: hybrid layers of one shape with 1, 2 and 3 dense tiles get 2:4 and dense
+    buffers of one size (one compiled decoder layer serves them all), an all-2:4 layer keeps its empty dense
+    buffer (the kernels tell an all-2:4 weight by it), and the weights the layouts decode to, the CPU forward and
+    the kernel's product (simulator or GPU) do not change."""
+    from sparsekit.runtime.fusion import equalize_sp24_layouts
+    from sparsekit.runtime.sp24 import keep_only_sp24
+
+    monkeypatch.setenv("SPARSEKIT_STRICT", "0")
+    model = nn.Sequential(_hybrid({(0, 0)}, 0), _hybrid({(0, 1), (1, 2)}, 1), _hybrid({(0, 0), (1, 1), (1, 2)}, 2),
+                          _hybrid(set(), 3))
+    assert set(enable_sp24(model).values()) == {"sp24"}
+    before = [to_dense(_layout(m)) for m in model]
+    x = torch.randn(3, 192).half()
+    outs = [m(x) for m in model]
+    sizes = [(m.sp24_dense.numel(), m.sp24_sp.numel()) for m in model]
+    assert len(set(sizes[:3])) == 3 and sizes[3][0] == 0
+    added = equalize_sp24_layouts(model)
+    after = [(m.sp24_dense.numel(), m.sp24_sp.numel()) for m in model]
+    assert after[:3] == [(max(s[0] for s in sizes[:3]), max(s[1] for s in sizes[:3]))] * 3
+    assert after[3] == sizes[3]                                   # all 2:4: its dense buffer stays empty
+    total = sum(4 * (d + s) for d, s in sizes)
+    assert added == pytest.approx(sum(4 * (a[0] + a[1] - s[0] - s[1]) for a, s in zip(after, sizes)) / total)
+    assert all(torch.equal(to_dense(_layout(m)), b) for m, b in zip(model, before))
+    assert equalize_sp24_layouts(model) == 0.0                    # (already equal)
+    for m, y in zip(model, outs):
+        keep_only_sp24(m)
+        assert torch.equal(m(x), y)                               # the CPU path decodes the padded layout
+    if SIM or torch.cuda.is_available():
+        dev = "cpu" if SIM else "cuda"
+        for m, w in zip(model, before):
+            y = sp24_mm(x.to(dev), m.sp24_dense.to(dev), m.sp24_sp.to(dev), m.sp24_tiles.to(dev), 128)
+            ref = x.double() @ w.double().t()
+            assert float((y.cpu().double() - ref).norm() / ref.norm()) < 1e-3

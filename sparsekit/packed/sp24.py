@@ -223,7 +223,8 @@ def to_dense(layout: Sp24Layout) -> torch.Tensor:
     gm, gk = layout.grid
     is_sp = (layout.tiles & 1) == SP24
     tiles = torch.zeros((gm * gk, TILE, TILE), dtype=torch.int16, device=layout.device)
-    tiles[~is_sp] = _dense_tiles(layout.dense)
-    tiles[is_sp] = _sp_tiles(layout.sp)
+    n_sp = int(is_sp.sum())              # (a buffer may run past its last slot: runtime.fusion.equalize_sp24_layouts)
+    tiles[~is_sp] = _dense_tiles(layout.dense[: (is_sp.numel() - n_sp) * DENSE_TILE_WORDS])
+    tiles[is_sp] = _sp_tiles(layout.sp[: n_sp * SP_TILE_WORDS])
     w = tiles.reshape(gm, gk, TILE, TILE).permute(0, 2, 1, 3).reshape(gm * TILE, gk * TILE)
     return w[:m, :k].contiguous().view(torch.float16)

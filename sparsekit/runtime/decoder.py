@@ -16,8 +16,9 @@ residuals, casts: ~2 ms per step on a 32-layer 7B model even inside a graph, mea
 ``compile=True`` runs each decoder layer of the decode step through one ``torch.compile``-d call
 (regional compilation: every layer sees only its own slice of the cache, so the one compiled
 layer serves all of them and compiles in seconds); Inductor fuses that glue, while the sparse
-matmul stays one opaque op (``sparsekit::tcabme_mm``). If compiling fails the step runs uncompiled
-and ``notes`` says why (callers show each note as one line); with ``strict=True`` or
+matmul stays one opaque op (``sparsekit::tcabme_mm``). If compiling fails, or the compiled call would
+need more variants than torch keeps (which torch itself would run uncompiled without a word), the step runs
+uncompiled and ``notes`` says why (callers show each note as one line); with ``strict=True`` or
 ``SPARSEKIT_STRICT=1`` it raises instead. ``fusion.fuse_rms_norms`` is a cheaper, compile-free partial fix. The decoder
 leaves the model it is given as it is: give ``compile=True`` a model whose packed sizes were
 equalized (``fusion.equalize_packed_sizes`` / ``prepare_for_decode``), else every distinct size
@@ -43,7 +44,8 @@ from sparsekit.hf.compat import (LayerView, cache_kwarg, cache_layer, cache_laye
                                  layer_counters, make_static_cache)
 from sparsekit.hf.modules import find_decoder_layers, is_linear
 from sparsekit.runtime.sparse_linear import SparseLinear
-from sparsekit.torch_compat import raise_recompile_limit
+from sparsekit.torch_compat import (is_recompile_limit_hit, raise_recompile_limit, recompile_limit,
+                                    recompile_limit_raises)
 
 
 def _layer_call(layer, hidden_states, layer_cache, cache_name, args, kwargs):
@@ -140,7 +142,8 @@ class GreedyDecoder:
             try:
                 for i, w in enumerate(self._wrapped):
                     self._stack[i] = w
-                logits = self._forward(self.ids, self.pos)
+                with recompile_limit_raises():   # never torch's silent uncompiled run past its limit
+                    logits = self._forward(self.ids, self.pos)
             finally:
                 for i, layer in enumerate(originals):
                     self._stack[i] = layer
@@ -195,6 +198,9 @@ class GreedyDecoder:
             self._restore(saved)
             why = (f"torch.compile of the decode step failed ({type(e).__name__}: "
                    f"{(str(e).splitlines() or [''])[0][:200]})")
+            if is_recompile_limit_hit(e):
+                why = (f"the compiled decoder layer needed more than torch's {recompile_limit()} variants: layers of "
+                       "one shape differ in tensor sizes (equalize them: runtime.fusion.equalize_packed_sizes)")
             if self.strict:
                 raise SparsekitError(f"{why} (SPARSEKIT_STRICT is set: no fallback)") from e
             self.compile = False

@@ -52,6 +52,7 @@ from sparsekit.packed.sp24 import census_fits
 from sparsekit.hf.modules import set_submodule
 from sparsekit.progress import Progress, report
 from sparsekit.runtime import dispatch_cache
+from sparsekit.runtime.fusion import equalize_sp24_layouts
 from sparsekit.runtime.sparse_linear import SparseLinear, kernels_ready, release_kernel_caches
 from sparsekit.runtime.timing import graph_ms
 
@@ -185,8 +186,10 @@ def sp24_runs_note(report: dict, n_sparse: int) -> str | None:
     if not n24:
         return None
     where = "their only form: TCA-BME freed" if report.get("tcabme_freed_bytes") else "beside the packed weights"
+    pad = report.get("sp24_padding", 0.0)
+    padded = f", padded by {100 * pad:.2f}% to one size per shape" if pad else ""
     return (f"{n24} of {n_sparse} sparse layers run the 2:4 kernel (2:4 layouts: "
-            f"{report['sp24_layout_bytes'] / 2**30:.3f} GiB, {where}; --json: per shape)")
+            f"{report['sp24_layout_bytes'] / 2**30:.3f} GiB, {where}{padded}; --json: per shape)")
 
 
 def untimed_note(untimed: dict) -> str:
@@ -300,6 +303,8 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
             entry["form"] = f"sparse (kernel up to N={mods[0].dense_above}, decode + cuBLAS above)"
         out["groups"].append(entry)
         report(progress, "dispatch", gi + 1, len(groups))
+    if any(m.sp24_tiles is not None for m in names.values()):
+        out["sp24_padding"] = equalize_sp24_layouts(model)   # one compiled decoder layer for the whole stack
     if path is not None:
         out["cache"] = {"path": str(path), "groups_from_cache": hits}
         if hits < len(groups):

@@ -2,9 +2,9 @@
 
 * ``fuse_rms_norms``: HF's Llama-form RMSNorm -> ``FusedRMSNorm`` (two launches instead of eight).
 * ``fuse_projections``: q/k/v and gate/up -> one matmul each (``FusedProjection``).
-* ``equalize_packed_sizes``: pad the packed values of same-shaped ``SparseLinear`` layers to one
-  length, so that one compiled decoder layer serves the whole stack (``GreedyDecoder(compile=True)``
-  expects it; it does not change the model it is given).
+* ``equalize_packed_sizes``: pad the packed values (and any 2:4 layouts: ``equalize_sp24_layouts``) of
+  same-shaped ``SparseLinear`` layers to one length, so that one compiled decoder layer serves the whole
+  stack (``GreedyDecoder(compile=True)`` expects it; it does not change the model it is given).
 
 ``prepare_for_decode`` runs them in that order (``sparsekit eval --speed`` does, for both models).
 """
@@ -159,24 +159,57 @@ def equalize_packed_sizes(model: nn.Module) -> float:
 
     Layers of one shape then look alike to ``torch.compile`` (a tensor's size is part of what a
     compiled graph is specialised to), so the one compiled decoder layer serves the whole stack.
-    The padding sits past ``gtile_offsets[-1]`` and is never read. Returns the added fraction of
-    packed bytes (small: layers pruned to one sparsity differ by a fraction of a percent).
+    The padding sits past ``gtile_offsets[-1]`` and is never read. The 2:4 layouts a layer holds
+    already are padded too (``equalize_sp24_layouts``). Returns the added fraction of packed bytes
+    (small: layers pruned to one sparsity differ by a fraction of a percent).
     """
     groups: dict = {}
     for mod in model.modules():
         if isinstance(mod, SparseLinear) and not mod.sp24_only:   # (a freed TCA-BME form stays empty)
             groups.setdefault((mod.out_features, mod.in_features, mod.values.dtype), []).append(mod)
+    added, total = _pad_to_longest(groups, ("values",))
+    sp_added, sp_total = _equalize_sp24(model)
+    if added or sp_added:
+        release_kernel_caches()  # else the kernels' cached views keep the unpadded copies alive
+    return (added + sp_added) / max(1, total + sp_total)
+
+
+def equalize_sp24_layouts(model: nn.Module) -> float:
+    """Pad the 2:4 layouts (``runtime.sp24``) of same-shaped ``SparseLinear`` layers to one size, in place, as
+    ``equalize_packed_sizes`` does for the packed values: a hybrid mask's layers hold different numbers of 2:4 and
+    dense tiles, so without it every layer of a stack compiles its own variant of the decoder layer (H100, a 7B-shaped
+    hybrid model: torch's limit of 64 variants hit at the third batch size, the rest decoded uncompiled). Layers whose
+    dense (or 2:4) tile buffer is empty stay empty, so the kernels still see an all-2:4 weight as one. The padding
+    sits past the last slot the tile table names and is never read. Returns the added fraction of layout bytes."""
+    added, total = _equalize_sp24(model)
+    if added:
+        release_kernel_caches()
+    return added / max(1, total)
+
+
+def _equalize_sp24(model: nn.Module) -> tuple[int, int]:
+    groups: dict = {}
+    for mod in model.modules():
+        if isinstance(mod, SparseLinear) and mod.sp24_tiles is not None:
+            key = (mod.out_features, mod.in_features, mod.sp24_dense.numel() > 0, mod.sp24_sp.numel() > 0)
+            groups.setdefault(key, []).append(mod)
+    return _pad_to_longest(groups, ("sp24_dense", "sp24_sp"))
+
+
+def _pad_to_longest(groups: dict, names: tuple[str, ...]) -> tuple[int, int]:
+    """Pad the 1-D buffers ``names`` of every module of each group with zeros to the longest of the group;
+    returns (bytes added, bytes before)."""
     added = total = 0
     for mods in groups.values():
-        longest = max(m.values.numel() for m in mods)
-        for m in mods:
-            n = m.values.numel()
-            total += n
-            if n < longest:
-                padded = m.values.new_zeros(longest)
-                padded[:n] = m.values
-                m.values = padded
-                added += longest - n
-    if added:
-        release_kernel_caches()  # else the kernels' cached views keep the unpadded copies alive
-    return added / max(1, total)
+        for name in names:
+            longest = max(getattr(m, name).numel() for m in mods)
+            for m in mods:
+                t = getattr(m, name)
+                n = t.numel()
+                total += n * t.element_size()
+                if n < longest:
+                    padded = t.new_zeros(longest)
+                    padded[:n] = t
+                    setattr(m, name, padded)
+                    added += (longest - n) * t.element_size()
+    return added, total
