@@ -10,7 +10,7 @@ from sparsekit.errors import SparsekitError
 from sparsekit.kernels.common import SIM
 from sparsekit.packed.sp24 import to_dense
 from sparsekit.pruning.patterns import nm_mask
-from sparsekit.runtime.sp24 import enable_sp24, sp24_mm
+from sparsekit.runtime.sp24 import enable_sp24, layout_of, sp24_mm
 from sparsekit.runtime.sparse_linear import SparseLinear
 
 
@@ -31,16 +31,10 @@ def test_off_by_default_and_on_only_for_eligible_layers(monkeypatch):
     assert report["0"] == "sp24" and "neither 2:4 nor dense" in report["1"]
     assert [m.form for m in model] == ["sp24", "tcabme"]
     assert "form=sp24" in repr(model[0])
-    assert torch.equal(to_dense(_layout(model[0])), w)
+    assert torch.equal(to_dense(layout_of(model[0])), w)
     assert not any("sp24" in k for k in model.state_dict())      # nothing new on disk
     model[0].use_sp24(None)
     assert model[0].form == "tcabme"
-
-
-def _layout(m):
-    from sparsekit.packed.sp24 import Sp24Layout
-
-    return Sp24Layout(m.sp24_dense, m.sp24_sp, m.sp24_tiles, (m.out_features, m.in_features))
 
 
 def test_strict_mode_makes_an_ineligible_layer_an_error(monkeypatch):
@@ -134,7 +128,7 @@ def test_equalized_layouts_of_one_shape_have_one_size_and_compute_the_same(monke
     model = nn.Sequential(_hybrid({(0, 0)}, 0), _hybrid({(0, 1), (1, 2)}, 1), _hybrid({(0, 0), (1, 1), (1, 2)}, 2),
                           _hybrid(set(), 3))
     assert set(enable_sp24(model).values()) == {"sp24"}
-    before = [to_dense(_layout(m)) for m in model]
+    before = [to_dense(layout_of(m)) for m in model]
     x = torch.randn(3, 192).half()
     outs = [m(x) for m in model]
     sizes = [(m.sp24_dense.numel(), m.sp24_sp.numel()) for m in model]
@@ -145,7 +139,7 @@ def test_equalized_layouts_of_one_shape_have_one_size_and_compute_the_same(monke
     assert after[3] == sizes[3]                                   # all 2:4: its dense buffer stays empty
     total = sum(4 * (d + s) for d, s in sizes)
     assert added == pytest.approx(sum(4 * (a[0] + a[1] - s[0] - s[1]) for a, s in zip(after, sizes)) / total)
-    assert all(torch.equal(to_dense(_layout(m)), b) for m, b in zip(model, before))
+    assert all(torch.equal(to_dense(layout_of(m)), b) for m, b in zip(model, before))
     assert equalize_sp24_layouts(model) == 0.0                    # (already equal)
     for m, y in zip(model, outs):
         keep_only_sp24(m)
