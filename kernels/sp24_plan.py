@@ -109,7 +109,10 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = F
       rows' 0.99 at 16). Past 256 tokens too (docs/kernels-notes.md "v31", its prefill tile of ``ws_tokens``):
       at 512 / 2048 / 4096 tokens 22016x4096 0.53 / 0.62 / 0.58 against rows' 0.30 / 0.33 / 0.32, 28672x8192
       0.65 / 0.77 / 0.76 against 0.32 / 0.36 / 0.35, 4096x11008 0.41 / 0.68 / 0.68 against 0.22 / 0.22 / 0.24,
-      12288x4096 0.49 / 0.59 / 0.58 against 0.32 / 0.31 / 0.32.
+      12288x4096 0.49 / 0.59 / 0.58 against 0.32 / 0.31 / 0.32. And past WS_ANY_FROM tokens on every all-2:4 weight
+      ("v37"): at 257 / 512 / 1024 / 2048 / 4096 tokens 4096x4096 0.57 / 0.69 / 0.88 / 0.90 / 0.84 against rows' 0.38 /
+      0.33 / 0.31 / 0.32 / 0.32, 8192x8192 0.45 / 0.77 / 1.02 / 0.89 / 0.93 against 0.31 / 0.30 / 0.35 / 0.36 / 0.38,
+      5120x5120 0.34 / 0.39 / 0.60 / 0.77 / 0.90 against 0.30 / 0.29 / 0.28 / 0.31 / 0.31.
     - Below WS_MIN_N tokens elsewhere, rows (22016x4096 1.59 at one token against wg's 1.50).
     - Weights with dense tiles: rows. sp24_ws takes them (``kernel="ws"``) but measured slower: 22016x4096
       at 35% (hybrid) 1.05 / 1.08 / 0.67 / 0.77 at 1 / 16 / 32 / 64 tokens against rows' 1.32 / 1.24 /
@@ -124,7 +127,7 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = F
         return "wg"
     if wg_ok and not hybrid and wg_few(m, k, n):
         return "wg"
-    if wg_ok and not hybrid and (m >= WS_MIN_M or deep) and n >= WS_MIN_N:
+    if wg_ok and not hybrid and ((m >= WS_MIN_M or deep) and n >= WS_MIN_N or n > WS_ANY_FROM):
         return "ws"
     if n >= ROWS_AUTO_N:
         return "rows"
@@ -200,6 +203,7 @@ WG_DEEP_K = 8192                # ... and K-deep ones (this many columns or more
 WS_MIN_M = 12288                # sp24_ws on weights of this many rows or more (or K-deep ones) ...
 WS_MIN_N = 16                   # ... from this many tokens on (sp24_wg below it, on tall and deep weights; past 256
 #                                 tokens, prefill, it beats rows 1.6-3x: H100, docs/kernels-notes.md "v31")
+WS_ANY_FROM = 256               # kernel_for: sp24_ws on every all-2:4 weight past this many tokens (v37)
 WS_WIDE_NT = 256                # sp24_ws's prefill tile: tokens per output tile past 256 tokens on tall weights, ...
 WS_WIDE_FROM = 1024             # ... and from this many tokens on the others (128 below: H100, "v31")
 WS_STAGES_FEW, WS_STAGES_MANY = 6, 4   # sp24_ws's ring up to 32 tokens a tile, and from 64 (H100 sweeps, v35)

@@ -150,3 +150,29 @@ def test_equalized_layouts_of_one_shape_have_one_size_and_compute_the_same(monke
             y = sp24_mm(x.to(dev), m.sp24_dense.to(dev), m.sp24_sp.to(dev), m.sp24_tiles.to(dev), 128)
             ref = x.double() @ w.double().t()
             assert float((y.cpu().double() - ref).norm() / ref.norm()) < 1e-3
+
+
+def test_a_layer_with_only_its_layout_decodes_it_for_cublas_above_its_count(monkeypatch):
+    """``keep_only_sp24``: the 2:4 kernel up to DECODE_ABOVE_HYBRID tokens on a layer with dense tiles (sp24_rows is
+    slow at prefill) and DECODE_ABOVE_24 on an all-2:4 one, and above that the layout decoded by the decode kernel
+    for cuBLAS: the op ``sp24_dense_mm`` (simulator or GPU) gives the product of F.linear on the decoded weight."""
+    from sparsekit.runtime.sp24 import DECODE_ABOVE_24, DECODE_ABOVE_HYBRID, keep_only_sp24, sp24_dense_mm
+
+    if not SIM and not torch.cuda.is_available():
+        pytest.skip("neither the CUDA simulator nor a GPU")
+    monkeypatch.setenv("SPARSEKIT_STRICT", "0")
+    model = nn.Sequential(_hybrid({(1, 2)}, 4), _hybrid(set(), 5))
+    enable_sp24(model)
+    for m in model:
+        keep_only_sp24(m)
+    assert DECODE_ABOVE_HYBRID < DECODE_ABOVE_24
+    assert model[0].dense_above == DECODE_ABOVE_HYBRID and model[0].sp24_at(DECODE_ABOVE_HYBRID)
+    assert not model[0].sp24_at(DECODE_ABOVE_HYBRID + 1)
+    assert model[1].dense_above == DECODE_ABOVE_24 and not model[1].sp24_at(DECODE_ABOVE_24 + 1)
+    dev = "cpu" if SIM else "cuda"
+    x = torch.randn(5, 192).half()
+    for m in model:
+        w = to_dense(layout_of(m))
+        y = sp24_dense_mm(x.to(dev), m.sp24_dense.to(dev), m.sp24_sp.to(dev), m.sp24_tiles.to(dev), 128)
+        assert torch.equal(y.cpu(), torch.nn.functional.linear(x.to(dev), w.to(dev)).cpu())
+        assert torch.equal(m(x), torch.nn.functional.linear(x, w, m.bias.half()))     # the CPU path: the same

@@ -333,3 +333,34 @@ def test_ws_stamps_build_computes_the_product_and_stamps_every_step_in_order():
     assert wall < 2**32, "the call outlasted the timer's wrap: its start and end cannot be told apart"
     took = (plan["end_ns"] - plan["start_ns"]) & 0xFFFFFFFF
     assert ((took > 0) & (took <= wall)).all()
+
+
+@pytest.mark.parametrize("m,k,kind", [
+    (64, 64, "2:4"),          # one 2:4 tile
+    (100, 136, "2:4"),        # M, K padding
+    (128, 192, "hybrid"),     # a random mosaic of both kinds
+    (100, 192, "halves"),     # tile column 0 dense, the others 2:4; M padding
+    (64, 128, "dense"),       # no 2:4 tile: the 2:4 buffer is empty
+])
+def test_layout_decode_kernel_is_bit_exact(m, k, kind):
+    """kernels/sp24_decode.py (the prefill path of a layer that keeps only its 2:4 layout) rebuilds exactly what
+    ``packed.sp24.to_dense`` does, -0.0 kept, also from buffers padded past their last slot (fusion's padding)."""
+    from sparsekit.kernels.sp24_decode import sp24_decode
+
+    g = torch.Generator().manual_seed(m + k)
+    w = _weight(m, k, kind, g)
+    w = torch.where(w == 0, torch.zeros_like(w), w)
+    w[m - 1, k - 1] = torch.where(w[m - 1, k - 1] != 0, 2.5, 0.0)   # the last real element (the mask kept)
+    w[0, 1] = -0.0                                     # a -0.0: kept in a dense tile, +0.0 in a 2:4 one
+    lay = sp24.transcode(w)
+    want = sp24.to_dense(lay).view(torch.int16)
+    got = sp24_decode(lay.to(DEV))
+    assert got.shape == (m, k) and got.dtype == torch.float16
+    assert torch.equal(got.cpu().view(torch.int16), want)
+    pad = sp24.Sp24Layout(dense=torch.cat([lay.dense, torch.full((2048,), -1, dtype=torch.int32)]),
+                          sp=torch.cat([lay.sp, torch.full((1152,), -1, dtype=torch.int32)]),
+                          tiles=lay.tiles, shape=lay.shape)
+    assert torch.equal(sp24_decode(pad.to(DEV)).cpu().view(torch.int16), want)
+    swapped = _swapped_metadata(lay) if lay.sp.numel() else None     # a metadata bug must show
+    if swapped is not None:
+        assert not torch.equal(sp24_decode(swapped.to(DEV)).cpu().view(torch.int16), want)

@@ -29,6 +29,7 @@ from sparsekit.kernels.sp24 import sp24_matmul
 from sparsekit.kernels.sp24_probe import c_fragment, mma_sp_once, random_operands, swap_halves
 from sparsekit.packed.sp24 import transcode
 from sparsekit.pruning.patterns import nm_mask
+from sparsekit.runtime.sp24 import sp24_dense_mm_eager
 
 CHECK_SHAPES = [(4096, 4096), (22016, 4096), (4096, 11008), (100, 72), (200, 130), (1000, 333), (64, 4160),
                 (130, 1000)]
@@ -64,6 +65,15 @@ def mosaic(m: int, k: int, sp_frac: float, gen: torch.Generator) -> torch.Tensor
         tiles[:] = True
     sp = tiles.repeat_interleave(64, 0).repeat_interleave(64, 1)[:m, :k]
     return torch.where(sp, w * keep, w)
+
+
+def matmul(x: torch.Tensor, lay, out: torch.Tensor | None = None, kernel: str = "auto", **plan) -> torch.Tensor:
+    """``sp24_matmul``, or with ``kernel="decode"`` the prefill path of a layer that keeps only its 2:4 layout: the
+    layout decoded (``kernels.sp24_decode``), then cuBLAS (``runtime.sp24.sp24_dense_mm_eager``)."""
+    if kernel != "decode":
+        return sp24_matmul(x, lay, out=out, kernel=kernel, **plan)
+    y = sp24_dense_mm_eager(x, lay.dense, lay.sp, lay.tiles, lay.shape[0])
+    return y if out is None else out.copy_(y)
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -115,7 +125,7 @@ def check(shapes, ns, quick: bool, kernels=("auto", "rows", "warps")) -> int:
                 for kw in variants:
                     out = torch.full((n, m), float("nan"), dtype=torch.float16, device=DEV)
                     try:
-                        sp24_matmul(x, lay, out=out, **kw)
+                        matmul(x, lay, out=out, **kw)
                     except ValueError:
                         if len(kw) == 1:            # a kernel's own plan must always run
                             raise
@@ -137,10 +147,10 @@ def check(shapes, ns, quick: bool, kernels=("auto", "rows", "warps")) -> int:
         w = mosaic(m, k, 1.0 if kn in ("wg", "ws") else 0.5, gen)
         lay = transcode(w)
         x = torch.randn(9, k, device=DEV, generator=gen).half()
-        y = sp24_matmul(x, lay, kernel=kn)
+        y = matmul(x, lay, kernel=kn)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            y = sp24_matmul(x, lay, kernel=kn)
+            y = matmul(x, lay, kernel=kn)
         for _ in range(3):
             x.copy_(torch.randn(9, k, device=DEV, generator=gen).half())
             y.fill_(float("nan"))
@@ -194,10 +204,10 @@ def bench(shapes, ns, hybrids, kernels=("auto", "rows", "warps"), sweep: bool = 
             row = f"| {m}x{k} | {n} | {t_cublas:.1f} | {t_semi:.1f} | {t_cublas / t_semi:.2f}"
             for kn in kernels:
                 plan = WS_PLAN if kn == "ws" else {}
-                t_sp, _ = time_calls([lambda lay=lay: sp24_matmul(x, lay, kernel=kn, **plan) for lay in lays])
+                t_sp, _ = time_calls([lambda lay=lay: matmul(x, lay, kernel=kn, **plan) for lay in lays])
                 row += f" | {t_sp:.1f} | {t_cublas / t_sp:.2f}"
             for lays_h in hyb:
-                t_h, _ = time_calls([lambda lay=lay: sp24_matmul(x, lay, kernel=kernels[0]) for lay in lays_h])
+                t_h, _ = time_calls([lambda lay=lay: matmul(x, lay, kernel=kernels[0]) for lay in lays_h])
                 row += f" | {t_h:.1f} | {t_cublas / t_h:.2f}"
             print(row + " |", flush=True)
             if sweep:
@@ -226,7 +236,7 @@ def main() -> int:
     ap.add_argument("--check-shapes", default=None, help="correctness shapes MxK")
     ap.add_argument("--hybrid", default="0.35", help="hybrid sparsities to time (share of 2:4 tiles = s / 0.5)")
     ap.add_argument("--kernels", default="auto,rows,warps", help="2:4 kernels to check and time: auto, rows, warps, "
-                    "wg and ws (Hopper only)")
+                    "wg and ws (Hopper only), and decode (the layout decoded, then cuBLAS: the prefill path)")
     ap.add_argument("--sweep", action="store_true", help="also time forced sp24_rows plans (splits, tokens, stages)")
     ap.add_argument("--build", default=None, help="sp24_ws built another way for every check and timing "
                     "(sparsekit.kernels.sp24_ws_probe.VARIANTS, e.g. pipelined; plans it does not apply to run the "

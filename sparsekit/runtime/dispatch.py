@@ -22,8 +22,9 @@ crossover (Hopper's warpgroup kernel, from 32 tokens on tall weights), dense abo
 2:4 kernel never wins gives its layouts back. The report says per group which kernel runs up to which
 token count (``form``, ``sp24_max_n``, ``sp24_from_n``) and the bytes the layouts take. With ``prefer="memory"`` a
 group keeps one form only: its 2:4 layout where that kernel took less time than TCA-BME over the token counts timed
-(the TCA-BME buffers freed, ``runtime.sp24.keep_only_sp24``: the layout then runs at every count, prefill included,
-at about the same ~1.1 bytes a weight), else TCA-BME (``tcabme_freed_bytes`` in the report counts what was freed).
+(the TCA-BME buffers freed, ``runtime.sp24.keep_only_sp24``: its kernel then runs up to ``decode_above`` tokens and
+the layout is decoded for cuBLAS above, prefill, at about the same ~1.1 bytes a weight), else TCA-BME
+(``tcabme_freed_bytes`` in the report counts what was freed).
 
 **Small weights are not timed** (issue 20). With ``prefer="speed"``, a group whose weight has fewer than
 ``UNTIMED_BELOW`` (2^21) elements runs dense at once, without compiling or timing any kernel for it. At
@@ -353,8 +354,8 @@ def _one_form(mods: list[SparseLinear], rows: list[dict], out: dict[str, Any]) -
     out["tcabme_freed_bytes"] = out.get("tcabme_freed_bytes", 0) + sum(keep_only_sp24(m) for m in mods)
     out["sp24_layout_bytes"] += sum(m.sp24_bytes() for m in mods)
     release_kernel_caches()   # the kernels' cached views would keep the freed buffers alive
-    return (f"2:4 kernel at every token count ({sp24_ms / tcabme_ms:.2f}x TCA-BME's time at {counts}; its layout the "
-            "only form, TCA-BME freed)")
+    return (f"2:4 kernel up to N={mods[0].dense_above}, decode + cuBLAS above ({sp24_ms / tcabme_ms:.2f}x TCA-BME's "
+            f"time at {counts}; its layout the only form, TCA-BME freed)")
 
 
 def _sp24_form(rows: list[dict], sp24_n: int, sp24_from: int, max_n: int) -> str:

@@ -6,11 +6,11 @@ nothing changes on disk). Those layers then run ``sparsekit.kernels.sp24.sp24_ma
 cores on 2:4 tiles, ``mma.sync`` on dense ones; Hopper's warpgroup kernel where it measured faster) on a
 GPU wherever they would run the TCA-BME kernel (fp16, at most ``dense_above`` tokens) at the token counts
 ``SparseLinear.sp24_at`` allows (up to ``sp24_max_n``, and from ``sp24_from_n`` when set); prefill and the
-CPU keep their paths. The dispatch plan (``runtime.dispatch``, ``prefer="speed"``, under
+CPU keep their paths (a layer with no other form decodes its layout there: ``sp24_dense_linear``). The dispatch plan (``runtime.dispatch``, ``prefer="speed"``, under
 ``SPARSEKIT_SP24=1`` until the path is on by default) calls it for the layers whose encode-time tile
 census fits, times both kernels, and keeps each layout only where the 2:4 kernel measures faster. With
 ``prefer="memory"`` a layer keeps one form: :func:`keep_only_sp24` frees its TCA-BME buffers where the layout wins,
-and the 2:4 kernel then runs at every token count.
+and the 2:4 kernel then runs up to ``decode_above`` tokens (the layout decoded for cuBLAS above).
 """
 from __future__ import annotations
 
@@ -19,10 +19,19 @@ from typing import Optional
 import torch
 from torch import nn
 
+import torch.nn.functional as F
+
 from sparsekit.errors import SparsekitError, strict_mode
 from sparsekit.packed.sp24 import Sp24Layout, to_dense, transcode
 
-ALWAYS = 1 << 62   # more tokens than any call: a layer that keeps only its 2:4 layout runs its kernel at every count
+ALWAYS = 1 << 62   # more tokens than any call (a layer's 2:4 kernel up to it: at every count)
+# A layer that keeps only its 2:4 layout (``keep_only_sp24``) runs its kernel up to this many tokens, and above
+# decodes the layout (``kernels.sp24_decode``, one kernel) and runs cuBLAS. H100, x cuBLAS, kernel against decode +
+# cuBLAS (docs/kernels-notes.md "v37"): with dense tiles (the kernel is sp24_rows) 0.35-0.48 against 0.38-0.44 at
+# 128 tokens, 0.27-0.30 against 0.40-0.51 at 256, 0.22-0.24 against 0.85-0.89 at 4096; all-2:4 (sp24_ws) 0.91-0.97
+# against 0.69-0.70 at 1024, 0.79-1.03 against 0.87-0.94 at 4096 (22016x4096 the one that stays with the kernel).
+DECODE_ABOVE_HYBRID = 128
+DECODE_ABOVE_24 = 2048
 
 
 def sp24_mm_eager(x: torch.Tensor, dense: torch.Tensor, sp: torch.Tensor, tiles: torch.Tensor, out_features: int,
@@ -116,17 +125,57 @@ def layout_of(m) -> Sp24Layout:
     return Sp24Layout(dense=m.sp24_dense, sp=m.sp24_sp, tiles=m.sp24_tiles, shape=(m.out_features, m.in_features))
 
 
-def sp24_weight(m, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The ``[out, in]`` weight of a layer that keeps only its 2:4 layout, decoded from it (exact; torch ops)."""
-    w = to_dense(layout_of(m))
+def sp24_weight(m, dtype: torch.dtype | None = None, use_kernel: bool = False) -> torch.Tensor:
+    """The ``[out, in]`` weight of a layer that keeps only its 2:4 layout, decoded from it (exact): torch ops, or with
+    ``use_kernel`` on a GPU the decode kernel (``kernels.sp24_decode``: no host sync)."""
+    lay = layout_of(m)
+    if use_kernel and lay.tiles.is_cuda:
+        from sparsekit.kernels.sp24_decode import sp24_decode
+
+        w = sp24_decode(lay)
+    else:
+        w = to_dense(lay)
     return w if dtype is None else w.to(dtype)
+
+
+def sp24_dense_mm_eager(x: torch.Tensor, dense: torch.Tensor, sp: torch.Tensor, tiles: torch.Tensor,
+                        out_features: int) -> torch.Tensor:
+    """``x[N, K] @ W^T`` with W decoded from its 2:4 layout by the decode kernel, then cuBLAS (a compiled step takes
+    it as the op ``sp24_dense_mm``)."""
+    from sparsekit.kernels.sp24_decode import sp24_decode
+
+    w = sp24_decode(Sp24Layout(dense=dense, sp=sp, tiles=tiles, shape=(out_features, x.shape[1])))
+    return F.linear(x, w.to(x.dtype))
+
+
+sp24_dense_mm = torch.library.custom_op("sparsekit::sp24_dense_mm", mutates_args=())(sp24_dense_mm_eager)
+
+
+@sp24_dense_mm.register_fake
+def _sp24_dense_mm_fake(x, dense, sp, tiles, out_features):
+    return x.new_empty((x.shape[0], out_features))
+
+
+def sp24_dense_linear(m, x: torch.Tensor, kernels: bool) -> torch.Tensor:
+    """``x[N, K] @ W^T`` (no bias) for a layer that keeps only its 2:4 layout, where its kernel does not run (more than
+    ``dense_above`` tokens, another dtype, no kernels): the layout decoded, then cuBLAS. ``kernels``: the bundled
+    kernels can run (the decode kernel, or inside a compiled step the op ``sp24_dense_mm``); else torch ops."""
+    if kernels and x.is_cuda:
+        fn = sp24_dense_mm if torch.compiler.is_compiling() else sp24_dense_mm_eager
+        return fn(x, m.sp24_dense, m.sp24_sp, m.sp24_tiles, m.out_features)
+    return F.linear(x, sp24_weight(m, x.dtype))
+
+
+def decode_above(m) -> int:
+    """The token count above which a layer that keeps only its 2:4 layout decodes it and runs cuBLAS."""
+    return DECODE_ABOVE_HYBRID if m.sp24_dense.numel() else DECODE_ABOVE_24
 
 
 def keep_only_sp24(m) -> int:
     """``prefer="memory"`` (``runtime.dispatch``): make the 2:4 layout of ``SparseLinear`` ``m`` the only copy of its
-    weight. Its TCA-BME buffers are freed (left empty), the 2:4 kernel runs at every token count on a GPU (prefill
-    included: sp24_ws's wide tiles on Hopper), and ``dense_weight`` decodes the layout (the CPU path, ``to_linear``,
-    ``dequantize``). The layer has no TCA-BME form afterwards (``packed`` says so). Returns the bytes freed."""
+    weight. Its TCA-BME buffers are freed (left empty), the 2:4 kernel runs up to ``decode_above`` tokens on a GPU,
+    and above them, as on the CPU (``to_linear``, ``dequantize``), the layer decodes the layout (``sp24_dense_linear``).
+    The layer has no TCA-BME form afterwards (``packed`` says so). Returns the bytes freed."""
     if m.sp24_tiles is None:
         raise SparsekitError("keep_only_sp24 needs the layer's 2:4 layout first (use_sp24)")
     if m.sp24_only:
@@ -140,5 +189,5 @@ def keep_only_sp24(m) -> int:
     m.n_values = 0
     m._packed = m._packed_src = None
     m.sp24_only = True
-    m.sp24_max_n = m.dense_above = ALWAYS
+    m.sp24_max_n, m.dense_above = ALWAYS, decode_above(m)
     return freed

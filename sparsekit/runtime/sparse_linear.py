@@ -12,7 +12,7 @@ Which path runs ``y = x @ W^T + b`` (``N`` = number of tokens, all leading dims 
 * CUDA, ``N > dense_above`` (prefill) -> decode the tiles to a dense weight on the GPU (``sparsekit.kernels.decode``;
   inside a compiled or captured step too, through the op ``tcabme_mm``: no host sync), then ``F.linear``. The
   threshold: ``SPARSEKIT_DENSE_ABOVE`` or per module (``layer.dense_above = n``). A layer that keeps only its 2:4
-  layout (``runtime.sp24.keep_only_sp24``, ``prefer="memory"``) runs the 2:4 kernel at every N instead.
+  layout (``runtime.sp24.keep_only_sp24``, ``prefer="memory"``) decodes that (``sp24_dense_linear``) instead.
 * Anything else (CPU, bf16/fp32 activations, kernels missing) -> the reference path (decode + matmul in the
   activation dtype), announced once per process on the CPU. The packed tensors are module buffers, so
   ``model.to(device)`` moves them with the rest.
@@ -32,7 +32,7 @@ from sparsekit.hf.modules import weight_out_in
 from sparsekit.errors import SparsekitError, SparsekitWarning
 from sparsekit.packed.tcabme import TcaBme, decode, decode_dense, encode
 from sparsekit.runtime.slabs import sp24_slabs, tcabme_slabs
-from sparsekit.runtime.sp24 import sp24_mm, sp24_mm_eager, sp24_weight
+from sparsekit.runtime.sp24 import sp24_dense_linear, sp24_mm, sp24_mm_eager, sp24_weight
 
 # Kernel up to and including this many tokens, decode + cuBLAS above: measured on an H100 with
 # scripts/checks/gpu_runtime.py (7B shapes, 50%, eager calls; see docs/benchmarks.md, "End to end").
@@ -352,8 +352,8 @@ class SparseLinear(nn.Module):
         if x2.is_cuda:
             if self.sp24_at(n) and x2.dtype == torch.float16 and kernels_ready():
                 return self.sp24_forward(x2).reshape(*lead, self.out_features)
-            elif self.sp24_only:   # another dtype, or no kernels: the layout decoded (no TCA-BME form to read)
-                y = F.linear(x2, self.dense_weight(x2.dtype))
+            elif self.sp24_only:   # prefill, another dtype, or no kernels: the layout decoded (no TCA-BME form)
+                y = sp24_dense_linear(self, x2, kernels_ready())
             elif (n <= self.dense_above and x2.dtype == torch.float16 and self.values.dtype == torch.float16
                     and kernels_ready()):
                 return self.kernel_forward(x2).reshape(*lead, self.out_features)
