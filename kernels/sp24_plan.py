@@ -114,9 +114,13 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = F
       0.33 / 0.31 / 0.32 / 0.32, 8192x8192 0.45 / 0.77 / 1.02 / 0.89 / 0.93 against 0.31 / 0.30 / 0.35 / 0.36 / 0.38,
       5120x5120 0.34 / 0.39 / 0.60 / 0.77 / 0.90 against 0.30 / 0.29 / 0.28 / 0.31 / 0.31.
     - Below WS_MIN_N tokens elsewhere, rows (22016x4096 1.59 at one token against wg's 1.50).
-    - Weights with dense tiles: rows. sp24_ws takes them (``kernel="ws"``) but measured slower: 22016x4096
-      at 35% (hybrid) 1.05 / 1.08 / 0.67 / 0.77 at 1 / 16 / 32 / 64 tokens against rows' 1.32 / 1.24 /
-      1.06 / 0.78.
+    - Weights with dense tiles: rows up to 32 tokens, sp24_ws (``kernel="ws"``) from WS_HYBRID_FROM tokens on tall or
+      K-deep weights (WS_MIN_M rows, or WG_DEEP_K columns) and from WS_HYBRID_ANY_FROM on all. H100, 35% (70% of tiles
+      2:4), x cuBLAS at 1 / 8 / 16 / 32 / 64 / 128 tokens ("v37"): 22016x4096 ws 1.25 / 1.32 / 1.23 / 0.75 / 1.21 /
+      0.75 against rows' 1.50 / 1.47 / 1.41 / 1.20 / 0.86 / 0.47; 12288x4096 0.98 / 1.02 / 1.02 / 1.05 / 0.96 / 0.91
+      against 1.18 / 1.21 / 1.09 / 0.84 / 0.56 / 0.49; 4096x11008 0.87 / 0.96 / 0.95 / 0.89 / 0.82 / 0.68 against
+      1.22 / 1.19 / 1.18 / 0.98 / 0.68 / 0.40; 4096x4096 0.46-0.51 at every count against 1.18 / 1.02 / 1.12 / 0.80 /
+      0.56 / 0.37.
     - "wg" also on K-deep weights of WG_FEW_MAX_M rows or fewer up to WG_FEW_N tokens, with the ring and split
       ``wg_plan`` gives them (H100, docs/kernels-notes.md "v27"): 4096x11008 24.8 / 25.0 / 25.7 us at 1 / 2 /
       4 tokens against rows' 26.9 / 26.7 / 27.1 (1.44x cuBLAS at one token against 1.32); 4096x14336 30.7 /
@@ -128,6 +132,8 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = F
     if wg_ok and not hybrid and wg_few(m, k, n):
         return "wg"
     if wg_ok and not hybrid and ((m >= WS_MIN_M or deep) and n >= WS_MIN_N or n > WS_ANY_FROM):
+        return "ws"
+    if wg_ok and hybrid and ((m >= WS_MIN_M or deep) and n >= WS_HYBRID_FROM or n >= WS_HYBRID_ANY_FROM):
         return "ws"
     if n >= ROWS_AUTO_N:
         return "rows"
@@ -203,6 +209,8 @@ WG_DEEP_K = 8192                # ... and K-deep ones (this many columns or more
 WS_MIN_M = 12288                # sp24_ws on weights of this many rows or more (or K-deep ones) ...
 WS_MIN_N = 16                   # ... from this many tokens on (sp24_wg below it, on tall and deep weights; past 256
 #                                 tokens, prefill, it beats rows 1.6-3x: H100, docs/kernels-notes.md "v31")
+WS_HYBRID_FROM = 64             # kernel_for: sp24_ws on weights with dense tiles from this many tokens (tall or deep
+WS_HYBRID_ANY_FROM = 128        # ones), and from this many on all (sp24_rows below; v37)
 WS_ANY_FROM = 256               # kernel_for: sp24_ws on every all-2:4 weight past this many tokens (v37)
 WS_WIDE_NT = 256                # sp24_ws's prefill tile: tokens per output tile past 256 tokens on tall weights, ...
 WS_WIDE_FROM = 1024             # ... and from this many tokens on the others (128 below: H100, "v31")

@@ -68,7 +68,18 @@ def test_a_forced_plan_too_big_for_shared_memory_is_one_clear_error():
 def test_auto_takes_the_warpgroup_kernels_only_where_they_measured_faster(m, k, n, kernel):
     assert sp24_plan.kernel_for(m, k, n, wg_ok=True) == kernel
     assert sp24_plan.kernel_for(m, k, n, wg_ok=False) not in ("wg", "ws")   # not Hopper: never
-    assert sp24_plan.kernel_for(m, k, n, wg_ok=True, hybrid=True) not in ("wg", "ws")   # dense tiles: rows won
+    assert sp24_plan.kernel_for(m, k, n, wg_ok=True, hybrid=True) != "wg"   # dense tiles: never the wg kernel
+
+
+@pytest.mark.parametrize("m,k,n,kernel", [
+    (22016, 4096, 1, "rows"), (22016, 4096, 32, "rows"), (22016, 4096, 64, "ws"), (12288, 4096, 63, "rows"),
+    (12288, 4096, 64, "ws"), (4096, 11008, 32, "rows"), (4096, 11008, 64, "ws"), (4096, 4096, 64, "rows"),
+    (4096, 4096, 127, "rows"), (4096, 4096, 128, "ws"), (4096, 4096, 16, "warps"), (8192, 4096, 4096, "ws"),
+])
+def test_weights_with_dense_tiles_take_sp24_ws_only_from_where_it_measured_faster(m, k, n, kernel):
+    """H100 (docs/kernels-notes.md "v37"): rows up to 32 tokens, ws from 64 on tall or K-deep weights, 128 on all."""
+    assert sp24_plan.kernel_for(m, k, n, wg_ok=True, hybrid=True) == kernel
+    assert sp24_plan.kernel_for(m, k, n, wg_ok=False, hybrid=True) not in ("wg", "ws")   # not Hopper: never
 
 
 @pytest.mark.parametrize("m", [64, 4096, 22016])
