@@ -88,7 +88,10 @@ def rows_smem_bytes(nt: int, stages: int, r: int = 1, aslot: int = 2048) -> int:
 
 def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = False) -> str:
     """The 2:4 kernel ``sp24_matmul(kernel="auto")`` runs for ``[n, k] @ [m, k]^T``: "rows" (sp24_rows) for
-    weights of more than ROWS_MIN_WEIGHTS and from ROWS_AUTO_N tokens on, else "warps" (sp24_kernel).
+    weights of more than ROWS_MIN_WEIGHTS, from ROWS_AUTO_N tokens on, and on weights of exactly ROWS_MIN_WEIGHTS from
+    ROWS_FEW_BLOCKS_N tokens on, else "warps" (sp24_kernel). The last from two H100 runs of "v37" on 4096x4096, rows
+    against warps x cuBLAS: 1.20 / 0.95 against 1.13 / 0.82 at 16 / 32 tokens, and 1.25 / 0.94 against 1.17 / 0.81
+    (1.29 against 1.32 at one token, a tie at 8).
     From the H200 sweep after v14's B-fragment batching (docs/kernels-notes.md "v14"): rows won at every
     N on 22016x4096, 8192x28672 and 4096x11008 (with the split rule above); on 4096x4096 warps won by
     5-10% at 8-32 tokens, rows from 64 on.
@@ -137,7 +140,8 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = F
         return "ws"
     if n >= ROWS_AUTO_N:
         return "rows"
-    return "rows" if m * k > ROWS_MIN_WEIGHTS else "warps"
+    few = m * k > ROWS_MIN_WEIGHTS or m * k == ROWS_MIN_WEIGHTS and n >= ROWS_FEW_BLOCKS_N
+    return "rows" if few else "warps"
 
 
 def rows_tokens(n: int) -> int:

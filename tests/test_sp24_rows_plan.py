@@ -38,7 +38,8 @@ def test_every_plan_fits_shared_memory_and_covers_n(n, aslot, strips):
 
 
 @pytest.mark.parametrize("m,k,n,kernel", [
-    (4096, 4096, 1, "warps"), (4096, 4096, 16, "warps"), (4096, 4096, 64, "rows"), (4096, 4096, 128, "rows"),
+    (4096, 4096, 1, "warps"), (4096, 4096, 8, "warps"), (4096, 4096, 16, "rows"), (4096, 4096, 64, "rows"),
+    (4096, 4096, 128, "rows"),
     (4096, 11008, 8, "rows"), (4096, 11008, 128, "rows"),
     (22016, 4096, 1, "rows"), (8192, 28672, 1, "rows"), (8192, 28672, 64, "rows"),
     (8192, 576, 1, "warps"),                          # tall but small: sp24_kernel
@@ -62,7 +63,7 @@ def test_a_forced_plan_too_big_for_shared_memory_is_one_clear_error():
     (8192, 28672, 1, "rows"), (8192, 28672, 8, "rows"), (8192, 28672, 16, "ws"),
     (4096, 11008, 1, "wg"), (4096, 11008, 4, "wg"), (4096, 11008, 5, "rows"), (4096, 14336, 2, "wg"),
     (4096, 4096, 1, "warps"), (5120, 13824, 1, "rows"), (8192, 28672, 128, "ws"), (4096, 11008, 64, "ws"),
-    (4096, 4096, 16, "warps"), (4096, 4096, 64, "rows"), (12288, 4096, 8, "rows"), (12288, 4096, 64, "ws"),
+    (4096, 4096, 8, "warps"), (4096, 4096, 16, "rows"), (2048, 4096, 32, "warps"), (4096, 4096, 64, "rows"), (12288, 4096, 8, "rows"), (12288, 4096, 64, "ws"),
     (8192, 4096, 64, "rows"),
 ])
 def test_auto_takes_the_warpgroup_kernels_only_where_they_measured_faster(m, k, n, kernel):
@@ -74,7 +75,7 @@ def test_auto_takes_the_warpgroup_kernels_only_where_they_measured_faster(m, k, 
 @pytest.mark.parametrize("m,k,n,kernel", [
     (22016, 4096, 1, "rows"), (22016, 4096, 32, "rows"), (22016, 4096, 64, "ws"), (12288, 4096, 63, "rows"),
     (12288, 4096, 64, "ws"), (4096, 11008, 32, "rows"), (4096, 11008, 64, "ws"), (4096, 4096, 64, "rows"),
-    (4096, 4096, 127, "rows"), (4096, 4096, 128, "ws"), (4096, 4096, 16, "warps"), (8192, 4096, 4096, "ws"),
+    (4096, 4096, 127, "rows"), (4096, 4096, 128, "ws"), (4096, 4096, 8, "warps"), (8192, 4096, 4096, "ws"),
 ])
 def test_weights_with_dense_tiles_take_sp24_ws_only_from_where_it_measured_faster(m, k, n, kernel):
     """H100 (docs/kernels-notes.md "v37"): rows up to 32 tokens, ws from 64 on tall or K-deep weights, 128 on all."""
