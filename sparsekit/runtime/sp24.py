@@ -6,20 +6,20 @@ nothing changes on disk). Those layers then run ``sparsekit.kernels.sp24.sp24_ma
 cores on 2:4 tiles, ``mma.sync`` on dense ones; Hopper's warpgroup kernel where it measured faster) on a
 GPU wherever they would run the TCA-BME kernel (fp16, at most ``dense_above`` tokens) at the token counts
 ``SparseLinear.sp24_at`` allows (up to ``sp24_max_n``, and from ``sp24_from_n`` when set); prefill and the
-CPU keep their paths (a layer with no other form decodes its layout there: ``sp24_dense_linear``). The dispatch plan (``runtime.dispatch``, ``prefer="speed"``, under
-``SPARSEKIT_SP24=1`` until the path is on by default) calls it for the layers whose encode-time tile
-census fits, times both kernels, and keeps each layout only where the 2:4 kernel measures faster. With
-``prefer="memory"`` a layer keeps one form: :func:`keep_only_sp24` frees its TCA-BME buffers where the layout wins,
-and the 2:4 kernel then runs up to ``decode_above`` tokens (the layout decoded for cuBLAS above).
+CPU keep their paths (a layer with no other form decodes its layout there: ``sp24_dense_linear``). The dispatch
+plan (``runtime.dispatch``, ``prefer="speed"``, under ``SPARSEKIT_SP24=1`` until the path is on by default) calls it
+for the layers whose encode-time tile census fits, times both kernels, and keeps each layout only where the 2:4
+kernel measures faster. With ``prefer="memory"`` a layer keeps one form: :func:`keep_only_sp24` frees its TCA-BME
+buffers where the layout wins, and the 2:4 kernel then runs up to ``decode_above`` tokens (the layout decoded for
+cuBLAS above).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
-from torch import nn
-
 import torch.nn.functional as F
+from torch import nn
 
 from sparsekit.errors import SparsekitError, strict_mode
 from sparsekit.packed.sp24 import Sp24Layout, to_dense, transcode
@@ -30,6 +30,8 @@ ALWAYS = 1 << 62   # more tokens than any call (a layer's 2:4 kernel up to it: a
 # cuBLAS (docs/kernels-notes.md "v37"): with dense tiles (the kernel is sp24_rows) 0.35-0.48 against 0.38-0.44 at
 # 128 tokens, 0.27-0.30 against 0.40-0.51 at 256, 0.22-0.24 against 0.85-0.89 at 4096; all-2:4 (sp24_ws) 0.91-0.97
 # against 0.69-0.70 at 1024, 0.79-1.03 against 0.87-0.94 at 4096 (22016x4096 the one that stays with the kernel).
+# The hybrid crossover was measured against sp24_rows; sp24_ws, which ``kernel_for`` now gives weights with dense
+# tiles from 128 tokens, was not timed past 128 (0.47-0.91x there): the crossover may lie higher.
 DECODE_ABOVE_HYBRID = 128
 DECODE_ABOVE_24 = 2048
 
