@@ -166,17 +166,18 @@ def check(shapes, ns, quick: bool, kernels=("auto", "rows", "warps")) -> int:
     return bad
 
 
-def bench(shapes, ns, hybrids, kernels=("auto", "rows", "warps"), sweep: bool = False) -> None:
+def bench(shapes, ns, hybrids, kernels=("auto", "rows", "warps"), sweep: bool = False, hkernels=None) -> None:
+    hkernels = hkernels or kernels[:1]
     gen = torch.Generator(device=DEV).manual_seed(1)
     try:
         from torch.sparse import to_sparse_semi_structured
     except ImportError as e:  # pragma: no cover - old torch
         to_sparse_semi_structured = None
         print(f"cuSPARSELt column: n/a ({e})")
-    hcols = "".join(f" | hybrid {h:.0%} us | x" for h in hybrids)
+    hcols = "".join(f" | hybrid {h:.0%} {kn} us | x" for h in hybrids for kn in hkernels)
     kcols = "".join(f" | {kn} 2:4 us | x" for kn in kernels)
     print(f"\n| M x K | N | cuBLAS us | cuSPARSELt us | x{kcols}{hcols} |")
-    print("|---|---|---|---|---" + "|---|---" * (len(kernels) + len(hybrids)) + "|")
+    print("|---|---|---|---|---" + "|---|---" * (len(kernels) + len(hybrids) * len(hkernels)) + "|")
     for m, k in shapes:
         copies = copies_for(m * k * 2)
         dense = [mosaic(m, k, 1.0, gen) for _ in range(copies)]
@@ -207,8 +208,9 @@ def bench(shapes, ns, hybrids, kernels=("auto", "rows", "warps"), sweep: bool = 
                 t_sp, _ = time_calls([lambda lay=lay: matmul(x, lay, kernel=kn, **plan) for lay in lays])
                 row += f" | {t_sp:.1f} | {t_cublas / t_sp:.2f}"
             for lays_h in hyb:
-                t_h, _ = time_calls([lambda lay=lay: matmul(x, lay, kernel=kernels[0]) for lay in lays_h])
-                row += f" | {t_h:.1f} | {t_cublas / t_h:.2f}"
+                for kn in hkernels:
+                    t_h, _ = time_calls([lambda lay=lay: matmul(x, lay, kernel=kn) for lay in lays_h])
+                    row += f" | {t_h:.1f} | {t_cublas / t_h:.2f}"
             print(row + " |", flush=True)
             if sweep:
                 times = {}
@@ -237,6 +239,8 @@ def main() -> int:
     ap.add_argument("--hybrid", default="0.35", help="hybrid sparsities to time (share of 2:4 tiles = s / 0.5)")
     ap.add_argument("--kernels", default="auto,rows,warps", help="2:4 kernels to check and time: auto, rows, warps, "
                     "wg and ws (Hopper only), and decode (the layout decoded, then cuBLAS: the prefill path)")
+    ap.add_argument("--hybrid-kernels", default=None, help="kernels for the hybrid columns, e.g. rows,ws,decode "
+                    "(default: the first of --kernels)")
     ap.add_argument("--sweep", action="store_true", help="also time forced sp24_rows plans (splits, tokens, stages)")
     ap.add_argument("--build", default=None, help="sp24_ws built another way for every check and timing "
                     "(sparsekit.kernels.sp24_ws_probe.VARIANTS, e.g. pipelined; plans it does not apply to run the "
@@ -262,16 +266,18 @@ def main() -> int:
 
 def _run(args) -> int:
     print(f"{torch.cuda.get_device_name() if DEV == 'cuda' else 'CUDA simulator'}, torch {torch.__version__}")
+    kernels = tuple(args.kernels.split(","))
+    hkernels = tuple(args.hybrid_kernels.split(",")) if args.hybrid_kernels else None
     if not args.bench_only:
         bad = check_mma_sp()
         bad += check(shapes_arg(args.check_shapes) or CHECK_SHAPES, ints_arg(args.check_ns) or CHECK_NS, args.quick,
-                     tuple(args.kernels.split(",")))
+                     tuple(dict.fromkeys(kernels + (hkernels or ()))))     # every kernel that is timed
         if bad:
             print(f"{bad} failures: no timing")
             return 1
     if not args.check_only:
         bench(shapes_arg(args.shapes) or BENCH_SHAPES, ints_arg(args.ns) or BENCH_NS, floats_arg(args.hybrid) or [],
-              tuple(args.kernels.split(",")), args.sweep)
+              kernels, args.sweep, hkernels)
     return 0
 
 
