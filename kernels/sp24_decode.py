@@ -15,12 +15,11 @@ import numpy as np
 import torch
 from numba import cuda
 
+from sparsekit.packed.sp24 import DENSE_TILE_WORDS, SP_STRIP_WORDS, SP_TILE_WORDS, SP_VALUE_WORDS
+
 from . import kcache
 
 THREADS = 128
-DENSE_WORDS = 2048       # 32-bit words of one dense tile (packed.sp24.DENSE_TILE_WORDS)
-SP_STRIP = 288           # of one 16-row strip of a 2:4 tile: 256 value words, then 32 metadata words
-SP_VALUES = 256
 _KERNEL = []
 
 
@@ -45,9 +44,9 @@ def _build():
                 c = grp >> 3
                 kh = (grp >> 2) & 1
                 t = grp & 3
-                base = slot * (4 * SP_STRIP) + s * SP_STRIP
+                base = slot * SP_TILE_WORDS + s * SP_STRIP_WORDS
                 word = i64(sp[base + (((c * 8 + gg) * 4 + t) * 2 + kh) * 2 + rh])
-                meta = i64(sp[base + SP_VALUES + (gg * 2 + c) * 2 + kh])
+                meta = i64(sp[base + SP_VALUE_WORDS + (gg * 2 + c) * 2 + kh])
                 code = (meta >> (4 * (rh * 4 + t))) & 15
                 i0 = code & 3
                 i1 = code >> 2
@@ -58,7 +57,7 @@ def _build():
                 q = grp >> 2
                 kh = (grp >> 1) & 1
                 t0 = (grp & 1) * 2
-                base = slot * DENSE_WORDS + (((s * 4 + q) * 8 + gg) * 4 + t0) * 4 + kh * 2 + rh
+                base = slot * DENSE_TILE_WORDS + (((s * 4 + q) * 8 + gg) * 4 + t0) * 4 + kh * 2 + rh
                 r = (i64(dense[base]) & 0xFFFFFFFF) | (i64(dense[base + 4]) << 32)
             out[i64(tr * 64 + row) * ldo + col] = r
 
@@ -76,13 +75,13 @@ def sp24_decode(layout) -> torch.Tensor:
     """The dense ``[M, K]`` fp16 weight of a CUDA 2:4 tile-mosaic layout (bit-exact; a view of a buffer whose rows are
     padded to whole tiles), on torch's current stream, with no host synchronization (capturable)."""
     from . import launch
+    from .sp24 import _buffers
 
     m, k = layout.shape
     gm, gk = -(-m // 64), -(-k // 64)
     out = torch.empty((gm * 64, gk * 64), dtype=torch.float16, device=layout.tiles.device)
     if gm * gk:
-        dense = layout.dense if layout.dense.numel() else layout.tiles   # an empty buffer is never read
-        sp = layout.sp if layout.sp.numel() else layout.tiles
+        dense, sp = _buffers(layout)
         launch.launch_tensors(get_kernel(), gm * gk, THREADS, (dense, sp, layout.tiles, out.view(-1).view(torch.int64)),
                               (gk, gk * 16))
     return out[:m, :k]

@@ -127,16 +127,9 @@ def layout_of(m) -> Sp24Layout:
     return Sp24Layout(dense=m.sp24_dense, sp=m.sp24_sp, tiles=m.sp24_tiles, shape=(m.out_features, m.in_features))
 
 
-def sp24_weight(m, dtype: torch.dtype | None = None, use_kernel: bool = False) -> torch.Tensor:
-    """The ``[out, in]`` weight of a layer that keeps only its 2:4 layout, decoded from it (exact): torch ops, or with
-    ``use_kernel`` on a GPU the decode kernel (``kernels.sp24_decode``: no host sync)."""
-    lay = layout_of(m)
-    if use_kernel and lay.tiles.is_cuda:
-        from sparsekit.kernels.sp24_decode import sp24_decode
-
-        w = sp24_decode(lay)
-    else:
-        w = to_dense(lay)
+def sp24_weight(m, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The ``[out, in]`` weight of a layer that keeps only its 2:4 layout, decoded from it (exact; torch ops)."""
+    w = to_dense(layout_of(m))
     return w if dtype is None else w.to(dtype)
 
 
