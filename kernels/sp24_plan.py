@@ -117,9 +117,15 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = F
       0.33 / 0.31 / 0.32 / 0.32, 8192x8192 0.45 / 0.77 / 1.02 / 0.89 / 0.93 against 0.31 / 0.30 / 0.35 / 0.36 / 0.38,
       5120x5120 0.34 / 0.39 / 0.60 / 0.77 / 0.90 against 0.30 / 0.29 / 0.28 / 0.31 / 0.31.
     - Below WS_MIN_N tokens elsewhere, rows (22016x4096 1.59 at one token against wg's 1.50).
-    - Weights with dense tiles: rows up to 32 tokens, sp24_ws (``kernel="ws"``) from WS_HYBRID_FROM tokens on tall or
-      K-deep weights (WS_MIN_M rows, or WG_DEEP_K columns) and from WS_HYBRID_ANY_FROM on all. H100, 35% (70% of tiles
-      2:4), x cuBLAS at 1 / 8 / 16 / 32 / 64 / 128 tokens ("v37"): 22016x4096 ws 1.25 / 1.32 / 1.23 / 0.75 / 1.21 /
+    - Weights with dense tiles: sp24_ws (``kernel="ws"``, one warpgroup a block: ``ws_shape``) from WS_HYBRID_FROM
+      tokens on weights of WS_MIN_M rows or more, from WS_HYBRID_DEEP_FROM on K-deep ones (WG_DEEP_K columns) and from
+      WS_HYBRID_ANY_FROM on all; sp24_rows below. H100, 35% (70% of tiles 2:4), x cuBLAS at 17 / 24 / 32 / 48 / 64 /
+      128 tokens ("v38"), ws with one warpgroup against rows: 22016x4096 1.21 / 1.25 / 1.30 / 1.23 / 1.33 / 0.91
+      against 1.14 / 1.20 / 1.17 / 0.82 / 0.86 / 0.47; 12288x4096 (a ring of WS_STAGES_DECODE) 0.96 / 1.00 / 1.11 /
+      0.93 (own ring) at 17-48 against 0.78 / 0.85 / 0.85 / 0.57; 4096x11008 0.73-0.76 at 17-32 against rows' 0.98-1.00,
+      0.86 / 0.91 / 0.70 at 48 / 64 / 128 against 0.69 / 0.68 / 0.41; 4096x4096 0.47 at 64 against rows' 0.57 and
+      at 128 0.47 against 0.38. Rows keeps 1-16 tokens, 1.40-1.48 on 22016x4096 against ws's 1.33-1.34. Earlier, with
+      two warpgroups, at 1 / 8 / 16 / 32 / 64 / 128 tokens ("v37"): 22016x4096 ws 1.25 / 1.32 / 1.23 / 0.75 / 1.21 /
       0.75 against rows' 1.50 / 1.47 / 1.41 / 1.20 / 0.86 / 0.47; 12288x4096 0.98 / 1.02 / 1.02 / 1.05 / 0.96 / 0.91
       against 1.18 / 1.21 / 1.09 / 0.84 / 0.56 / 0.49; 4096x11008 0.87 / 0.96 / 0.95 / 0.89 / 0.82 / 0.68 against
       1.22 / 1.19 / 1.18 / 0.98 / 0.68 / 0.40; 4096x4096 0.46-0.51 at every count against 1.18 / 1.02 / 1.12 / 0.80 /
@@ -136,7 +142,8 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = F
         return "wg"
     if wg_ok and not hybrid and ((m >= WS_MIN_M or deep) and n >= WS_MIN_N or n > WS_ANY_FROM):
         return "ws"
-    if wg_ok and hybrid and ((m >= WS_MIN_M or deep) and n >= WS_HYBRID_FROM or n >= WS_HYBRID_ANY_FROM):
+    if wg_ok and hybrid and (m >= WS_MIN_M and n >= WS_HYBRID_FROM or deep and n >= WS_HYBRID_DEEP_FROM
+                             or n >= WS_HYBRID_ANY_FROM):
         return "ws"
     if n >= ROWS_AUTO_N:
         return "rows"
@@ -213,8 +220,9 @@ WG_DEEP_K = 8192                # ... and K-deep ones (this many columns or more
 WS_MIN_M = 12288                # sp24_ws on weights of this many rows or more (or K-deep ones) ...
 WS_MIN_N = 16                   # ... from this many tokens on (sp24_wg below it, on tall and deep weights; past 256
 #                                 tokens, prefill, it beats rows 1.6-3x: H100, docs/kernels-notes.md "v31")
-WS_HYBRID_FROM = 64             # kernel_for: sp24_ws on weights with dense tiles from this many tokens (tall or deep
-WS_HYBRID_ANY_FROM = 128        # ones), and from this many on all (sp24_rows below; v37)
+WS_HYBRID_FROM = 17             # kernel_for: sp24_ws on weights with dense tiles from this many tokens (WS_MIN_M rows
+WS_HYBRID_DEEP_FROM = 33        # or more), from this many on K-deep ones, and from WS_HYBRID_ANY_FROM on all
+WS_HYBRID_ANY_FROM = 128        # (sp24_rows below; v37, v38)
 WS_ANY_FROM = 256               # kernel_for: sp24_ws on every all-2:4 weight past this many tokens (v37)
 WS_WIDE_NT = 256                # sp24_ws's prefill tile: tokens per output tile past 256 tokens on tall weights, ...
 WS_WIDE_FROM = 1024             # ... and from this many tokens on the others (128 below: H100, "v31")
@@ -282,11 +290,18 @@ def ws_shape(m: int, k: int, nt: int, n: int = 0, hybrid: bool = False) -> tuple
     one warpgroup ("v36", x cuBLAS at 1 / 16 / 32 / 64 tokens, 8 stages against 6 and 4: 12288x4096 1.31 / 1.44 /
     1.49 / 1.32 against 1.26 / 1.38 / 1.42 / 1.23, 8192x28672 1.65 / 1.68 / 1.65 at 1-32 against 1.60 / 1.62 / 1.62,
     4096x11008 1-3% faster; on 22016x4096 (tall) 2-3% slower, on 8192x28672 at 64 tokens 3% slower, and from 65
-    tokens, two 64-token chunks, 1.4x slower on 12288x4096)."""
+    tokens, two 64-token chunks, 1.4x slower on 12288x4096). Weights with dense tiles up to 256 tokens: one
+    warpgroup on tall ones, and on K-deep ones past 32 tokens; the ring of WS_STAGES_DECODE at 32-token tiles on those
+    that are not tall ("v38", 35% hybrid, x cuBLAS at 24 / 32 / 64 / 128 tokens: 22016x4096 1.25 / 1.30 / 1.33 / 0.91
+    against two warpgroups' 0.73 / 0.75 / 1.21 / 0.75; 4096x11008 0.91 / 0.70 at 64 / 128 against 0.83 / 0.68, but
+    0.74-0.80 at 1-24 against 0.86-0.97; 12288x4096 with 8 stages 0.96 / 1.00 / 1.11 at 17 / 24 / 32 against 0.92 /
+    0.97 / 1.06, 0.63 against 0.99 at 64)."""
     tall = m >= WG_MIN_M
     r = 2 if tall and (nt <= 32 or (nt == 128 and 64 < n <= 128 and not hybrid)) else 1
     wg = 2 if (tall or k >= WG_DEEP_K or n > 256) and m > 64 * r else 1
-    if not tall and not hybrid and n <= 64 and (nt <= 32 or wg == 1):
+    if hybrid and n <= 256 and (tall or n > 32):
+        wg = 1
+    if not tall and n <= 64 and (nt <= 32 or wg == 1 and not hybrid):
         return r, wg, WS_STAGES_DECODE
     return r, wg, WS_STAGES_FEW if nt <= 32 else WS_STAGES_MANY
 

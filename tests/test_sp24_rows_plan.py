@@ -73,14 +73,29 @@ def test_auto_takes_the_warpgroup_kernels_only_where_they_measured_faster(m, k, 
 
 
 @pytest.mark.parametrize("m,k,n,kernel", [
-    (22016, 4096, 1, "rows"), (22016, 4096, 32, "rows"), (22016, 4096, 64, "ws"), (12288, 4096, 63, "rows"),
-    (12288, 4096, 64, "ws"), (4096, 11008, 32, "rows"), (4096, 11008, 64, "ws"), (4096, 4096, 64, "rows"),
-    (4096, 4096, 127, "rows"), (4096, 4096, 128, "ws"), (4096, 4096, 8, "warps"), (8192, 4096, 4096, "ws"),
+    (22016, 4096, 1, "rows"), (22016, 4096, 16, "rows"), (22016, 4096, 17, "ws"), (22016, 4096, 64, "ws"),
+    (12288, 4096, 16, "rows"), (12288, 4096, 17, "ws"), (4096, 11008, 32, "rows"), (4096, 11008, 33, "ws"),
+    (8192, 4096, 64, "rows"), (4096, 4096, 64, "rows"), (4096, 4096, 127, "rows"), (4096, 4096, 128, "ws"),
+    (4096, 4096, 8, "warps"), (8192, 4096, 4096, "ws"),
 ])
 def test_weights_with_dense_tiles_take_sp24_ws_only_from_where_it_measured_faster(m, k, n, kernel):
-    """H100 (docs/kernels-notes.md "v37"): rows up to 32 tokens, ws from 64 on tall or K-deep weights, 128 on all."""
+    """H100 (docs/kernels-notes.md "v38"): rows up to 16 tokens, ws from 17 on weights of WS_MIN_M rows or more,
+    from 33 on K-deep ones, from 128 on all."""
     assert sp24_plan.kernel_for(m, k, n, wg_ok=True, hybrid=True) == kernel
     assert sp24_plan.kernel_for(m, k, n, wg_ok=False, hybrid=True) not in ("wg", "ws")   # not Hopper: never
+
+
+def test_weights_with_dense_tiles_take_one_warpgroup_a_block_where_it_measured_faster():
+    """sp24_ws on hybrid weights up to 256 tokens (H100, "v38"): one warpgroup of one tile row on tall weights, and on
+    K-deep ones past 32 tokens; two past 256 and on K-deep ones up to 32 (where auto takes sp24_rows)."""
+    def groups(m, gk, n):
+        return sp24_plan.wg_plan(m, gk, n, specialized=True, hybrid=True)[1:3]
+
+    assert [groups(22016, 64, n) for n in (1, 17, 32, 64, 128, 256)] == [(1, 1)] * 6
+    assert [groups(4096, 172, n) for n in (32, 33, 64, 128)] == [(1, 2), (1, 1), (1, 1), (1, 1)]
+    assert groups(22016, 64, 512) == groups(4096, 172, 512) == (1, 2)
+    assert groups(12288, 64, 32) == (1, 1)
+    assert sp24_plan.wg_plan(22016, 64, 32, specialized=True)[1:3] == (2, 2)        # all-2:4 tall: unchanged
 
 
 @pytest.mark.parametrize("m", [64, 4096, 22016])
@@ -183,7 +198,7 @@ def test_ws_clusters_only_at_prefill_on_all_24_weights_that_are_not_tall():
 
 def test_ws_decode_ring_is_deeper_on_all_24_weights_that_are_not_tall():
     """sp24_ws's ring up to 64 tokens (H100, docs/kernels-notes.md "v36"): 8 stages on weights under WG_MIN_M rows
-    (32-token tiles, or one warpgroup), 6 on tall weights and for dense tiles, 4 from 65 tokens (two chunks)."""
+    (32-token tiles, or one warpgroup on all-2:4 ones), 6 on tall weights, 4 from 65 tokens (two chunks)."""
     def stages(m, gk, n, hybrid=False):
         return sp24_plan.wg_plan(m, gk, n, specialized=True, hybrid=hybrid)[0].stages
 
@@ -191,4 +206,5 @@ def test_ws_decode_ring_is_deeper_on_all_24_weights_that_are_not_tall():
     assert [stages(4096, 172, n) for n in (1, 32, 64)] == [8, 8, 4]         # K-deep: two warpgroups at 64
     assert [stages(8192, 448, n) for n in (16, 64)] == [8, 4]
     assert [stages(22016, 64, n) for n in (1, 32, 64)] == [6, 6, 4]          # tall
-    assert stages(12288, 64, 16, hybrid=True) == 6
+    assert [stages(12288, 64, n, hybrid=True) for n in (16, 32, 64)] == [8, 8, 4]   # dense tiles ("v38")
+    assert [stages(22016, 64, n, hybrid=True) for n in (17, 32, 64)] == [6, 6, 4]

@@ -153,7 +153,7 @@ def test_equalized_layouts_of_one_shape_have_one_size_and_compute_the_same(monke
 
 
 def test_a_layer_with_only_its_layout_decodes_it_for_cublas_above_its_count(monkeypatch):
-    """``keep_only_sp24``: the 2:4 kernel up to DECODE_ABOVE_HYBRID tokens on a layer with dense tiles (sp24_rows is
+    """``keep_only_sp24``: the 2:4 kernel up to DECODE_ABOVE_HYBRID tokens on a layer with dense tiles (its kernel is
     slow at prefill) and DECODE_ABOVE_24 on an all-2:4 one, and above that the layout decoded by the decode kernel
     for cuBLAS: the op ``sp24_dense_mm`` (simulator or GPU) gives the product of F.linear on the decoded weight."""
     from sparsekit.runtime.sp24 import DECODE_ABOVE_24, DECODE_ABOVE_HYBRID, keep_only_sp24, sp24_dense_mm

@@ -27,12 +27,11 @@ from sparsekit.packed.sp24 import Sp24Layout, to_dense, transcode
 ALWAYS = 1 << 62   # more tokens than any call (a layer's 2:4 kernel up to it: at every count)
 # A layer that keeps only its 2:4 layout (``keep_only_sp24``) runs its kernel up to this many tokens, and above
 # decodes the layout (``kernels.sp24_decode``, one kernel) and runs cuBLAS. H100, x cuBLAS, kernel against decode +
-# cuBLAS (docs/kernels-notes.md "v37"): with dense tiles (the kernel is sp24_rows) 0.35-0.48 against 0.38-0.44 at
-# 128 tokens, 0.27-0.30 against 0.40-0.51 at 256, 0.22-0.24 against 0.85-0.89 at 4096; all-2:4 (sp24_ws) 0.91-0.97
-# against 0.69-0.70 at 1024, 0.79-1.03 against 0.87-0.94 at 4096 (22016x4096 the one that stays with the kernel).
-# The hybrid crossover was measured against sp24_rows; sp24_ws, which ``kernel_for`` now gives weights with dense
-# tiles from 128 tokens, was not timed past 128 (0.47-0.91x there): the crossover may lie higher.
-DECODE_ABOVE_HYBRID = 128
+# cuBLAS: with dense tiles (35% hybrid; the kernel is sp24_ws from 128 tokens, docs/kernels-notes.md "v38") 0.51-0.52
+# against 0.40-0.49 at 256 tokens, 0.38-0.49 against 0.52-0.55 at 512, 0.46-0.53 against 0.81-0.83 at 2048; all-2:4
+# (sp24_ws, "v37") 0.91-0.97 against 0.69-0.70 at 1024, 0.79-1.03 against 0.87-0.94 at 4096 (22016x4096 the one
+# that stays with the kernel).
+DECODE_ABOVE_HYBRID = 256
 DECODE_ABOVE_24 = 2048
 
 
