@@ -16,6 +16,11 @@ Checked against torch 2.11 (the GPU image) and 2.13.0 (the CPU build CI installs
   other tensors (moving layers between devices, streaming weights in), through public calls only:
   ``named_parameters(recurse=False)``, ``named_buffers(recurse=False)`` and attribute assignment,
   which ``nn.Module.__setattr__`` routes to the registered parameter or buffer.
+* ``cslt_compress``: ``torch._cslt_compress``, cuSPARSELt's 2:4 compress (checked on 2.11 with cuSPARSELt 0.8.0 on
+  an H100; the op exists on 2.13's CPU build, where it cannot run). Only the load-time self-check calls it
+  (``runtime.sp24.cslt_check``): the buffer sparsekit writes from a 2:4 layout must equal it. The product goes through
+  cuSPARSELt's own C API with kept plans (``runtime.cusparselt``): ``torch._cslt_sparse_mm`` makes a plan on every
+  call, ~0.5-1.5 ms of host time.
 """
 from __future__ import annotations
 
@@ -101,3 +106,22 @@ def set_module_tensor(owner: nn.Module, kind: str, name: str, value: torch.Tenso
     if kind == "p" and not isinstance(value, nn.Parameter):
         value = nn.Parameter(value, requires_grad=False)
     setattr(owner, name, value)
+
+
+def cslt_available() -> str | None:
+    """None if cuSPARSELt's ops can run here, else why not (one phrase)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not hasattr(torch, "_cslt_compress"):
+        return f"torch {torch.__version__} has no torch._cslt_compress: update sparsekit.torch_compat"
+    try:
+        if not torch.backends.cusparselt.is_available():
+            return f"torch {torch.__version__} was built without cuSPARSELt"
+    except AttributeError:
+        return f"torch {torch.__version__} has no torch.backends.cusparselt"
+    return None
+
+
+def cslt_compress(w: torch.Tensor) -> torch.Tensor:
+    """cuSPARSELt's compressed buffer of a dense 2:4 fp16 weight (``torch._cslt_compress``)."""
+    return torch._cslt_compress(w)

@@ -176,3 +176,40 @@ def test_a_layer_with_only_its_layout_decodes_it_for_cublas_above_its_count(monk
         y = sp24_dense_mm(x.to(dev), m.sp24_dense.to(dev), m.sp24_sp.to(dev), m.sp24_tiles.to(dev), 128)
         assert torch.equal(y.cpu(), torch.nn.functional.linear(x.to(dev), w.to(dev)).cpu())
         assert torch.equal(m(x), torch.nn.functional.linear(x, w, m.bias.half()))     # the CPU path: the same
+
+
+def test_all_24_layers_leave_their_kernel_for_cusparselt_by_size():
+    """``decode_above``: a layer on the cuSPARSELt path (``sp24_cslt``) leaves its kernel above CSLT_ABOVE_24 tokens
+    (weights of CSLT_LARGE or more; H100: rewrite + cuSPARSELt 1.01-1.10x cuBLAS at 2048 tokens against sp24_ws's
+    0.96-1.02) or CSLT_ABOVE_24_SMALL (4096x4096: 0.84 against 0.89 at 2048); the others as before."""
+    from types import SimpleNamespace
+
+    from sparsekit.runtime.sp24 import (CSLT_ABOVE_24, CSLT_ABOVE_24_SMALL, CSLT_LARGE, DECODE_ABOVE_24,
+                                        DECODE_ABOVE_HYBRID, above_path, decode_above)
+
+    def layer(m, k, cslt, dense_tiles=0):
+        return SimpleNamespace(out_features=m, in_features=k, sp24_cslt=cslt, sp24_dense=torch.zeros(dense_tiles))
+
+    assert CSLT_ABOVE_24 < CSLT_ABOVE_24_SMALL and 4096 * 4096 < CSLT_LARGE <= 12288 * 4096
+    assert decode_above(layer(22016, 4096, True)) == decode_above(layer(4096, 11008, True)) == CSLT_ABOVE_24
+    assert decode_above(layer(4096, 4096, True)) == CSLT_ABOVE_24_SMALL
+    assert decode_above(layer(22016, 4096, False)) == DECODE_ABOVE_24
+    assert decode_above(layer(22016, 4096, False, 4096)) == DECODE_ABOVE_HYBRID
+    assert above_path(layer(64, 64, True)) == "cuSPARSELt" and above_path(layer(64, 64, False)) == "decode + cuBLAS"
+
+
+def test_layers_off_a_gpu_never_take_cusparselt(monkeypatch):
+    """On the CPU (and in the simulator) ``cslt_check`` says why not, and a layer that keeps only its all-2:4 layout
+    decodes it above its count, as before."""
+    from sparsekit.runtime.sp24 import cslt_check, cslt_off, keep_only_sp24
+
+    monkeypatch.setenv("SPARSEKIT_STRICT", "0")
+    assert cslt_check("cpu") == "not a CUDA device"
+    model = nn.Sequential(_hybrid(set(), 6), _hybrid({(1, 2)}, 7))
+    enable_sp24(model)
+    assert cslt_off(model[0]) == "not on a CUDA device" and cslt_off(model[1]) == "it has dense tiles"
+    keep_only_sp24(model[0])
+    assert model[0].sp24_cslt is False
+    x = torch.randn(3, 192).half()
+    w = to_dense(layout_of(model[0]))
+    assert torch.equal(model[0](x), torch.nn.functional.linear(x, w, model[0].bias.half()))

@@ -29,7 +29,7 @@ from sparsekit.kernels.sp24 import sp24_matmul
 from sparsekit.kernels.sp24_probe import c_fragment, mma_sp_once, random_operands, swap_halves
 from sparsekit.packed.sp24 import transcode
 from sparsekit.pruning.patterns import nm_mask
-from sparsekit.runtime.sp24 import sp24_dense_mm_eager
+from sparsekit.runtime.sp24 import sp24_cslt_mm_eager, sp24_dense_mm_eager
 
 CHECK_SHAPES = [(4096, 4096), (22016, 4096), (4096, 11008), (100, 72), (200, 130), (1000, 333), (64, 4160),
                 (130, 1000)]
@@ -69,10 +69,12 @@ def mosaic(m: int, k: int, sp_frac: float, gen: torch.Generator) -> torch.Tensor
 
 def matmul(x: torch.Tensor, lay, out: torch.Tensor | None = None, kernel: str = "auto", **plan) -> torch.Tensor:
     """``sp24_matmul``, or with ``kernel="decode"`` the prefill path of a layer that keeps only its 2:4 layout: the
-    layout decoded (``kernels.sp24_decode``), then cuBLAS (``runtime.sp24.sp24_dense_mm_eager``)."""
-    if kernel != "decode":
+    layout decoded (``kernels.sp24_decode``), then cuBLAS (``runtime.sp24.sp24_dense_mm_eager``); ``"cslt"``: that of an
+    all-2:4 one, the layout rewritten for cuSPARSELt, then its product (``runtime.sp24.sp24_cslt_mm_eager``)."""
+    if kernel not in ("decode", "cslt"):
         return sp24_matmul(x, lay, out=out, kernel=kernel, **plan)
-    y = sp24_dense_mm_eager(x, lay.dense, lay.sp, lay.tiles, lay.shape[0])
+    fn = sp24_dense_mm_eager if kernel == "decode" else sp24_cslt_mm_eager
+    y = fn(x, lay.dense, lay.sp, lay.tiles, lay.shape[0])
     return y if out is None else out.copy_(y)
 
 
@@ -97,6 +99,30 @@ def check_mma_sp() -> int:
     return bad
 
 
+def check_cslt(shapes) -> int:
+    """cuSPARSELt's buffer of a 2:4 weight three ways, byte for byte: ``torch._cslt_compress``, the reference
+    ``packed.cslt.compress`` and the transcode kernel on the weight's layout (shapes of multiples of 64). No kept
+    value is zero: in a group with fewer than two nonzeros cuSPARSELt may keep other slots (other bytes, the same
+    product)."""
+    from sparsekit.kernels.sp24_cslt import sp24_to_cslt
+    from sparsekit.packed.cslt import compress
+    from sparsekit.torch_compat import cslt_compress
+
+    gen = torch.Generator(device=DEV).manual_seed(2)
+    bad = 0
+    for m, k in [(m, k) for m, k in shapes if m % 64 == 0 and k % 64 == 0]:
+        v = torch.randn(m, k, device=DEV, generator=gen).half()
+        keep = nm_mask(torch.rand(m, k, device=DEV, generator=gen), 2, 4)
+        w = torch.where(keep, torch.where(v.abs() < 1e-2, torch.ones_like(v), v), torch.zeros_like(v))
+        theirs = cslt_compress(w).view(torch.int16)
+        for name, ours in (("reference", compress(w)), ("kernel", sp24_to_cslt(transcode(w)))):
+            if not torch.equal(ours.view(torch.int16), theirs):
+                bad += 1
+                print(f"FAIL cuSPARSELt layout {m}x{k}: {name} differs from torch._cslt_compress")
+    print(f"cuSPARSELt layout: {bad} failures")
+    return bad
+
+
 def check(shapes, ns, quick: bool, kernels=("auto", "rows", "warps")) -> int:
     gen = torch.Generator(device=DEV).manual_seed(0)
     bad = cases = refused = 0
@@ -114,7 +140,8 @@ def check(shapes, ns, quick: bool, kernels=("auto", "rows", "warps")) -> int:
                 x = torch.randn(n, k, device=DEV, generator=gen).half()
                 ref = x.double() @ w.double().t()
                 # sp24_wg takes all-2:4 weights only (sp24_ws dense tiles too)
-                variants = [dict(kernel=kn) for kn in kernels if kn != "wg" or name == "2:4"]
+                variants = [dict(kernel=kn) for kn in kernels if kn not in ("wg", "cslt") or name == "2:4"
+                            and (kn == "wg" or DEV == "cuda" and m % 64 == 0 and k % 64 == 0)]
                 if "rows" in kernels and n in (1, 17, 64) and m * k <= 2**24:
                     variants += [dict(kernel="rows", **kw) for kw in FORCED_ROWS]
                 for kn in ("wg", "ws"):
@@ -143,7 +170,8 @@ def check(shapes, ns, quick: bool, kernels=("auto", "rows", "warps")) -> int:
               "refused (simulator: no graph check)")
         return bad
     # CUDA graph: capture once, replay with new inputs (split-K counters must reset between replays)
-    for kn, (m, k) in [(kn, mk) for kn in kernels for mk in ((1000, 333), (4096, 4096))]:
+    # (cslt is not captured: a plan's first call times cuSPARSELt's algorithms, and prefill runs eagerly)
+    for kn, (m, k) in [(kn, mk) for kn in kernels if kn != "cslt" for mk in ((1000, 333), (4096, 4096))]:
         w = mosaic(m, k, 1.0 if kn in ("wg", "ws") else 0.5, gen)
         lay = transcode(w)
         x = torch.randn(9, k, device=DEV, generator=gen).half()
@@ -238,7 +266,8 @@ def main() -> int:
     ap.add_argument("--check-shapes", default=None, help="correctness shapes MxK")
     ap.add_argument("--hybrid", default="0.35", help="hybrid sparsities to time (share of 2:4 tiles = s / 0.5)")
     ap.add_argument("--kernels", default="auto,rows,warps", help="2:4 kernels to check and time: auto, rows, warps, "
-                    "wg and ws (Hopper only), and decode (the layout decoded, then cuBLAS: the prefill path)")
+                    "wg and ws (Hopper only), decode (the layout decoded, then cuBLAS: the prefill path) and cslt "
+                    "(the layout rewritten for cuSPARSELt: all-2:4 prefill; checked byte for byte first)")
     ap.add_argument("--hybrid-kernels", default=None, help="kernels for the hybrid columns, e.g. rows,ws,decode "
                     "(default: the first of --kernels)")
     ap.add_argument("--sweep", action="store_true", help="also time forced sp24_rows plans (splits, tokens, stages)")
@@ -270,6 +299,8 @@ def _run(args) -> int:
     hkernels = tuple(args.hybrid_kernels.split(",")) if args.hybrid_kernels else None
     if not args.bench_only:
         bad = check_mma_sp()
+        if "cslt" in kernels and DEV == "cuda":
+            bad += check_cslt(shapes_arg(args.check_shapes) or CHECK_SHAPES)
         bad += check(shapes_arg(args.check_shapes) or CHECK_SHAPES, ints_arg(args.check_ns) or CHECK_NS, args.quick,
                      tuple(dict.fromkeys(kernels + (hkernels or ()))))     # every kernel that is timed
         if bad:

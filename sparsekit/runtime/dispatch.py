@@ -23,7 +23,8 @@ crossover (Hopper's warpgroup kernel, from 32 tokens on tall weights), dense abo
 token count (``form``, ``sp24_max_n``, ``sp24_from_n``) and the bytes the layouts take. With ``prefer="memory"`` a
 group keeps one form only: its 2:4 layout where that kernel took less time than TCA-BME over the token counts timed
 (the TCA-BME buffers freed, ``runtime.sp24.keep_only_sp24``: its kernel then runs up to ``decode_above`` tokens and
-the layout is decoded for cuBLAS above, prefill, at about the same ~1.1 bytes a weight), else TCA-BME
+above, prefill, cuSPARSELt on the layout rewritten for it where the layer is all-2:4, else the layout decoded for
+cuBLAS; at about the same ~1.1 bytes a weight), else TCA-BME
 (``tcabme_freed_bytes`` in the report counts what was freed).
 
 **Small weights are not timed** (issue 20). With ``prefer="speed"``, a group whose weight has fewer than
@@ -54,7 +55,7 @@ from sparsekit.hf.modules import set_submodule
 from sparsekit.progress import Progress, report
 from sparsekit.runtime import dispatch_cache
 from sparsekit.runtime.fusion import equalize_sp24_layouts
-from sparsekit.runtime.sparse_linear import SparseLinear, kernels_ready, release_kernel_caches
+from sparsekit.runtime.sparse_linear import SparseLinear, kernels_ready, notice_once, release_kernel_caches
 from sparsekit.runtime.timing import graph_ms
 
 TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64)
@@ -342,7 +343,7 @@ def _run_dense_untimed(model: nn.Module, names: dict[str, SparseLinear], small: 
 def _one_form(mods: list[SparseLinear], rows: list[dict], out: dict[str, Any]) -> str:
     """``prefer="memory"`` for a group with 2:4 layouts: the layout becomes each layer's only form where its kernel took
     less time than TCA-BME over the counts timed (summed), else the layouts go back. Returns the group's ``form``."""
-    from sparsekit.runtime.sp24 import keep_only_sp24
+    from sparsekit.runtime.sp24 import DECODE_ABOVE_24, above_path, cslt_check, keep_only_sp24
 
     sp24_ms, tcabme_ms = sum(r["sp24_ms"] for r in rows), sum(r["sparse_ms"] for r in rows)
     counts = f"N={rows[0]['n']}-{rows[-1]['n']}"
@@ -352,10 +353,14 @@ def _one_form(mods: list[SparseLinear], rows: list[dict], out: dict[str, Any]) -
         return (f"sparse (TCA-BME, {tcabme_ms / sp24_ms:.2f}x the 2:4 kernel's time at {counts}; kernel up to "
                 f"N={mods[0].dense_above}, decode + cuBLAS above)")
     out["tcabme_freed_bytes"] = out.get("tcabme_freed_bytes", 0) + sum(keep_only_sp24(m) for m in mods)
+    why = next((cslt_check(m.sp24_sp.device) for m in mods if not m.sp24_dense.numel() and m.sp24_sp.is_cuda), None)
+    if why:                          # the all-2:4 layers of a GPU where cuSPARSELt's path failed its check
+        notice_once(f"cuSPARSELt prefill is off ({why}): all-2:4 layers decode their layout for cuBLAS above "
+                    f"{DECODE_ABOVE_24} tokens")
     out["sp24_layout_bytes"] += sum(m.sp24_bytes() for m in mods)
     release_kernel_caches()   # the kernels' cached views would keep the freed buffers alive
-    return (f"2:4 kernel up to N={mods[0].dense_above}, decode + cuBLAS above ({sp24_ms / tcabme_ms:.2f}x TCA-BME's "
-            f"time at {counts}; its layout the only form, TCA-BME freed)")
+    return (f"2:4 kernel up to N={mods[0].dense_above}, {above_path(mods[0])} above ({sp24_ms / tcabme_ms:.2f}x "
+            f"TCA-BME's time at {counts}; its layout the only form, TCA-BME freed)")
 
 
 def _sp24_form(rows: list[dict], sp24_n: int, sp24_from: int, max_n: int) -> str:

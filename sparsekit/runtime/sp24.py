@@ -10,8 +10,9 @@ CPU keep their paths (a layer with no other form decodes its layout there: ``sp2
 plan (``runtime.dispatch``, ``prefer="speed"``, under ``SPARSEKIT_SP24=1`` until the path is on by default) calls it
 for the layers whose encode-time tile census fits, times both kernels, and keeps each layout only where the 2:4
 kernel measures faster. With ``prefer="memory"`` a layer keeps one form: :func:`keep_only_sp24` frees its TCA-BME
-buffers where the layout wins, and the 2:4 kernel then runs up to ``decode_above`` tokens (the layout decoded for
-cuBLAS above).
+buffers where the layout wins, and the 2:4 kernel then runs up to ``decode_above`` tokens; above them an all-2:4 layer
+runs cuSPARSELt on its layout rewritten for it (``kernels.sp24_cslt``, where ``cslt_check`` passed), another the
+layout decoded for cuBLAS.
 """
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ ALWAYS = 1 << 62   # more tokens than any call (a layer's 2:4 kernel up to it: a
 # that stays with the kernel).
 DECODE_ABOVE_HYBRID = 256
 DECODE_ABOVE_24 = 2048
+# An all-2:4 layer whose M and K are multiples of 64 runs cuSPARSELt above this many tokens instead
+# (``runtime.cusparselt``, its plans kept), on a buffer its layout is rewritten into for the call
+# (``kernels.sp24_cslt``: 75 us on 22016x4096, 16 on 4096x4096). H100, x cuBLAS, rewrite + cuSPARSELt against
+# sp24_ws (docs/kernels-notes.md "v39"): at 1024 tokens 0.97 / 0.82 / 0.74 / 0.57 against 0.91 / 0.95 / 0.94 / 0.88
+# on 22016x4096 / 12288x4096 / 4096x11008 / 4096x4096; at 2048 1.10 / 1.10 / 1.01 / 0.84 against 1.02 / 0.99 / 0.96 /
+# 0.89; at 4096 1.19 / 1.13 / 1.16 / 1.11 against 0.97 / 0.98 / 0.97 / 0.90 (those with the product row-major in
+# cuSPARSELt's default configuration; column-major in its fastest, as it runs now, it took 334 us against 355 on
+# 22016x4096 at 2048). Weights of fewer than ``CSLT_LARGE`` weights keep the kernel up to ``CSLT_ABOVE_24_SMALL``.
+CSLT_ABOVE_24 = 1024
+CSLT_ABOVE_24_SMALL = 2048
+CSLT_LARGE = 1 << 25
 
 
 def sp24_mm_eager(x: torch.Tensor, dense: torch.Tensor, sp: torch.Tensor, tiles: torch.Tensor, out_features: int,
@@ -150,10 +162,84 @@ def _sp24_dense_mm_fake(x, dense, sp, tiles, out_features):
     return x.new_empty((x.shape[0], out_features))
 
 
+def sp24_cslt_mm_eager(x: torch.Tensor, dense: torch.Tensor, sp: torch.Tensor, tiles: torch.Tensor,
+                       out_features: int) -> torch.Tensor:
+    """``x[N, K] @ W^T`` for an all-2:4 layout: rewritten into cuSPARSELt's buffer (``kernels.sp24_cslt``), then
+    cuSPARSELt's product (a compiled step takes it as the op ``sp24_cslt_mm``)."""
+    from sparsekit.kernels.sp24_cslt import sp24_to_cslt
+    from sparsekit.runtime import cusparselt
+
+    c = sp24_to_cslt(Sp24Layout(dense=dense, sp=sp, tiles=tiles, shape=(out_features, x.shape[1])))
+    return cusparselt.mm(c, x, out_features)
+
+
+sp24_cslt_mm = torch.library.custom_op("sparsekit::sp24_cslt_mm", mutates_args=())(sp24_cslt_mm_eager)
+
+
+@sp24_cslt_mm.register_fake
+def _sp24_cslt_mm_fake(x, dense, sp, tiles, out_features):
+    n = x.shape[0]
+    return x.new_empty((n, out_features))
+
+
+_CSLT: dict[str, str | None] = {}
+
+
+def cslt_check(device) -> str | None:
+    """None if the cuSPARSELt path can serve 2:4 layers on ``device``, else why not (one phrase). Once per device:
+    the transcode kernel's buffer of a small 2:4 weight must equal ``torch._cslt_compress``'s byte for byte (the
+    layout of ``packed.cslt`` was read off one cuSPARSELt version) and its product (``runtime.cusparselt``) match
+    float64. Its kept values are never zero: where a group holds fewer than two nonzeros, cuSPARSELt may keep other
+    slots than ours (the same product, other bytes)."""
+    from sparsekit.runtime import cusparselt
+    from sparsekit.torch_compat import cslt_available, cslt_compress
+
+    key = str(device)
+    if key not in _CSLT:
+        why = "not a CUDA device" if torch.device(device).type != "cuda" else cslt_available() or cusparselt.available()
+        if why is None:
+            try:
+                from sparsekit.kernels.sp24_cslt import sp24_to_cslt
+
+                g = torch.Generator().manual_seed(0)
+                m, k = 16448, 192          # more than 128 row blocks and 8 groups of 4 past a 64-column tile
+                keep = (torch.rand(m, k // 4, 4, generator=g).argsort(-1) < 2).reshape(m, k)
+                v = torch.randn(m, k, generator=g)
+                w = torch.where(keep, torch.where(v.abs() < 0.01, 1.0, v), 0).half().to(device)
+                ours = sp24_to_cslt(transcode(w))
+                x = torch.randn(37, k, generator=g).half().to(device)
+                ref = x.double() @ w.double().t()
+                err = float((cusparselt.mm(ours, x, m).double() - ref).norm() / ref.norm())
+                if not torch.equal(ours.view(torch.int16), cslt_compress(w).view(torch.int16)):
+                    why = "this cuSPARSELt lays out its compressed weights otherwise than sparsekit.packed.cslt"
+                elif not err < 1e-2:
+                    why = f"its self-test product is off by {err:.3g} (relative)"
+            except Exception as e:  # noqa: BLE001 - said in one line by the caller
+                why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+        _CSLT[key] = why
+    return _CSLT[key]
+
+
+def cslt_off(m) -> str | None:
+    """Why layer ``m`` (its 2:4 layout) does not take the cuSPARSELt path, in one phrase; None if it does. Its tiles
+    must all be 2:4, M and K multiples of 64, the layout on a GPU where ``cslt_check`` passed."""
+    if m.sp24_dense.numel():
+        return "it has dense tiles"
+    if m.out_features % 64 or m.in_features % 64:
+        return f"{m.out_features}x{m.in_features} is not a multiple of 64"
+    if not m.sp24_sp.is_cuda:
+        return "not on a CUDA device"
+    return cslt_check(m.sp24_sp.device)
+
+
 def sp24_dense_linear(m, x: torch.Tensor, kernels: bool) -> torch.Tensor:
     """``x[N, K] @ W^T`` (no bias) for a layer that keeps only its 2:4 layout, where its kernel does not run (more than
-    ``dense_above`` tokens, another dtype, no kernels): the layout decoded, then cuBLAS. ``kernels``: the bundled
-    kernels can run (the decode kernel, or inside a compiled step the op ``sp24_dense_mm``); else torch ops."""
+    ``dense_above`` tokens, another dtype, no kernels): cuSPARSELt where ``keep_only_sp24`` found it usable
+    (``sp24_cslt``), else the layout decoded, then cuBLAS. ``kernels``: the bundled kernels can run (the transcode or
+    decode kernel, or inside a compiled step the ops ``sp24_cslt_mm`` / ``sp24_dense_mm``); else torch ops."""
+    if kernels and x.is_cuda and getattr(m, "sp24_cslt", False) and x.dtype == torch.float16:
+        fn = sp24_cslt_mm if torch.compiler.is_compiling() else sp24_cslt_mm_eager
+        return fn(x, m.sp24_dense, m.sp24_sp, m.sp24_tiles, m.out_features)
     if kernels and x.is_cuda:
         fn = sp24_dense_mm if torch.compiler.is_compiling() else sp24_dense_mm_eager
         return fn(x, m.sp24_dense, m.sp24_sp, m.sp24_tiles, m.out_features)
@@ -161,14 +247,23 @@ def sp24_dense_linear(m, x: torch.Tensor, kernels: bool) -> torch.Tensor:
 
 
 def decode_above(m) -> int:
-    """The token count above which a layer that keeps only its 2:4 layout decodes it and runs cuBLAS."""
+    """The token count above which a layer that keeps only its 2:4 layout leaves its kernel for cuSPARSELt
+    (``sp24_cslt``) or for its layout decoded and cuBLAS."""
+    if getattr(m, "sp24_cslt", False):
+        return CSLT_ABOVE_24 if m.out_features * m.in_features >= CSLT_LARGE else CSLT_ABOVE_24_SMALL
     return DECODE_ABOVE_HYBRID if m.sp24_dense.numel() else DECODE_ABOVE_24
+
+
+def above_path(m) -> str:
+    """What a layer that keeps only its 2:4 layout runs above ``dense_above`` tokens, in words."""
+    return "cuSPARSELt" if getattr(m, "sp24_cslt", False) else "decode + cuBLAS"
 
 
 def keep_only_sp24(m) -> int:
     """``prefer="memory"`` (``runtime.dispatch``): make the 2:4 layout of ``SparseLinear`` ``m`` the only copy of its
     weight. Its TCA-BME buffers are freed (left empty), the 2:4 kernel runs up to ``decode_above`` tokens on a GPU,
-    and above them, as on the CPU (``to_linear``, ``dequantize``), the layer decodes the layout (``sp24_dense_linear``).
+    and above them cuSPARSELt (where ``cslt_off`` finds no reason: ``sp24_cslt``) or, as on the CPU (``to_linear``, ``dequantize``),
+    the layout decoded (``sp24_dense_linear``).
     The layer has no TCA-BME form afterwards (``packed`` says so). Returns the bytes freed."""
     if m.sp24_tiles is None:
         raise SparsekitError("keep_only_sp24 needs the layer's 2:4 layout first (use_sp24)")
@@ -183,5 +278,6 @@ def keep_only_sp24(m) -> int:
     m.n_values = 0
     m._packed = m._packed_src = None
     m.sp24_only = True
+    m.sp24_cslt = cslt_off(m) is None
     m.sp24_max_n, m.dense_above = ALWAYS, decode_above(m)
     return freed
