@@ -165,8 +165,10 @@ _ALPHA, _BETA = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
 def _chosen(dev: int, m: int, k: int, np_: int, compressed, xp, out) -> _Plan:
     """The plan for this problem: on its first call each of the first ``SEARCH_IDS`` algorithms is timed on the
-    call's own operands (CUDA events; a few milliseconds, once) and the fastest kept. (cuSPARSELt's default took
-    3x the best on the 7B shapes; ``cusparseLtMatmulSearch`` returned status 7.)"""
+    call's own operands (CUDA events; a few milliseconds, once) and the fastest kept; one that returns an error status
+    is skipped, and where all do the default stays. (cuSPARSELt's default took 3x the best on the 7B shapes;
+    ``cusparseLtMatmulSearch`` returned status 7.) Dropped plans are not destroyed (``cusparseLtMatmulPlanDestroy``
+    is not called yet): each keeps its host memory, 12 a problem."""
     key = (dev, m, k, np_)
     p = _PLANS.get(key)
     if p is not None:
@@ -175,8 +177,11 @@ def _chosen(dev: int, m: int, k: int, np_: int, compressed, xp, out) -> _Plan:
     with torch.cuda.device(dev):
         best, best_ms = _Plan(dev, m, k, np_), float("inf")
         for alg_id in range(min(SEARCH_IDS, best.max_alg + 1)):
-            cand = _Plan(dev, m, k, np_, alg_id)
-            cand.run(compressed, xp, out)
+            try:
+                cand = _Plan(dev, m, k, np_, alg_id)
+                cand.run(compressed, xp, out)
+            except RuntimeError:         # a configuration this problem does not take (a status): the next one
+                continue
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(2):
