@@ -63,7 +63,8 @@ def test_a_forced_plan_too_big_for_shared_memory_is_one_clear_error():
     (8192, 28672, 1, "rows"), (8192, 28672, 8, "rows"), (8192, 28672, 16, "ws"),
     (4096, 11008, 1, "wg"), (4096, 11008, 4, "wg"), (4096, 11008, 5, "rows"), (4096, 14336, 2, "wg"),
     (4096, 4096, 1, "warps"), (5120, 13824, 1, "rows"), (8192, 28672, 128, "ws"), (4096, 11008, 64, "ws"),
-    (4096, 4096, 8, "warps"), (4096, 4096, 16, "rows"), (2048, 4096, 32, "warps"), (4096, 4096, 64, "rows"), (12288, 4096, 8, "rows"), (12288, 4096, 64, "ws"),
+    (4096, 4096, 8, "warps"), (4096, 4096, 16, "rows"), (2048, 4096, 32, "warps"), (4096, 4096, 64, "rows"),
+    (12288, 4096, 8, "rows"), (12288, 4096, 64, "ws"),
     (8192, 4096, 64, "rows"),
 ])
 def test_auto_takes_the_warpgroup_kernels_only_where_they_measured_faster(m, k, n, kernel):

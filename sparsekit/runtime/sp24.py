@@ -262,9 +262,9 @@ def above_path(m) -> str:
 def keep_only_sp24(m) -> int:
     """``prefer="memory"`` (``runtime.dispatch``): make the 2:4 layout of ``SparseLinear`` ``m`` the only copy of its
     weight. Its TCA-BME buffers are freed (left empty), the 2:4 kernel runs up to ``decode_above`` tokens on a GPU,
-    and above them cuSPARSELt (where ``cslt_off`` finds no reason: ``sp24_cslt``) or, as on the CPU (``to_linear``, ``dequantize``),
-    the layout decoded (``sp24_dense_linear``).
-    The layer has no TCA-BME form afterwards (``packed`` says so). Returns the bytes freed."""
+    and above them cuSPARSELt (where ``cslt_off`` finds no reason: ``sp24_cslt``) or, as on the CPU (``to_linear``,
+    ``dequantize``), the layout decoded (``sp24_dense_linear``). The layer has no TCA-BME form afterwards (``packed``
+    says so). Returns the bytes freed."""
     if m.sp24_tiles is None:
         raise SparsekitError("keep_only_sp24 needs the layer's 2:4 layout first (use_sp24)")
     if m.sp24_only:
