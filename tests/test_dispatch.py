@@ -335,6 +335,28 @@ def test_prefer_memory_keeps_one_form_the_2of4_layout_where_it_wins_at_every_cou
     assert "their only form: TCA-BME freed" in dispatch.sp24_runs_note(rep, 4)
 
 
+def test_prefer_memory_keeps_the_2of4_layout_a_little_slower_at_decode_where_cusparselt_takes_prefill(monkeypatch):
+    """A group whose 2:4 kernel took up to CSLT_FORM_SLACK times TCA-BME's time keeps only its layout where cuSPARSELt
+    can take its prefill (``cslt_off`` finds no reason: 1.02-1.28x cuBLAS from 1024 tokens on an H200, against
+    TCA-BME's decode + cuBLAS), and TCA-BME where it cannot; past the slack TCA-BME either way."""
+    from sparsekit.runtime import sp24
+    from sparsekit.runtime.sp24 import CSLT_ABOVE_24, CSLT_FORM_SLACK
+
+    assert 1.0 < CSLT_FORM_SLACK < 1.05
+    for cslt, ms8, kept in ((True, 1.65, True), (False, 1.65, False), (True, 1.8, False)):   # 2.55 / 2.7 against 2.5
+        model = sp24_model()
+        fake_timings(monkeypatch, {(64, 128): [(1, 1.0, 2.0), (8, 1.5, 2.0)], (128, 64): [(1, 1.0, 2.0), (8, 1.5, 2.0)]})
+        monkeypatch.setattr(dispatch, "time_sp24", lambda mods, n, ms8=ms8: {1: 0.9, 8: ms8}[n])
+        monkeypatch.setattr(sp24, "cslt_off", (lambda m: None) if cslt else (lambda m: "not on a CUDA device"))
+        rep = dispatch.plan_dispatch(model, prefer="memory", token_counts=(1, 8), cache=False, sp24=True)
+        g = next(g for g in rep["groups"] if tuple(g["shape"]) == (128, 64) and g["layers"] == 1)
+        assert model["c"].sp24_only is kept, (cslt, ms8, g["form"])
+        if kept:
+            assert g["form"].startswith(f"2:4 kernel up to N={CSLT_ABOVE_24}, cuSPARSELt above (1.02x TCA-BME's time")
+        else:
+            assert g["form"].startswith("sparse (TCA-BME, ")
+
+
 def test_2of4_layers_without_a_census_are_named_once(monkeypatch):
     model = sp24_model()
     for m in model.values():

@@ -180,19 +180,21 @@ def test_a_layer_with_only_its_layout_decodes_it_for_cublas_above_its_count(monk
 
 def test_all_24_layers_leave_their_kernel_for_cusparselt_by_size():
     """``decode_above``: a layer on the cuSPARSELt path (``sp24_cslt``) leaves its kernel above CSLT_ABOVE_24 tokens
-    (weights of CSLT_LARGE or more; H100: rewrite + cuSPARSELt 1.01-1.10x cuBLAS at 2048 tokens against sp24_ws's
-    0.96-1.02) or CSLT_ABOVE_24_SMALL (4096x4096: 0.84 against 0.89 at 2048); the others as before."""
+    (H200: rewrite + cuSPARSELt 1.02-1.08x cuBLAS at 1024 tokens against sp24_ws's 0.88-0.99, and 0.75-0.81 against
+    0.54-0.73 at 512 on 12288x4096, 4096x11008 and 4096x4096), weights of CSLT_LARGE or more above
+    CSLT_ABOVE_24_LARGE (22016x4096: 0.57 against sp24_ws's 1.00 at 512); the others as before."""
     from types import SimpleNamespace
 
-    from sparsekit.runtime.sp24 import (CSLT_ABOVE_24, CSLT_ABOVE_24_SMALL, CSLT_LARGE, DECODE_ABOVE_24,
+    from sparsekit.runtime.sp24 import (CSLT_ABOVE_24, CSLT_ABOVE_24_LARGE, CSLT_LARGE, DECODE_ABOVE_24,
                                         DECODE_ABOVE_HYBRID, above_path, decode_above)
 
     def layer(m, k, cslt, dense_tiles=0):
         return SimpleNamespace(out_features=m, in_features=k, sp24_cslt=cslt, sp24_dense=torch.zeros(dense_tiles))
 
-    assert CSLT_ABOVE_24 < CSLT_ABOVE_24_SMALL and 4096 * 4096 < CSLT_LARGE <= 12288 * 4096
-    assert decode_above(layer(22016, 4096, True)) == decode_above(layer(4096, 11008, True)) == CSLT_ABOVE_24
-    assert decode_above(layer(4096, 4096, True)) == CSLT_ABOVE_24_SMALL
+    assert CSLT_ABOVE_24 < CSLT_ABOVE_24_LARGE and 12288 * 4096 < CSLT_LARGE <= 22016 * 4096
+    assert decode_above(layer(22016, 4096, True)) == CSLT_ABOVE_24_LARGE
+    assert decode_above(layer(4096, 4096, True)) == decode_above(layer(4096, 11008, True)) == CSLT_ABOVE_24
+    assert decode_above(layer(12288, 4096, True)) == CSLT_ABOVE_24
     assert decode_above(layer(22016, 4096, False)) == DECODE_ABOVE_24
     assert decode_above(layer(22016, 4096, False, 4096)) == DECODE_ABOVE_HYBRID
     assert above_path(layer(64, 64, True)) == "cuSPARSELt" and above_path(layer(64, 64, False)) == "decode + cuBLAS"

@@ -342,12 +342,15 @@ def _run_dense_untimed(model: nn.Module, names: dict[str, SparseLinear], small: 
 
 def _one_form(mods: list[SparseLinear], rows: list[dict], out: dict[str, Any]) -> str:
     """``prefer="memory"`` for a group with 2:4 layouts: the layout becomes each layer's only form where its kernel took
-    less time than TCA-BME over the counts timed (summed), else the layouts go back. Returns the group's ``form``."""
-    from sparsekit.runtime.sp24 import DECODE_ABOVE_24, above_path, cslt_check, keep_only_sp24
+    less time than TCA-BME over the counts timed (summed; up to ``CSLT_FORM_SLACK`` times it where cuSPARSELt would take
+    the layers' prefill), else the layouts go back. Returns the group's ``form``."""
+    from sparsekit.runtime.sp24 import (CSLT_FORM_SLACK, DECODE_ABOVE_24, above_path, cslt_check, cslt_off,
+                                        keep_only_sp24)
 
     sp24_ms, tcabme_ms = sum(r["sp24_ms"] for r in rows), sum(r["sparse_ms"] for r in rows)
     counts = f"N={rows[0]['n']}-{rows[-1]['n']}"
-    if not sp24_ms < tcabme_ms:
+    slack = CSLT_FORM_SLACK if all(m.sp24_tiles is not None and cslt_off(m) is None for m in mods) else 1.0
+    if not sp24_ms < tcabme_ms * slack:
         for m in mods:
             m.use_sp24(None)
         return (f"sparse (TCA-BME, {tcabme_ms / sp24_ms:.2f}x the 2:4 kernel's time at {counts}; kernel up to "

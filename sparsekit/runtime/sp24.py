@@ -35,16 +35,19 @@ ALWAYS = 1 << 62   # more tokens than any call (a layer's 2:4 kernel up to it: a
 DECODE_ABOVE_HYBRID = 256
 DECODE_ABOVE_24 = 2048
 # An all-2:4 layer whose M and K are multiples of 64 runs cuSPARSELt above this many tokens instead
-# (``runtime.cusparselt``, its plans kept), on a buffer its layout is rewritten into for the call
-# (``kernels.sp24_cslt``: 75 us on 22016x4096, 16 on 4096x4096). H100, x cuBLAS, rewrite + cuSPARSELt against
-# sp24_ws (docs/kernels-notes.md "v39"): at 1024 tokens 0.97 / 0.82 / 0.74 / 0.57 against 0.91 / 0.95 / 0.94 / 0.88
-# on 22016x4096 / 12288x4096 / 4096x11008 / 4096x4096; at 2048 1.10 / 1.10 / 1.01 / 0.84 against 1.02 / 0.99 / 0.96 /
-# 0.89; at 4096 1.19 / 1.13 / 1.16 / 1.11 against 0.97 / 0.98 / 0.97 / 0.90 (those with the product row-major in
-# cuSPARSELt's default configuration; column-major in its fastest, as it runs now, it took 334 us against 355 on
-# 22016x4096 at 2048). Weights of fewer than ``CSLT_LARGE`` weights keep the kernel up to ``CSLT_ABOVE_24_SMALL``.
-CSLT_ABOVE_24 = 1024
-CSLT_ABOVE_24_SMALL = 2048
-CSLT_LARGE = 1 << 25
+# (``runtime.cusparselt``, its plans kept, the product column-major in the fastest configuration), on a buffer its
+# layout is rewritten into for the call (``kernels.sp24_cslt``: 75 us on 22016x4096, 16 on 4096x4096). H200
+# (docs/kernels-notes.md "v40"), x cuBLAS, rewrite + cuSPARSELt against sp24_ws on 22016x4096 / 12288x4096 /
+# 4096x11008 / 4096x4096: at 512 tokens 0.57 / 0.77 / 0.81 / 0.75 against 1.00 / 0.73 / 0.54 / 0.70; at 1024 1.02 /
+# 1.08 / 1.08 / 1.02 against 0.99 / 0.98 / 0.96 / 0.88; at 2048 1.28 / 1.24 / 1.23 / 1.19 against 1.12 / 0.99 / 0.97 /
+# 0.90. Weights of ``CSLT_LARGE`` weights or more keep the kernel up to ``CSLT_ABOVE_24_LARGE``.
+CSLT_ABOVE_24 = 512
+CSLT_ABOVE_24_LARGE = 1024
+CSLT_LARGE = 1 << 26
+# ``prefer="memory"`` keeps an all-2:4 layer's layout as its only form where the 2:4 kernel's decode time is within
+# this factor of TCA-BME's and cuSPARSELt can take its prefill (4096x4096 on an H100: 0.99x, with cuSPARSELt's
+# 1.02-1.19x cuBLAS from 1024 tokens on an H200 against TCA-BME's decode + cuBLAS at 0.7-0.8)
+CSLT_FORM_SLACK = 1.03
 
 
 def sp24_mm_eager(x: torch.Tensor, dense: torch.Tensor, sp: torch.Tensor, tiles: torch.Tensor, out_features: int,
@@ -250,7 +253,7 @@ def decode_above(m) -> int:
     """The token count above which a layer that keeps only its 2:4 layout leaves its kernel for cuSPARSELt
     (``sp24_cslt``) or for its layout decoded and cuBLAS."""
     if getattr(m, "sp24_cslt", False):
-        return CSLT_ABOVE_24 if m.out_features * m.in_features >= CSLT_LARGE else CSLT_ABOVE_24_SMALL
+        return CSLT_ABOVE_24_LARGE if m.out_features * m.in_features >= CSLT_LARGE else CSLT_ABOVE_24
     return DECODE_ABOVE_HYBRID if m.sp24_dense.numel() else DECODE_ABOVE_24
 
 
