@@ -14,7 +14,8 @@ what a kernel computes. What reaches in:
   ``cuKernelSetAttribute`` (dynamic shared memory past 48 KB);
 - ``fast_entry`` / ``launch_direct`` / ``flat``: numba's kernel argument packing (checked once per
   kernel against ``_Kernel._prepare_args``) and a direct ``cuda.core.launch`` of the compiled kernel
-  (``grid`` counts clusters from cuda-core 0.4.0 on, blocks before);
+  (``grid`` counts clusters from cuda-core 0.4.0 on, blocks before); ``handle_of``: that kernel's driver handle
+  (cuda.core's public ``Kernel.handle``), which ``driver.Packed`` launches where the driver's C API is loaded;
 - ``cubin_of`` / ``load_cubin`` / ``set_max_dyn_smem``: the compiled kernel's code library (its cubin
   and entry name) for ``kcache``, and cuda.core's ``ObjectCode`` to load it back.
 
@@ -184,6 +185,12 @@ def fast_entry(kern, args):
         lost(FAST_LAUNCH, "its kernel argument packing differs from the one checked")
         return None
     return ck._codelibrary.get_cufunc().kernel
+
+
+def handle_of(ck) -> int:
+    """The driver's handle (a ``CUkernel`` address, which ``cuLaunchKernelEx`` takes for a ``CUfunction``) of the
+    cuda.core kernel ``ck`` (``fast_entry``, ``load_cubin``)."""
+    return int(ck.handle)
 
 
 FAST_LAUNCH = "the direct kernel launch (numba's own launch costs ~0.3 ms more per eager call)"

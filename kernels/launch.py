@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from numba import cuda
 
-from . import compat_numba, kcache, plan, spmm, spmm_warp
+from . import compat_numba, driver, kcache, plan, spmm, spmm_warp
 from ._intrinsics import SIM
 
 compat_numba.silence_low_occupancy_warnings()
@@ -25,6 +25,11 @@ _work: dict = {}
 _views: dict = {}
 _sms: dict = {}
 _fast: dict = {}      # (id(kernel), device index) -> cuda.core kernel, or None where the fast launch is off
+_packs: dict = {}     # (fkey, blocks, threads, dyn, cluster, words) -> driver.Packed, shared by calls of that shape
+planned: dict = {}    # an eager call's own launch, kept by its caller's key (``launch_tensors(record=)``):
+#                       (driver.Packed, X's address word, the output's, X slab tokens or 0, the tensors it holds)
+_PACKS_MAX = 4096
+DRIVER_LAUNCH = "the driver's launch from kept argument words (cuda.core's launch costs ~20-40 us more a call)"
 _VIEW_CACHE_MAX = 4096
 _cc: dict = {}
 _unusable: set = set()   # kernel cache files that could not be loaded (rewritten after numba compiles)
@@ -55,8 +60,10 @@ def _capturing() -> bool:
 
 
 def clear_caches() -> None:
-    """Forget the cached device views of packed weights (they keep the weights' memory alive)."""
+    """Forget the cached device views of packed weights and the kept eager launches (they keep the weights' memory
+    alive)."""
     _views.clear()
+    planned.clear()
 
 
 def _weight_views(w):
@@ -199,11 +206,57 @@ def _keep(kern, args, device: torch.device) -> None:
         _unusable.discard(stem)
 
 
-def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int = 0, cluster: int = 1) -> None:
+def _direct(ck, fkey, blocks: int, threads: int, dyn: int, device: torch.device, flat: list, scalars,
+            cluster: int = 1):
+    """Launch the checked kernel ``ck`` with its argument words ``flat`` + ``scalars`` on torch's current stream:
+    through the driver from the words kept for this launch shape (``driver.Packed``, returned), or where the driver's
+    launch cannot be loaded (said once) through cuda.core (None)."""
+    why = driver.available()
+    if why is None:
+        words = flat + list(scalars)
+        key = (fkey, blocks, threads, dyn, cluster, len(words))
+        p = _packs.get(key)
+        if p is None:
+            if len(_packs) >= _PACKS_MAX:
+                _packs.clear()
+            p = _packs[key] = driver.Packed(compat_numba.handle_of(ck), blocks, threads, dyn, len(words), cluster)
+        p.words[:] = words
+        p.launch(torch.cuda.current_stream(device).cuda_stream)
+        return p
+    compat_numba.lost(DRIVER_LAUNCH, why)
+    compat_numba.launch_direct(ck, blocks, threads, dyn, _stream(device), flat, scalars, cluster)
+    return None
+
+
+def replay(key, x: torch.Tensor, m: int) -> torch.Tensor | None:
+    """``x[N, K] @ W^T`` through the launch kept as ``planned[key]`` (a product of the same weight, kernel and token
+    count that ran before through the driver): X, or its slabs where the kernel reads them, and a new ``[N, m]``
+    output written into its words, one driver call (a few us of the host's time); None where none is kept or ``x``
+    is not a contiguous, 16-byte aligned fp16 tensor (then the caller's full path, which keeps one)."""
+    rec = planned.get(key)
+    if rec is None or x.dtype != torch.float16 or not x.is_contiguous() or x.data_ptr() % 16:
+        return None
+    p, xw, yw, nt, _ = rec
+    y = torch.empty((x.shape[0], m), dtype=torch.float16, device=x.device)
+    if nt:
+        from .sp24_ws import x_slabs
+
+        x = x_slabs(x, nt)        # held until the launch below is queued
+    p.words[xw] = x.data_ptr()
+    p.words[yw] = y.data_ptr()
+    p.launch(torch.cuda.current_stream(y.device).cuda_stream)
+    return y
+
+
+def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int = 0, cluster: int = 1,
+                   record=None) -> None:
     """Launch ``kern[blocks, threads]`` on torch's current stream with 1-D contiguous tensors (as
     numba arrays) then int64 scalars, directly once numba's packing of them is checked; ``dyn``
     bytes of dynamic shared memory (past 48 KB: opted in first). ``cluster`` > 1: thread-block clusters of
-    that many blocks (``blocks`` a multiple of it), which numba's own launch cannot make: always direct."""
+    that many blocks (``blocks`` a multiple of it), which numba's own launch cannot make: always direct.
+    ``record``: ``(key, x index, output index, slab tokens)``: where the launch went through the driver, keep a copy
+    of it as ``planned[key]`` (the tensors it names held), for a later eager call that writes X's (``tensors[x
+    index]``) and the output's addresses into it and launches it (``replay``)."""
     device = tensors[0].device
     if SIM:
         if cluster > 1:
@@ -221,7 +274,10 @@ def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int =
     ck = _fast.get(fkey)
     if ck is not None and direct_ready(fkey, ck, dyn, device):
         flat = [f for t in tensors for f in compat_numba.flat(t.data_ptr(), t.numel(), t.element_size())]
-        compat_numba.launch_direct(ck, blocks, threads, dyn, _stream(device), flat, scalars, cluster)
+        p = _direct(ck, fkey, blocks, threads, dyn, device, flat, scalars, cluster)
+        if record is not None and p is not None:
+            key, xi, yi, nt = record
+            planned[key] = (p.copy(), 7 * xi + 4, 7 * yi + 4, nt, tuple(tensors))
         return
     if cluster > 1:
         raise RuntimeError(f"a thread-block cluster launch could not take {dyn} bytes of shared memory")
@@ -242,7 +298,8 @@ def _numba_entry(kern, args, device: torch.device, fkey):
     return ck
 
 
-def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, regs=None, wflat=None) -> bool:
+def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, regs=None, wflat=None,
+                 record=None) -> bool:
     """One spmm_warp launch for all of x's rows; False (nothing launched) if its plan cannot get
     the shared memory it needs."""
     n = x.shape[0]
@@ -264,9 +321,10 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, reg
             _fast[fkey] = ck
     if not SIM and wflat and _fast.get(fkey) is not None and direct_ready(fkey, _fast[fkey], dyn, x.device):
         xs, ys = x.numel() // 4, y.numel()     # x as int64 words, y as int16
-        compat_numba.launch_direct(
-            _fast[fkey], blocks, 32 * nw, dyn, _stream(x.device),
-            [*wflat, *compat_numba.flat(x.data_ptr(), xs, 8), *compat_numba.flat(y.data_ptr(), ys, 2)], scalars)
+        p = _direct(_fast[fkey], fkey, blocks, 32 * nw, dyn, x.device,
+                    [*wflat, *compat_numba.flat(x.data_ptr(), xs, 8), *compat_numba.flat(y.data_ptr(), ys, 2)], scalars)
+        if record is not None and p is not None:   # X and y follow the weight's four arrays (7 words each)
+            planned[record] = (p.copy(), 7 * 4 + 4, 7 * 5 + 4, 0, (bm, vals, goff, soff))
         return True
     xv = _as_numba(x.reshape(-1).view(torch.int64))
     yv = _as_numba(y.reshape(-1).view(torch.int16))
@@ -291,8 +349,9 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, reg
 def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
            cuda_core_max_n: int | None = None, warp_kernel: bool | None = None,
            warps: int | None = None, stages: int | None = None, strips: int | None = None,
-           regs: int | None = None) -> None:
-    """y[N, M] = x[N, Kp] @ W^T; x already padded to Kp columns, contiguous, 16-byte aligned."""
+           regs: int | None = None, record=None) -> None:
+    """y[N, M] = x[N, Kp] @ W^T; x already padded to Kp columns, contiguous, 16-byte aligned. ``record``: a key under
+    which a product that takes one spmm_warp launch keeps it (``replay``)."""
     n_all = x.shape[0]
     m, _ = w.shape
     gm, gk = w.grid
@@ -306,7 +365,7 @@ def launch(x: torch.Tensor, w, y: torch.Tensor, *, splits: int | None = None,
         while n0 < n_all:   # chunks of up to 64 tokens (fewer where shared memory is short)
             n = plan.warp_chunk(m, gk, min(plan.MAX_N, n_all - n0), vch, warps, stages, strips, sms, smem_limit())
             if n == 0 or not _launch_warp(x[n0:n0 + n], w, y[n0:n0 + n], bm, vals, goff, soff, vch, warps,
-                                          stages, strips, regs, wflat):
+                                          stages, strips, regs, wflat, record if n == n_all else None):
                 break
             n0 += n
         if n0 == n_all:

@@ -338,21 +338,23 @@ def _build(NT: int, STAGES: int, WG: int, WIN: int = WINDOW, REGS: int = 128, CL
 def tcabme_ws_matmul(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens: int | None = None,
                      stages: int | None = None, groups: int | None = None, splits: int | None = None,
                      window: int = WINDOW, regs: int | None = None, cluster: int = 1, alt: bool = False,
-                     slabs: torch.Tensor | None = None) -> torch.Tensor:
+                     slabs: torch.Tensor | None = None, record=None) -> torch.Tensor:
     """``x @ W^T`` for fp16 ``x`` [N, K] and a TCA-BME weight ``w`` (``packed.tcabme.TcaBme``, fp16, on x's
     device) through this kernel (Hopper, or the simulator): ``[N, M]`` fp16, into ``out`` if given. The
     keywords force the plan (``ws_plan``) and the register cap; ``cluster`` (2, 4; not in the simulator,
     which runs one block at a time) shares each X slab across that many tile rows (docs/kernels-notes.md
     "v22": correct, and slower than without on every shape measured); ``alt``: two warpgroups take turns on
     each block's tile row (v23); ``slabs``: X already rewritten as the kernel reads it (``sp24_ws.x_slabs``
-    at the plan's tile width, ``matmul.slab_tokens``)."""
-    return ws_launch(x, w, out, tokens, stages, groups, splits, window, regs, cluster, alt=alt, slabs=slabs)[0]
+    at the plan's tile width, ``matmul.slab_tokens``); ``record``: a key under which the launch is kept
+    (``launch.replay``)."""
+    return ws_launch(x, w, out, tokens, stages, groups, splits, window, regs, cluster, alt=alt, slabs=slabs,
+                     record=record)[0]
 
 
 def ws_launch(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens: int | None = None,
               stages: int | None = None, groups: int | None = None, splits: int | None = None,
               window: int = WINDOW, regs: int | None = None, cluster: int = 1, stamps: bool = False,
-              alt: bool = False, slabs: torch.Tensor | None = None):
+              alt: bool = False, slabs: torch.Tensor | None = None, record=None):
     """``(y, plan, stamps)``: ``tcabme_ws_matmul``'s product with the ``RowsPlan`` it launched (None for an empty
     product). ``stamps``: the time-stamp build (``spmm_ws_probe``) writes into a zeroed float32 buffer instead
     of the split-K workspace, returned as [blocks, steps + 1, 8] (the plan must not split K; the last row of a
@@ -389,5 +391,5 @@ def ws_launch(x: torch.Tensor, w, out: torch.Tensor | None = None, tokens: int |
                out.reshape(-1).view(torch.int16), wsp, cnt)
     launch.launch_tensors(get_kernel(p.nt, p.stages, wg, window, regs, cluster, stamps, alt), p.blocks,
                           32 * block_warps(wg), tensors, (m, n, gk, p.chunks, p.per, slot_bytes(vbytes)), dyn=p.dyn,
-                          cluster=cluster)
+                          cluster=cluster, record=None if record is None or stamps else (record, 3, 4, p.nt))
     return out, p, wsp.view(p.blocks, p.per + 1, 8) if stamps else None

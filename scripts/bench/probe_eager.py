@@ -8,8 +8,9 @@ where the GPU work is short. GPU only::
 For each shape: a ``SparseLinear`` of a random weight pruned by ``--kind`` (its TCA-BME form, or with ``--form
 sp24`` only its 2:4 layout, as ``prefer="memory"`` keeps it), and at each token count ``--calls`` eager calls
 issued without waiting (the host's time a call), then one wait (host and GPU), beside ``F.linear`` on the same
-weight; the relative error against it. ``--profile N``: a cProfile of the calls at N tokens (the largest costs
-by own time), where the host's time goes.
+weight; the relative error against it, at the first call and again after the timed ones on new values (an eager call
+at a count that ran before goes through its kept launch, ``kernels.launch.replay``). ``--profile N``: a cProfile of
+the calls at N tokens (the largest costs by own time), where the host's time goes.
 """
 from __future__ import annotations
 
@@ -78,8 +79,9 @@ def main() -> int:
         ap.error(f"--form sp24 takes a 2:4 or hybrid mask, not {args.kind}")
     cuda_or_exit("probe_eager")
     print(f"GPU {torch.cuda.get_device_name()}; torch {torch.__version__}; form {args.form}, mask {args.kind}")
-    print("\n| M x K | N | layer host us | layer host + GPU us | F.linear host us | F.linear host + GPU us | rel err |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| M x K | N | layer host us | layer host + GPU us | F.linear host us | F.linear host + GPU us | rel err | "
+          "rel err, again |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     gen = torch.Generator(device="cuda").manual_seed(0)
     with torch.no_grad():
         for m, k in shapes:
@@ -91,7 +93,11 @@ def main() -> int:
                 err = float((layer(x).float() - ref).norm() / ref.norm())
                 hs, ts = host_and_total(lambda: layer(x), args.calls)
                 hd, td = host_and_total(lambda: F.linear(x, w), args.calls)
-                print(f"| {m}x{k} | {n} | {hs:.1f} | {ts:.1f} | {hd:.1f} | {td:.1f} | {err:.2e} |")
+                # the same count again on new values: the kept launch (``kernels.sp24.sp24_planned``) must write them
+                x2 = torch.randn(n, k, device="cuda", generator=gen).half()
+                ref2 = F.linear(x2, w).float()
+                err2 = float((layer(x2).float() - ref2).norm() / ref2.norm())
+                print(f"| {m}x{k} | {n} | {hs:.1f} | {ts:.1f} | {hd:.1f} | {td:.1f} | {err:.2e} | {err2:.2e} |")
                 if n == args.profile:
                     prof = cProfile.Profile()
                     prof.enable()

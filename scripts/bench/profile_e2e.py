@@ -8,7 +8,7 @@ the kernels of 16 replays. Printed per model and batch: step time, the sum of ke
 rest is the gaps between kernels), and the kernels grouped (sparse SpMM, cuBLAS, attention,
 Triton glue, other) with their count and time per step. GPU only.
 
-    python -m scripts.bench.profile_e2e [--layers 8] [--batch-sizes 1,16] [--json out.json]
+    python -m scripts.bench.profile_e2e [--layers 8] [--batch-sizes 1,16] [--pattern 2:4] [--json out.json]
 """
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ from pathlib import Path
 import torch
 
 
-GROUPS = (("sparse", ("sparsekit::kernels",)), ("cublas", ("gemm", "gemv", "xmma", "cutlass", "sm90_", "nvjet")),
-          ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")), ("triton", ("triton",)))
+# attention before cuBLAS: PyTorch's memory-efficient attention kernel is a CUTLASS one (``fmha_cutlassF_...``)
+GROUPS = (("sparse", ("sparsekit::kernels",)), ("attention", ("flash", "fmha", "attention", "sdpa", "efficient")),
+          ("cublas", ("gemm", "gemv", "xmma", "cutlass", "sm90_", "nvjet")), ("triton", ("triton",)))
 
 
 def group_of(name: str) -> str:
@@ -133,6 +134,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--sparsity", type=float, default=0.5)
+    ap.add_argument("--pattern", choices=("unstructured", "2:4", "hybrid"), default="unstructured",
+                    help="the mask (2:4 and hybrid: the layers planned with prefer=memory, as in bench_e2e)")
     ap.add_argument("--attn", default="sdpa", help=f"comma-separated attention variants to compare: {', '.join(ATTN)}")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -154,11 +157,16 @@ def main() -> int:
 
     inductor_config.fx_graph_cache = False   # variants differ only in the backend flags
     model = build_model(args.layers, 4096, 11008, 32, 32000)
-    prune_(model, args.sparsity)
+    prune_(model, 0.5 if args.pattern == "2:4" else args.sparsity, args.pattern)
     fuse_rms_norms(model)
-    sparsify(model, min_sparsity=0.3)   # as bench_e2e: encode, then merge the packed projections
-    fuse_projections(model)
+    fuse_projections(model)             # as bench_e2e: merge the projections, then encode (each layer's tile census)
+    sparsify(model, min_sparsity=0.3)
     equalize_packed_sizes(model)
+    if args.pattern != "unstructured":   # each layer's form and kernels as bench_e2e --prefer memory plans them
+        from sparsekit.runtime.dispatch import plan_dispatch
+
+        rep = plan_dispatch(model, prefer="memory", sp24=True, cache=False)
+        print("; ".join(f"{g['shape'][0]}x{g['shape'][1]} {g['form']}" for g in rep["groups"]), flush=True)
     torch.cuda.empty_cache()
     out = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "runs": []}
 

@@ -154,6 +154,7 @@ def make_sp24_layouts(model: nn.Module, names: dict[str, SparseLinear]) -> str |
                 raise
             for m in fits.values():
                 m.use_sp24(None)
+            release_kernel_caches()   # launches kept for the layouts would keep them alive
             note = f"{e} (all {len(fits)} such layers)"
     return note
 
@@ -313,6 +314,7 @@ def plan_dispatch(model: nn.Module, *, prefer: str = "speed", token_counts=TOKEN
             error = dispatch_cache.write(path, stored)
             if error:
                 out["cache"]["error"] = f"the timings could not be cached ({error}): the next load measures again"
+    release_kernel_caches()   # views and launches kept for the timings would keep freed buffers alive
     torch.cuda.empty_cache()
     return out
 

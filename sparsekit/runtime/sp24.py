@@ -54,9 +54,12 @@ def sp24_mm_eager(x: torch.Tensor, dense: torch.Tensor, sp: torch.Tensor, tiles:
                   slabs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x[N, K] @ W^T`` through the 2:4 mosaic kernel; ``slabs``: X as sp24_ws reads it (``runtime.slabs``).
     A compiled step takes it as the op ``sp24_mm``, eager calls this function itself
-    (``sparse_linear.op_or_eager``)."""
-    from sparsekit.kernels.sp24 import sp24_matmul
+    (``sparse_linear.op_or_eager``): at a token count that ran before, through its kept launch (``sp24_planned``)."""
+    from sparsekit.kernels.sp24 import sp24_matmul, sp24_planned
 
+    y = None if slabs is not None or not x.is_cuda else sp24_planned(x, sp, dense, out_features)
+    if y is not None:
+        return y
     return sp24_matmul(x, Sp24Layout(dense=dense, sp=sp, tiles=tiles, shape=(out_features, x.shape[1])), slabs=slabs)
 
 

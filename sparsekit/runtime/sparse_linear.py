@@ -309,20 +309,20 @@ class SparseLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
     def sp24_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x[N, K] @ W^T + b`` through the 2:4 tile-mosaic kernel whatever N is (CUDA, fp16; ``forward`` at its
-        token counts, and measurements), X rewritten for it outside the op where it reads slabs (``runtime.slabs``)."""
-        xc = x.contiguous()
-        y = op_or_eager(sp24_mm, sp24_mm_eager)(xc, self.sp24_dense, self.sp24_sp, self.sp24_tiles,
-                                                self.out_features, sp24_slabs(self, xc))
+        """``x[N, K] @ W^T + b`` through the 2:4 tile-mosaic kernel whatever N is (CUDA, fp16; ``forward`` at its token
+        counts, measurements); X's slabs made outside the op in a compiled step (``runtime.slabs``), else in it."""
+        xc, cc = x.contiguous(), torch.compiler.is_compiling()
+        y = op_or_eager(sp24_mm, sp24_mm_eager)(xc, self.sp24_dense, self.sp24_sp, self.sp24_tiles, self.out_features,
+                                                sp24_slabs(self, xc) if cc else None)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def kernel_forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x[N, K] @ W^T + b`` through the sparse kernel whatever N is (CUDA, fp16; ``forward`` at its token
         counts, and measurements), with the slabs as ``sp24_forward``."""
-        xc = x.contiguous()
+        xc, cc = x.contiguous(), torch.compiler.is_compiling()
         y = op_or_eager(tcabme_mm, tcabme_mm_eager)(xc, self.bitmaps, self.values, self.gtile_offsets,
                                                     self.strip_offsets, self.out_features, True,
-                                                    tcabme_slabs(self, xc))
+                                                    tcabme_slabs(self, xc) if cc else None)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     @property
