@@ -61,12 +61,16 @@ def built_as(mode: str | None) -> Iterator[None]:
     the build)."""
     if mode is not None and mode not in ABLATIONS + VARIANTS + (sp24_ws.STAMPS,):
         raise ValueError(f"unknown sp24_ws build {mode!r}: one of {', '.join(ABLATIONS + VARIANTS)}")
+    from . import launch
+
     before = sp24_ws.probe_build[0]
     sp24_ws.probe_build[0] = mode
+    launch.planned.clear()            # launches kept for eager calls name the kernels of the build they ran
     try:
         yield
     finally:
         sp24_ws.probe_build[0] = before
+        launch.planned.clear()
 
 
 def ws_stamps(x: torch.Tensor, layout, tokens: int | None = None, stages: int | None = None,
