@@ -47,6 +47,9 @@ FORCED_CLUSTER = [dict(cluster=2), dict(cluster=4, tokens=64), dict(cluster=2, g
                   dict(cluster=4, tokens=256, strips=1, groups=2, stages=3)]   # (the 128x256 prefill tile)
 SWEEP_ROWS = [dict(splits=s) for s in (1, 2, 3, 4, 6, 8)] + [dict(strips=2, splits=s) for s in (1, 2, 4)] + \
     [dict(tokens=t) for t in (8, 16, 32)] + [dict(stages=s) for s in (2, 3, 4, 6)]
+# --sweep on Hopper: forced sp24_ws plans (ring depth, K split, tile rows, warpgroups), on all-2:4 and hybrid layouts
+SWEEP_WS = [dict(stages=s) for s in (3, 4, 6, 8)] + [dict(splits=s) for s in (1, 2, 4, 8)] + \
+    [dict(strips=r, groups=g) for r in (1, 2) for g in (1, 2)] + [dict(stages=8, splits=s) for s in (2, 4)]
 WS_PLAN: dict = {}   # --ws-plan: the ws column's forced plan
 # NUMBA_ENABLE_CUDASIM=1 (a dry run of the checks on CPU tensors, tiny shapes only: --check-shapes)
 DEV = "cpu" if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else "cuda"
@@ -244,18 +247,36 @@ def bench(shapes, ns, hybrids, kernels=("auto", "rows", "warps"), sweep: bool = 
                     row += f" | {t_h:.1f} | {t_cublas / t_h:.2f}"
             print(row + " |", flush=True)
             if sweep:
-                times = {}
-                for kw in SWEEP_ROWS:
-                    try:
-                        times[str(kw)] = time_calls([lambda lay=lay: sp24_matmul(x, lay, kernel="rows", **kw)
-                                                     for lay in lays])[0]
-                    except Exception as e:  # noqa: BLE001 - a forced plan may not fit: say so, go on
-                        print(f"    {kw}: {type(e).__name__}: {str(e)[:80]}")
-                ranked = sorted(times.items(), key=lambda kv: kv[1])
-                print("    sweep (rows, 2:4), fastest first: " + ", ".join(
-                    f"{kw.strip('{}')} {t:.1f} us (x{t_cublas / t:.2f})" for kw, t in ranked), flush=True)
+                sweep_plans(x, "rows", SWEEP_ROWS, lays, dense[0], t_cublas, "2:4")
+                if DEV == "cuda" and torch.cuda.get_device_capability() == (9, 0):
+                    sweep_plans(x, "ws", SWEEP_WS, lays, dense[0], t_cublas, "2:4")
+                    for h, lays_h in zip(hybrids, hyb):
+                        sweep_plans(x, "ws", [kw for kw in SWEEP_WS if kw.get("strips", 1) == 1], lays_h, None,
+                                    t_cublas, f"hybrid {h:.0%}")
         del dense, lays, semi, hyb
         torch.cuda.empty_cache()
+
+
+def sweep_plans(x, kernel: str, plans, lays, w, t_cublas: float, label: str) -> None:
+    """Time ``kernel`` under each forced plan of ``plans`` on the layouts ``lays`` and print them fastest first, x
+    cuBLAS; each plan's product is checked first against float64 (the weight ``w``, or decoded from the layout where
+    None) and a plan that is off or refused is named, not timed."""
+    from sparsekit.packed.sp24 import to_dense
+
+    ref = x.double() @ (w if w is not None else to_dense(lays[0])).double().t()
+    times = {}
+    for kw in plans:
+        try:
+            err = rel_err(sp24_matmul(x, lays[0], kernel=kernel, **kw), ref)
+            if not err < 1e-2:
+                print(f"    FAIL {kernel} {kw} ({label}): rel err {err:.3g}")
+                continue
+            times[str(kw)] = time_calls([lambda lay=lay: sp24_matmul(x, lay, kernel=kernel, **kw) for lay in lays])[0]
+        except Exception as e:  # noqa: BLE001 - a forced plan may not fit: say so, go on
+            print(f"    {kernel} {kw} ({label}): {type(e).__name__}: {str(e)[:80]}")
+    ranked = sorted(times.items(), key=lambda kv: kv[1])
+    print(f"    sweep ({kernel}, {label}), fastest first: " + ", ".join(
+        f"{kw.strip('{}')} {t:.1f} us (x{t_cublas / t:.2f})" for kw, t in ranked), flush=True)
 
 
 def main() -> int:
@@ -273,7 +294,9 @@ def main() -> int:
                     "(the layout rewritten for cuSPARSELt: all-2:4 prefill; checked byte for byte first)")
     ap.add_argument("--hybrid-kernels", default=None, help="kernels for the hybrid columns, e.g. rows,ws,decode "
                     "(default: the first of --kernels)")
-    ap.add_argument("--sweep", action="store_true", help="also time forced sp24_rows plans (splits, tokens, stages)")
+    ap.add_argument("--sweep", action="store_true", help="also time forced sp24_rows plans (splits, tokens, stages) "
+                    "and, on Hopper, forced sp24_ws plans (stages, splits, strips, groups) on 2:4 and hybrid layouts, "
+                    "each checked against float64 first")
     ap.add_argument("--build", default=None, help="sp24_ws built another way for every check and timing "
                     "(sparsekit.kernels.sp24_ws_probe.VARIANTS, e.g. pipelined; plans it does not apply to run the "
                     "default build)")
