@@ -13,6 +13,7 @@ from numba import cuda
 
 from . import compat_numba, driver, kcache, plan, spmm, spmm_warp
 from ._intrinsics import SIM
+from sparsekit.torch_compat import raw_stream
 
 compat_numba.silence_low_occupancy_warnings()
 
@@ -221,7 +222,7 @@ def _direct(ck, fkey, blocks: int, threads: int, dyn: int, device: torch.device,
                 _packs.clear()
             p = _packs[key] = driver.Packed(compat_numba.handle_of(ck), blocks, threads, dyn, len(words), cluster)
         p.words[:] = words
-        p.launch(torch.cuda.current_stream(device).cuda_stream)
+        p.launch(raw_stream(device))
         return p
     compat_numba.lost(DRIVER_LAUNCH, why)
     compat_numba.launch_direct(ck, blocks, threads, dyn, _stream(device), flat, scalars, cluster)
@@ -244,7 +245,7 @@ def replay(key, x: torch.Tensor, m: int) -> torch.Tensor | None:
         x = x_slabs(x, nt)        # held until the launch below is queued
     p.words[xw] = x.data_ptr()
     p.words[yw] = y.data_ptr()
-    p.launch(torch.cuda.current_stream(y.device).cuda_stream)
+    p.launch(raw_stream(y.device))
     return y
 
 

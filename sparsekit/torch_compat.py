@@ -21,6 +21,11 @@ Checked against torch 2.11 (the GPU image) and 2.13.0 (the CPU build CI installs
   (``runtime.sp24.cslt_check``): the buffer sparsekit writes from a 2:4 layout must equal it. The product goes through
   cuSPARSELt's own C API with kept plans (``runtime.cusparselt``): ``torch._cslt_sparse_mm`` makes a plan on every
   call, ~0.5-1.5 ms of host time.
+* ``raw_stream``: ``torch._C._cuda_getCurrentRawStream(device index)``, the current stream's handle without building a
+  ``torch.cuda.Stream`` (CUDA builds only: Inductor's generated code gets its stream with it, through
+  ``torch._dynamo.device_interface``, on 2.11 and 2.13; the CPU build lacks it). Where it is missing, the public
+  ``current_stream(device).cuda_stream``, ~3 us a call, where an eager launch through the driver is ~3-5 us in all
+  (``kernels.launch``).
 """
 from __future__ import annotations
 
@@ -125,3 +130,11 @@ def cslt_available() -> str | None:
 def cslt_compress(w: torch.Tensor) -> torch.Tensor:
     """cuSPARSELt's compressed buffer of a dense 2:4 fp16 weight (``torch._cslt_compress``)."""
     return torch._cslt_compress(w)
+
+
+def raw_stream(device: torch.device) -> int:
+    """The handle (``cudaStream_t`` as an integer) of torch's current stream on the CUDA ``device``."""
+    fn = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if fn is None:
+        return torch.cuda.current_stream(device).cuda_stream
+    return fn(device.index if device.index is not None else torch.cuda.current_device())

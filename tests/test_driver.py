@@ -69,3 +69,18 @@ def test_kept_launches_go_with_the_kernel_caches_and_the_kernel_choice(monkeypat
     launch.planned[("k",)] = (None, 32, 39, 0, ())
     matmul.reset_kernel_choice()
     assert not launch.planned
+
+
+def test_raw_stream_takes_torchs_handle_without_a_stream_object(monkeypatch):
+    """``torch_compat.raw_stream``: the private handle getter where torch has it (the device's index passed), the
+    public ``current_stream(device).cuda_stream`` where it does not."""
+    from types import SimpleNamespace
+
+    from sparsekit import torch_compat
+
+    seen = []
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda i: seen.append(i) or 1234, raising=False)
+    assert torch_compat.raw_stream(torch.device("cuda", 3)) == 1234 and seen == [3]
+    monkeypatch.delattr(torch._C, "_cuda_getCurrentRawStream")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d: SimpleNamespace(cuda_stream=5678))
+    assert torch_compat.raw_stream(torch.device("cuda", 0)) == 5678
