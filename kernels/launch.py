@@ -276,7 +276,7 @@ def launch_tensors(kern, blocks: int, threads: int, tensors, scalars, dyn: int =
     if ck is not None and direct_ready(fkey, ck, dyn, device):
         flat = [f for t in tensors for f in compat_numba.flat(t.data_ptr(), t.numel(), t.element_size())]
         p = _direct(ck, fkey, blocks, threads, dyn, device, flat, scalars, cluster)
-        if record is not None and p is not None:
+        if record is not None and p is not None and record[0] not in planned:   # (a direct caller's repeat)
             key, xi, yi, nt = record
             planned[key] = (p.copy(), 7 * xi + 4, 7 * yi + 4, nt, tuple(tensors))
         return
@@ -324,7 +324,7 @@ def _launch_warp(x, w, y, bm, vals, goff, soff, vchs, warps, stages, strips, reg
         xs, ys = x.numel() // 4, y.numel()     # x as int64 words, y as int16
         p = _direct(_fast[fkey], fkey, blocks, 32 * nw, dyn, x.device,
                     [*wflat, *compat_numba.flat(x.data_ptr(), xs, 8), *compat_numba.flat(y.data_ptr(), ys, 2)], scalars)
-        if record is not None and p is not None:   # X and y follow the weight's four arrays (7 words each)
+        if record is not None and p is not None and record not in planned:   # X, y after the weight's 4 x 7 words
             planned[record] = (p.copy(), 7 * 4 + 4, 7 * 5 + 4, 0, (bm, vals, goff, soff))
         return True
     xv = _as_numba(x.reshape(-1).view(torch.int64))

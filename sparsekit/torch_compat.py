@@ -25,7 +25,7 @@ Checked against torch 2.11 (the GPU image) and 2.13.0 (the CPU build CI installs
   ``torch.cuda.Stream`` (CUDA builds only: Inductor's generated code gets its stream with it, through
   ``torch._dynamo.device_interface``, on 2.11 and 2.13; the CPU build lacks it). Where it is missing, the public
   ``current_stream(device).cuda_stream``, ~3 us a call, where an eager launch through the driver is ~3-5 us in all
-  (``kernels.launch``).
+  (``kernels.launch``; ``runtime.cusparselt`` takes it the same way).
 """
 from __future__ import annotations
 

@@ -29,6 +29,8 @@ from collections import OrderedDict
 
 import torch
 
+from sparsekit.torch_compat import raw_stream
+
 SUPPORTED = (800, 999)          # cuSPARSELt 0.8.0 up to 0.9.x: the struct size and enums below
 _STRUCT = 512
 _R_16F, _ORDER_COL, _ORDER_ROW, _NON_T, _T, _SPARSITY_50, _COMPUTE_32F, _ALG_DEFAULT = 2, 1, 2, 0, 1, 0, 2, 0
@@ -153,7 +155,7 @@ class _Plan:
 
     def run(self, compressed: torch.Tensor, xp: torch.Tensor, out: torch.Tensor) -> None:
         ws = torch.empty(max(self.workspace, 1), dtype=torch.uint8, device=xp.device)
-        stream = ctypes.c_void_p(torch.cuda.current_stream(xp.device).cuda_stream)
+        stream = ctypes.c_void_p(raw_stream(xp.device))
         _check(_load().cusparseLtMatmul(self.h, self.plan, ctypes.byref(_ALPHA), ctypes.c_void_p(compressed.data_ptr()),
                                         ctypes.c_void_p(xp.data_ptr()), ctypes.byref(_BETA),
                                         ctypes.c_void_p(out.data_ptr()), ctypes.c_void_p(out.data_ptr()),
