@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from . import sp24_plan
+from .gpu_facts import fast_memory
 from .io import output_for, padded
 
 
@@ -96,7 +97,8 @@ def _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, s
     from .sp24_rows import get_kernel
 
     aslot = sp24_plan.SLOTS[0] if layout.dense.numel() == 0 else sp24_plan.SLOTS[1]
-    p = sp24_plan.rows_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, strips, aslot)
+    p = sp24_plan.rows_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, strips, aslot,
+                            fast=fast_memory(x.device))
     # the fp32 workspace for the split-K partials (two tile slots per block), a counter per output tile
     ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
     tensors = (*_buffers(layout), layout.tiles, x.reshape(-1).view(torch.int32),
@@ -162,7 +164,8 @@ def _wg_launch(device, m, gk, n, kp, launch, tokens, splits, stages, strips, gro
         raise ValueError("the warpgroup 2:4 kernel (kernel='wg') takes weights whose tiles are all 2:4; this one "
                          "has dense tiles (kernel='ws' or 'rows' takes them)")
     p, r, wg, ks = sp24_plan.wg_plan(m, gk, n, launch.sm_count(device), tokens, 1 if cluster > 1 else splits,
-                                     stages, strips, groups, kstep, specialized=specialized, hybrid=hybrid)
+                                     stages, strips, groups, kstep, specialized=specialized, hybrid=hybrid,
+                                     fast=fast_memory(device))
     if cluster > 1:   # whole clusters of row blocks (the padding blocks only receive X)
         p = p._replace(blocks=-(-p.rb // cluster) * cluster * p.chunks)
     if specialized:
@@ -181,7 +184,8 @@ def auto_kernel(device: torch.device, m: int, k: int, n: int, hybrid: bool) -> s
         from . import launch
         from .common import SIM
 
-        got = _KERNEL[key] = sp24_plan.kernel_for(m, k, n, not SIM and launch.hopper(device), hybrid)
+        got = _KERNEL[key] = sp24_plan.kernel_for(m, k, n, not SIM and launch.hopper(device), hybrid,
+                                                  fast_memory(device))
     return got
 
 
@@ -194,7 +198,7 @@ def slab_tokens(device: torch.device, m: int, k: int, n: int, hybrid: bool) -> i
         from . import launch
 
         got = _KERNEL[key] = 0 if n < 1 or auto_kernel(device, m, k, n, hybrid) != "ws" else sp24_plan.wg_plan(
-            m, -(-k // 64), n, launch.sm_count(device), specialized=True, hybrid=hybrid)[0].nt
+            m, -(-k // 64), n, launch.sm_count(device), specialized=True, hybrid=hybrid, fast=fast_memory(device))[0].nt
     return got
 
 

@@ -1,8 +1,5 @@
-"""Launch planning for the 2:4 tile-mosaic kernel (sp24_kernel): pure functions of shapes (no numba).
-
-First guesses, not tuned on a GPU yet (docs/kernels-notes.md "v13-sp" gives the reasoning and
-scripts/checks/gpu_sp24.py the knobs to sweep): enough blocks for two per SM where the rows allow,
-whole tiles (4 strip rows) per block when they do, and every warp streaming several tile columns.
+"""Launch planning for the 2:4 tile-mosaic kernels (sp24_kernel, sp24_rows, sp24_wg, sp24_ws): pure functions of
+shapes (no numba), each rule from the GPU sweeps it names (docs/kernels-notes.md; scripts/checks/gpu_sp24.py).
 """
 from __future__ import annotations
 
@@ -11,7 +8,6 @@ from .work import RowsPlan, split_work
 XS = 144                   # bytes per staged X row: 64 halves + 16 pad (conflict-free ldmatrix)
 SMEM_MAX = 44 * 1024       # dynamic shared memory per block (no opt-in past 48 KB needed)
 MAX_WARPS = 8
-
 
 MAX_NT = 32                # tokens per block; more run as further blocks of the same launch
 
@@ -86,7 +82,7 @@ def rows_smem_bytes(nt: int, stages: int, r: int = 1, aslot: int = 2048) -> int:
     return max(stages * stage_bytes(nt, r, aslot), nt * 64 * r * 4)
 
 
-def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = False) -> str:
+def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = False, fast: bool = False) -> str:
     """The 2:4 kernel ``sp24_matmul(kernel="auto")`` runs for ``[n, k] @ [m, k]^T``: "rows" (sp24_rows) for
     weights of more than ROWS_MIN_WEIGHTS, from ROWS_AUTO_N tokens on, and on weights of exactly ROWS_MIN_WEIGHTS from
     ROWS_FEW_BLOCKS_N tokens on, else "warps" (sp24_kernel). The last from two H100 runs of "v37" on 4096x4096, rows
@@ -124,26 +120,34 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = F
       against 1.14 / 1.20 / 1.17 / 0.82 / 0.86 / 0.47; 12288x4096 (a ring of WS_STAGES_DECODE) 0.96 / 1.00 / 1.11 /
       0.93 (own ring) at 17-48 against 0.78 / 0.85 / 0.85 / 0.57; 4096x11008 0.73-0.76 at 17-32 against rows' 0.98-1.00,
       0.86 / 0.91 / 0.70 at 48 / 64 / 128 against 0.69 / 0.68 / 0.41; 4096x4096 0.47 at 64 against rows' 0.57 and
-      at 128 0.47 against 0.38. Rows keeps 1-16 tokens, 1.40-1.48 on 22016x4096 against ws's 1.33-1.34. Earlier, with
-      two warpgroups, at 1 / 8 / 16 / 32 / 64 / 128 tokens ("v37"): 22016x4096 ws 1.25 / 1.32 / 1.23 / 0.75 / 1.21 /
-      0.75 against rows' 1.50 / 1.47 / 1.41 / 1.20 / 0.86 / 0.47; 12288x4096 0.98 / 1.02 / 1.02 / 1.05 / 0.96 / 0.91
-      against 1.18 / 1.21 / 1.09 / 0.84 / 0.56 / 0.49; 4096x11008 0.87 / 0.96 / 0.95 / 0.89 / 0.82 / 0.68 against
-      1.22 / 1.19 / 1.18 / 0.98 / 0.68 / 0.40; 4096x4096 0.46-0.51 at every count against 1.18 / 1.02 / 1.12 / 0.80 /
-      0.56 / 0.37.
+      at 128 0.47 against 0.38. Rows keeps 1-16 tokens, 1.40-1.48 on 22016x4096 against ws's 1.33-1.34. (Two
+      warpgroups a block lost more: "v37".)
     - "wg" also on K-deep weights of WG_FEW_MAX_M rows or fewer up to WG_FEW_N tokens, with the ring and split
       ``wg_plan`` gives them (H100, docs/kernels-notes.md "v27"): 4096x11008 24.8 / 25.0 / 25.7 us at 1 / 2 /
       4 tokens against rows' 26.9 / 26.7 / 27.1 (1.44x cuBLAS at one token against 1.32); 4096x14336 30.7 /
       31.0 / 31.2 against 31.9 / 32.3 / 32.5. At 8 tokens rows was as fast or faster; on 8192x28672 and
-      5120x13824 the two were within 1% at 1-4 tokens."""
+      5120x13824 the two were within 1% at 1-4 tokens.
+
+    ``fast`` (a GPU of fast memory, ``gpu_facts.fast_memory``; H200 sweep, docs/kernels-notes.md "v41", x cuBLAS at
+    16 tokens): sp24_ws from FAST_WS_MIN_N tokens on weights that are not tall, so rows (with ``rows_splits``' fast
+    cap) keeps 16 (12288x4096 1.24 against 1.13, 4096x11008 1.31 against 1.15); on tall weights with dense tiles
+    sp24_ws from FAST_WS_HYBRID_TALL_FROM (22016x4096, 35%: 1.15 against rows' 1.07), on K-deep ones from
+    FAST_WS_HYBRID_DEEP_FROM (4096x11008 at 32 tokens, one warpgroup: 0.93 against rows' 0.81); and on every weight
+    from FAST_WS_ANY_FROM to FAST_WS_ONE_UNTIL tokens (4096x4096 at 64: 20.1 us against rows' 22.0, 35%: 23.4 against
+    27.5; at 32 the two tied)."""
     tall, deep = m >= WG_MIN_M, k >= WG_DEEP_K
+    ws_from = FAST_WS_MIN_N if fast and not tall else WS_MIN_N
+    hyb_from = FAST_WS_HYBRID_TALL_FROM if fast and tall else WS_HYBRID_FROM
+    hyb_deep = FAST_WS_HYBRID_DEEP_FROM if fast else WS_HYBRID_DEEP_FROM
+    window = fast and FAST_WS_ANY_FROM <= n <= FAST_WS_ONE_UNTIL
     if wg_ok and not hybrid and tall and deep and n <= WS_MIN_N:
         return "wg"
     if wg_ok and not hybrid and wg_few(m, k, n):
         return "wg"
-    if wg_ok and not hybrid and ((m >= WS_MIN_M or deep) and n >= WS_MIN_N or n > WS_ANY_FROM):
+    if wg_ok and not hybrid and ((m >= WS_MIN_M or deep) and n >= ws_from or n > WS_ANY_FROM or window):
         return "ws"
-    if wg_ok and hybrid and (m >= WS_MIN_M and n >= WS_HYBRID_FROM or deep and n >= WS_HYBRID_DEEP_FROM
-                             or n >= WS_HYBRID_ANY_FROM):
+    if wg_ok and hybrid and (m >= WS_MIN_M and n >= hyb_from or deep and n >= hyb_deep
+                             or n >= WS_HYBRID_ANY_FROM or window):
         return "ws"
     if n >= ROWS_AUTO_N:
         return "rows"
@@ -159,12 +163,15 @@ def rows_tokens(n: int) -> int:
     return nt
 
 
-def rows_splits(blocks: int, gk: int, sms: int = 132, n: int = 1, per_sm: int | None = None) -> tuple[int, int]:
+def rows_splits(blocks: int, gk: int, sms: int = 132, n: int = 1, per_sm: int | None = None,
+                fast: bool = False) -> tuple[int, int]:
     """(splits, tile columns per split) for ``blocks`` blocks per split: the largest power of two that
     keeps the launch within ROWS_MAX_BLOCKS_PER_SM blocks per SM (half that from ROWS_FEW_BLOCKS_N
-    tokens on; ``per_sm`` instead where given) and every split at ROWS_MIN_STEPS columns or more (GPU sweeps
-    on an H200, docs/kernels-notes.md "v13-sp rows" and "v14"); no empty split."""
-    cap = per_sm or ROWS_MAX_BLOCKS_PER_SM // (2 if n >= ROWS_FEW_BLOCKS_N else 1)
+    tokens on, unless ``fast``; ``per_sm`` instead where given) and every split at ROWS_MIN_STEPS columns or more
+    (GPU sweeps on an H200, docs/kernels-notes.md "v13-sp rows" and "v14"); no empty split. ``fast`` (fast memory,
+    "v41": more bytes in flight pay): at 16 tokens 12288x4096 took 2 splits, 23.5 us against 29.0 with one, and
+    4096x11008 8, 22.9 against 24.9 with 4."""
+    cap = per_sm or ROWS_MAX_BLOCKS_PER_SM // (2 if n >= ROWS_FEW_BLOCKS_N and not fast else 1)
     ks = 1
     while blocks * ks * 2 <= cap * sms and gk // (ks * 2) >= ROWS_MIN_STEPS:
         ks *= 2
@@ -184,7 +191,8 @@ def rows_stages(nt: int, r: int = 1, aslot: int = 2048) -> int:
 
 
 def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None, splits_: int | None = None,
-              stages_: int | None = None, strips_: int | None = None, aslot: int = 2048) -> RowsPlan:
+              stages_: int | None = None, strips_: int | None = None, aslot: int = 2048,
+              fast: bool = False) -> RowsPlan:
     """The launch plan (:class:`RowsPlan`). ``splits_`` forces the K split's splits (``per`` = the tile
     columns over the splits); without it the split rule of ``rows_splits``."""
     nt = tokens_ or rows_tokens(n)
@@ -200,7 +208,8 @@ def rows_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = Non
         nt //= 2
     rb = -(-gm // r)
     chunks = -(-n // nt)
-    ks, per, blocks = split_work(rb * chunks, gk, None if splits_ else rows_splits(rb * chunks, gk, sms, n), splits_)
+    rule = None if splits_ else rows_splits(rb * chunks, gk, sms, n, fast=fast)
+    ks, per, blocks = split_work(rb * chunks, gk, rule, splits_)
     st = stages_ or rows_stages(nt, r, aslot)
     dyn = rows_smem_bytes(nt, st, r, aslot)
     if dyn > 48 * 1024 - 1024:
@@ -234,6 +243,13 @@ WG_FEW_N = 4                    # kernel_for: sp24_wg up to this many tokens on 
 WG_FEW_MAX_M = 4096             # ... at most this many rows (a 7B or 8B model's down projection), with
 WG_FEW_STAGES = 6               # this deep a ring and a K split of about WG_FEW_PER_SM blocks per SM
 WG_FEW_PER_SM = 2
+# fast memory (``gpu_facts.fast_memory``: an H200), docs/kernels-notes.md "v41"
+FAST_WS_MIN_N = 17              # kernel_for: sp24_ws from this many tokens on weights that are not tall (rows at 16)
+FAST_WS_HYBRID_TALL_FROM = 16   # kernel_for: sp24_ws from this many tokens on tall weights with dense tiles, ...
+FAST_WS_HYBRID_DEEP_FROM = 32   # ... from this many on K-deep ones, ...
+FAST_WS_ANY_FROM = 33           # ... and on every weight from this many tokens to FAST_WS_ONE_UNTIL
+FAST_WS_ONE_UNTIL = 64          # ws_shape: one warpgroup of one tile row on tall or K-deep weights up to this many
+FAST_WS_MIN_SPLIT_COLS = 16     # tokens; ws_splits up to there: two blocks an SM, splits of this many columns or more
 
 
 def wg_few(m: int, k: int, n: int) -> bool:
@@ -278,7 +294,7 @@ def ws_cluster(m: int, n: int, hybrid: bool = False) -> int:
     return 2 if not hybrid and m < WG_MIN_M and n >= WS_CLUSTER_FROM else 1
 
 
-def ws_shape(m: int, k: int, nt: int, n: int = 0, hybrid: bool = False) -> tuple[int, int, int]:
+def ws_shape(m: int, k: int, nt: int, n: int = 0, hybrid: bool = False, fast: bool = False) -> tuple[int, int, int]:
     """(tile rows per warpgroup, consumer warpgroups, ring depth) of sp24_ws's default plan, from the H100
     sweeps (docs/kernels-notes.md "v18 outcome"): two warpgroups on tall or K-deep weights, one elsewhere
     (12288x4096: 1.21 against 1.14 at 16 tokens); two tile rows each on tall weights up to 32 tokens a
@@ -295,8 +311,15 @@ def ws_shape(m: int, k: int, nt: int, n: int = 0, hybrid: bool = False) -> tuple
     that are not tall ("v38", 35% hybrid, x cuBLAS at 24 / 32 / 64 / 128 tokens: 22016x4096 1.25 / 1.30 / 1.33 / 0.91
     against two warpgroups' 0.73 / 0.75 / 1.21 / 0.75; 4096x11008 0.91 / 0.70 at 64 / 128 against 0.83 / 0.68, but
     0.74-0.80 at 1-24 against 0.86-0.97; 12288x4096 with 8 stages 0.96 / 1.00 / 1.11 at 17 / 24 / 32 against 0.92 /
-    0.97 / 1.06, 0.63 against 0.99 at 64)."""
+    0.97 / 1.06, 0.63 against 0.99 at 64). ``fast`` (fast memory): one warpgroup of one tile row on tall all-2:4
+    weights up to FAST_WS_ONE_UNTIL tokens (H200, "v41", 22016x4096 1.47 / 1.48 / 1.35x cuBLAS at 16 / 32 / 64
+    tokens against two of two rows' 1.22 / 1.21 / 1.20), and on K-deep weights that are not tall (4096x11008 at 32
+    / 64 tokens with 4 K splits: 25.4 / 32.6 us against two warpgroups' 28.4 / 34.5; 35% at 32: 32.3 against 40.3)."""
     tall = m >= WG_MIN_M
+    if fast and tall and not hybrid and 0 < n <= FAST_WS_ONE_UNTIL:
+        return 1, 1, WS_STAGES_FEW if nt <= 32 else WS_STAGES_MANY
+    if fast and not tall and k >= WG_DEEP_K and 0 < n <= FAST_WS_ONE_UNTIL:
+        return 1, 1, WS_STAGES_DECODE if nt <= 32 else WS_STAGES_MANY
     r = 2 if tall and (nt <= 32 or (nt == 128 and 64 < n <= 128 and not hybrid)) else 1
     wg = 2 if (tall or k >= WG_DEEP_K or n > 256) and m > 64 * r else 1
     if hybrid and n <= 256 and (tall or n > 32):
@@ -306,19 +329,22 @@ def ws_shape(m: int, k: int, nt: int, n: int = 0, hybrid: bool = False) -> tuple
     return r, wg, WS_STAGES_FEW if nt <= 32 else WS_STAGES_MANY
 
 
-def ws_splits(blocks: int, gk: int, sms: int, nt: int) -> tuple[int, int]:
+def ws_splits(blocks: int, gk: int, sms: int, nt: int, fast: bool = False) -> tuple[int, int]:
     """(splits, tile columns per split) of sp24_ws on weights with few tile rows: about one block per SM up
     to 32 tokens a tile and two from 64 (two fit an SM there), every split WS_MIN_SPLIT_COLS columns or
-    more. H100: 8192x28672 took 2 splits at 16-32 tokens and 4 at 64, 4096x11008 4 splits."""
-    target = sms * (1 if nt <= 32 else 2)
-    ks = max(1, min(round(target / blocks), gk // WS_MIN_SPLIT_COLS))
+    more. H100: 8192x28672 took 2 splits at 16-32 tokens and 4 at 64, 4096x11008 4 splits. ``fast`` (fast memory,
+    up to FAST_WS_ONE_UNTIL tokens; H200, "v41"): two blocks per SM at every tile width and splits of
+    FAST_WS_MIN_SPLIT_COLS columns or more (4096x11008 at 32 tokens 4 splits, 4096x4096 at 64 tokens 4: 20.1 us
+    against 24.7 with one)."""
+    target = sms * (1 if nt <= 32 and not fast else 2)
+    ks = max(1, min(round(target / blocks), gk // (FAST_WS_MIN_SPLIT_COLS if fast else WS_MIN_SPLIT_COLS)))
     kper = -(-gk // ks)
     return -(-gk // kper), kper
 
 
 def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None, splits_: int | None = None,
             stages_: int | None = None, strips_: int | None = None, groups_: int | None = None,
-            kstep_: int | None = None, specialized: bool = False, hybrid: bool = False, smem=None):
+            kstep_: int | None = None, specialized: bool = False, hybrid: bool = False, smem=None, fast: bool = False):
     """``(RowsPlan, R, WG, KS)`` of one sp24_wg launch: the plan's ``r`` counts the block's tile rows (R x WG);
     KS tile columns per step. On tall weights (WG_MIN_M rows or more) two warpgroups of two tile rows each
     (256 rows share one X slice) and whole tiles (no K split), which the H100 sweep found fastest on
@@ -330,7 +356,7 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
     sp24_ws's plan (its ring holds whole tiles and one X slab per stage; no ``kstep``): the shape of
     ``ws_shape`` and, on weights that are not tall, the K split of ``ws_splits``; ``hybrid`` (dense tiles
     too): one tile row per warpgroup, tile slots of a dense tile's size; ``smem`` (``(nt, stages, r, wg) ->
-    bytes``): another kernel's stage sizes on the same plan (spmm_ws)."""
+    bytes``): another kernel's stage sizes on the same plan (spmm_ws); ``fast``: fast memory's shapes (``ws_shape``)."""
     from . import sp24_wg, sp24_ws
 
     if specialized:
@@ -347,13 +373,13 @@ def wg_plan(m: int, gk: int, n: int, sms: int = 132, tokens_: int | None = None,
     gm = -(-m // 64)
     chunks = -(-n // nt)
     if specialized:
-        r, wg, st = ws_shape(m, gk * 64, nt, n, hybrid)
+        r, wg, st = ws_shape(m, gk * 64, nt, n, hybrid, fast)
         r, wg = strips_ or (1 if hybrid else r), groups_ or wg
         if hybrid and r != 1:
             raise ValueError("the warp-specialized kernel takes weights with dense tiles one tile row per "
                              "warpgroup (strips=1)")
         rb = -(-gm // (r * wg))
-        rule = (1, gk) if tall else ws_splits(rb * chunks, gk, sms, nt)
+        rule = (1, gk) if tall else ws_splits(rb * chunks, gk, sms, nt, fast and n <= FAST_WS_ONE_UNTIL)
         st = stages_ or st
     else:
         r = strips_ or (2 if tall else 1)

@@ -209,3 +209,57 @@ def test_ws_decode_ring_is_deeper_on_all_24_weights_that_are_not_tall():
     assert [stages(22016, 64, n) for n in (1, 32, 64)] == [6, 6, 4]          # tall
     assert [stages(12288, 64, n, hybrid=True) for n in (16, 32, 64)] == [8, 8, 4]   # dense tiles ("v38")
     assert [stages(22016, 64, n, hybrid=True) for n in (17, 32, 64)] == [6, 6, 4]
+
+
+@pytest.mark.parametrize("m,k,n,hybrid,kernel", [
+    (12288, 4096, 16, False, "rows"), (12288, 4096, 17, False, "ws"), (4096, 11008, 16, False, "rows"),
+    (4096, 11008, 32, False, "ws"), (22016, 4096, 16, False, "ws"), (22016, 4096, 1, False, "rows"),
+    (28672, 8192, 16, False, "wg"), (4096, 11008, 1, False, "wg"),
+    (22016, 4096, 16, True, "ws"), (22016, 4096, 15, True, "rows"), (12288, 4096, 16, True, "rows"),
+    (12288, 4096, 17, True, "ws"), (4096, 11008, 31, True, "rows"), (4096, 11008, 32, True, "ws"),
+    (4096, 4096, 32, False, "rows"), (4096, 4096, 33, False, "ws"), (4096, 4096, 64, False, "ws"),
+    (4096, 4096, 64, True, "ws"), (4096, 4096, 65, False, "rows"), (4096, 4096, 65, True, "rows"),
+    (4096, 4096, 128, True, "ws"), (4096, 4096, 512, False, "ws"),
+])
+def test_fast_memory_moves_only_the_thresholds_the_h200_sweep_moved(m, k, n, hybrid, kernel):
+    """H200 (docs/kernels-notes.md "v41"): at 16 tokens sp24_rows beat sp24_ws on 12288x4096 and 4096x11008, and
+    sp24_ws beat rows on the tall 22016x4096 with dense tiles, on 4096x11008 with dense tiles at 32 and on 4096x4096 at
+    64; the rest as on the H100."""
+    moved = {(12288, 16, False), (22016, 16, True), (4096, 16, False), (4096, 32, True), (4096, 33, False),
+             (4096, 64, False), (4096, 64, True)}
+    assert sp24_plan.kernel_for(m, k, n, wg_ok=True, hybrid=hybrid, fast=True) == kernel
+    if (m, n, hybrid) not in moved:
+        assert sp24_plan.kernel_for(m, k, n, wg_ok=True, hybrid=hybrid) == kernel   # unchanged elsewhere
+    else:
+        assert sp24_plan.kernel_for(m, k, n, wg_ok=True, hybrid=hybrid) != kernel
+    assert sp24_plan.kernel_for(m, k, n, wg_ok=False, hybrid=hybrid, fast=True) not in ("wg", "ws")
+
+
+def test_fast_memory_plans_more_blocks_and_one_warpgroup_where_the_h200_measured_them_faster():
+    """H200 ("v41"): sp24_rows keeps up to ROWS_MAX_BLOCKS_PER_SM blocks per SM from 16 tokens too (12288x4096 two
+    splits, 4096x11008 eight), and sp24_ws takes one warpgroup of one tile row on tall all-2:4 weights up to 64
+    tokens (two of two as before at 128, and for dense tiles as before)."""
+    assert sp24_plan.rows_plan(12288, 64, 16, aslot=SLOTS[0]).ks == 1
+    assert sp24_plan.rows_plan(12288, 64, 16, aslot=SLOTS[0], fast=True).ks == 2
+    assert sp24_plan.rows_plan(4096, 172, 16, aslot=SLOTS[0]).ks == 4
+    assert sp24_plan.rows_plan(4096, 172, 16, aslot=SLOTS[0], fast=True).ks == 8
+    assert sp24_plan.rows_plan(22016, 64, 1, aslot=SLOTS[0], fast=True).ks == 1   # already 4 a SM below 16
+
+    def shape(m, n, hybrid=False):
+        p, r, wg, _ = sp24_plan.wg_plan(m, 64, n, specialized=True, hybrid=hybrid, fast=True)
+        return r, wg, p.stages
+
+    assert [shape(22016, n) for n in (1, 16, 32, 64)] == [(1, 1, 6)] * 3 + [(1, 1, 4)]
+    assert shape(22016, 128)[:2] == (2, 2) == sp24_plan.wg_plan(22016, 64, 32, specialized=True)[1:3]
+    assert shape(22016, 32, hybrid=True) == (1, 1, 6)
+    assert shape(12288, 32) == (1, 1, 8) == (*sp24_plan.wg_plan(12288, 64, 32, specialized=True)[1:3], 8)
+
+    def deep(n, hybrid=False, fast=True):   # 4096x11008 and 4096x4096: (tile rows, warpgroups, ring, K splits)
+        p, r, wg, _ = sp24_plan.wg_plan(4096, 172, n, specialized=True, hybrid=hybrid, fast=fast)
+        return r, wg, p.stages, p.ks
+
+    assert deep(32) == (1, 1, 8, 4) and deep(64) == (1, 1, 4, 4) and deep(32, hybrid=True) == (1, 1, 8, 4)
+    assert deep(32, fast=False)[1] == deep(128)[1] == 2        # two warpgroups on the H100, and past 64 tokens
+    assert sp24_plan.wg_plan(4096, 64, 64, specialized=True, fast=True)[0].ks == 4        # 16 columns a split
+    assert sp24_plan.wg_plan(4096, 64, 64, specialized=True)[0].ks == 1
+    assert sp24_plan.wg_plan(4096, 64, 512, specialized=True, fast=True)[0].ks == 1       # prefill: unchanged
