@@ -79,11 +79,14 @@ from pathlib import Path
 from sparsekit.packed.encoding import encode
 
 src, out, started, go = map(Path, sys.argv[1:5])
+parent, deadline = os.getppid(), time.time() + 600
 
 def progress(stage, done, total, item=""):
     if done == 1:
         started.write_text(str(os.getpid()))
-        while not go.exists():
+        while not go.exists():   # (the test that started it killed or hung: do not wait forever)
+            if os.getppid() != parent or time.time() > deadline:
+                sys.exit("the test that started this writer is gone")
             time.sleep(0.02)
 
 encode(src, out, progress=progress, force=True)
