@@ -50,6 +50,9 @@ SWEEP_ROWS = [dict(splits=s) for s in (1, 2, 3, 4, 6, 8)] + [dict(strips=2, spli
 # --sweep on Hopper: forced sp24_ws plans (ring depth, K split, tile rows, warpgroups), on all-2:4 and hybrid layouts
 SWEEP_WS = [dict(stages=s) for s in (3, 4, 6, 8)] + [dict(splits=s) for s in (1, 2, 4, 8)] + \
     [dict(strips=r, groups=g) for r in (1, 2) for g in (1, 2)] + [dict(stages=8, splits=s) for s in (2, 4)]
+# ... and from 32 tokens, tile widths x K splits (x one warpgroup): where the H200's plans of "v41" came from
+SWEEP_WS_WIDE = [dict(tokens=t, splits=s) for t in (16, 32, 64) for s in (1, 2, 4, 8)] + \
+    [dict(tokens=t, splits=s, groups=1) for t in (32, 64) for s in (4, 8)]
 WS_PLAN: dict = {}   # --ws-plan: the ws column's forced plan
 # NUMBA_ENABLE_CUDASIM=1 (a dry run of the checks on CPU tensors, tiny shapes only: --check-shapes)
 DEV = "cpu" if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else "cuda"
@@ -248,10 +251,14 @@ def bench(shapes, ns, hybrids, kernels=("auto", "rows", "warps"), sweep: bool = 
             print(row + " |", flush=True)
             if sweep:
                 sweep_plans(x, "rows", SWEEP_ROWS, lays, dense[0], t_cublas, "2:4")
+                for h, lays_h in zip(hybrids, hyb):
+                    if n <= 16:     # where kernel_for may take rows on hybrids
+                        sweep_plans(x, "rows", SWEEP_ROWS, lays_h, None, t_cublas, f"hybrid {h:.0%}")
                 if DEV == "cuda" and torch.cuda.get_device_capability() == (9, 0):
-                    sweep_plans(x, "ws", SWEEP_WS, lays, dense[0], t_cublas, "2:4")
+                    plans = SWEEP_WS + (SWEEP_WS_WIDE if n >= 32 else [])
+                    sweep_plans(x, "ws", plans, lays, dense[0], t_cublas, "2:4")
                     for h, lays_h in zip(hybrids, hyb):
-                        sweep_plans(x, "ws", [kw for kw in SWEEP_WS if kw.get("strips", 1) == 1], lays_h, None,
+                        sweep_plans(x, "ws", [kw for kw in plans if kw.get("strips", 1) == 1], lays_h, None,
                                     t_cublas, f"hybrid {h:.0%}")
         del dense, lays, semi, hyb
         torch.cuda.empty_cache()
