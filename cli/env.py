@@ -27,4 +27,10 @@ def env_cmd(json_out: bool = JSON_OPTION):
     console.print(pkgs + (f" (not installed: {', '.join(missing)})" if missing else ""), highlight=False)
     console.print(f"GPU: {report['gpu'] or 'none visible to torch'}"
                   + (f" (torch built for CUDA {report['torch_cuda']})" if report["torch_cuda"] else ""), highlight=False)
+    mem = report.get("gpu_memory")
+    if mem:
+        rate = f"{mem['gbps']} GB/s" if mem["gbps"] else "bandwidth not reported"
+        plans = "fast-memory (H200-measured)" if mem["fast_memory_plans"] else "default (H100-measured)"
+        console.print(f"GPU memory: {rate}; 2:4 kernels take the {plans} plans (SPARSEKIT_FAST_MEMORY sets them)",
+                      highlight=False)
     console.print(report["kernels"]["line"], highlight=False, soft_wrap=True, markup=False)

@@ -108,3 +108,26 @@ def test_error_lines_keep_square_brackets():
 
     res = CliRunner().invoke(app, [])
     assert res.exit_code == 2 and 'sparsekit[gpu]' in res.output
+
+
+def test_env_names_the_gpu_memory_rate_and_the_plan_set_it_takes(fresh_status, monkeypatch):
+    """An H200 (4.8 TB/s) takes the 2:4 plans measured on fast memory, and ``sparsekit env`` says so."""
+    from types import SimpleNamespace
+
+    from sparsekit.evaluation import environment
+    from sparsekit.kernels import gpu_facts
+
+    monkeypatch.delenv("SPARSEKIT_FAST_MEMORY", raising=False)
+    monkeypatch.setattr(gpu_facts, "SIM", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 7)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(memory_clock_rate=3_201_000, memory_bus_width=6016))
+    monkeypatch.setattr(health, "kernel_status", lambda: health.KernelStatus(True, "kernels: ok (fake)", ""))
+    rep = environment.environment_report()
+    assert rep["gpu_memory"] == {"gbps": 4814, "fast_memory_plans": True}
+    res = CliRunner().invoke(app, ["env"])
+    assert res.exit_code == 0 and "GPU memory: 4814 GB/s; 2:4 kernels take the fast-memory" in res.stdout
+    monkeypatch.setenv("SPARSEKIT_FAST_MEMORY", "0")
+    assert environment.environment_report()["gpu_memory"]["fast_memory_plans"] is False

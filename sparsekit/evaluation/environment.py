@@ -16,8 +16,9 @@ def _version(name: str) -> str | None:
 
 
 def environment_report() -> dict[str, Any]:
-    """Versions, the GPU torch sees, and :func:`sparsekit.kernels.health.kernel_status` (compiles and
-    runs one small kernel when a GPU is there)."""
+    """Versions, the GPU torch sees (with its memory bandwidth and which 2:4 plan set it takes:
+    ``kernels.gpu_facts``), and :func:`sparsekit.kernels.health.kernel_status` (compiles and runs one small
+    kernel when a GPU is there)."""
     import torch
 
     from sparsekit import __version__
@@ -25,11 +26,18 @@ def environment_report() -> dict[str, Any]:
 
     status = kernel_status()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    memory = None
+    if gpu:
+        from sparsekit.kernels.gpu_facts import bandwidth_gbps, fast_memory
+
+        dev = torch.device("cuda", torch.cuda.current_device())
+        memory = {"gbps": round(bandwidth_gbps(dev)) or None, "fast_memory_plans": fast_memory(dev)}
     return {
         "sparsekit": __version__,
         "python": platform.python_version(),
         "packages": {name: _version(name) for name in PACKAGES},
         "torch_cuda": torch.version.cuda,
         "gpu": gpu,
+        "gpu_memory": memory,
         "kernels": {"ok": status.ok, "line": status.line, "fix": status.fix},
     }
