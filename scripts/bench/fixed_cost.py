@@ -58,7 +58,7 @@ def main() -> int:
     if not kernels or any(kn not in KERNELS for kn in kernels):
         ap.error(f"--kernels takes some of {', '.join(KERNELS)}, got {args.kernels!r}")
     cuda_or_exit("the fixed-cost probe")
-    from scripts.checks.gpu_sp24 import mosaic
+    from scripts.checks.gpu_sp24 import mosaic, rel_err
     from sparsekit.kernels.sp24 import sp24_matmul
     from sparsekit.packed.sp24 import transcode
 
@@ -88,7 +88,7 @@ def main() -> int:
                     except ValueError as e:   # a kernel that does not take this weight (wg: dense tiles)
                         print(f"    {kn} {m}x{k} N={n}: {e}")
                         continue
-                    err = ((y.double() - ref).norm() / ref.norm()).item()
+                    err = rel_err(y, ref)
                     if not err < 1e-3:
                         wrong += 1
                         print(f"    WRONG {kn} {m}x{k} N={n}: rel err {err:.2e}")
