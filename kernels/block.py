@@ -141,6 +141,8 @@ def make_tile_end(TILE: int, ROWS: int, THREADS: int, LD: int | None = None):
     GAP = LD - ROWS            # the padding after each token's row
     assert LD % V == 0 and ROWS % V == 0
 
+    split_sum = make_split_sum(TILE, ROWS, THREADS)
+
     @_device
     def tile_end(df, y, ws, cnt, flag, tid, M, N, m0, n0, tt, GK, b, nst, q0, q1):
         vec = M % V == 0
@@ -161,8 +163,13 @@ def make_tile_end(TILE: int, ROWS: int, THREADS: int, LD: int | None = None):
                         y[(n0 + n) * M + m] = np.int16(f2h(df[e + n * GAP]))
         else:
             wb = 2 * b * TILE
-            for e in range(tid, TILE, THREADS):
-                ws[wb + e] = df[e + (e // ROWS) * GAP]
+            for u in range(tid, UNITS, THREADS):
+                e = u * V
+                a, c, d, f = lds_f4(df, e + (u // RV) * GAP)
+                ws[wb + e] = a
+                ws[wb + e + 1] = c
+                ws[wb + e + 2] = d
+                ws[wb + e + 3] = f
             _threadfence()
             _syncthreads()
             if tid == 0:
@@ -172,22 +179,7 @@ def make_tile_end(TILE: int, ROWS: int, THREADS: int, LD: int | None = None):
             if flag[0] == 1:
                 _threadfence()
                 if vec:
-                    for u in range(tid, UNITS, THREADS):
-                        n = u // RV
-                        e = u * V
-                        m = m0 + e - n * ROWS
-                        if n0 + n < N and m < M:
-                            t0 = np.float32(0.0)
-                            t1 = np.float32(0.0)
-                            t2 = np.float32(0.0)
-                            t3 = np.float32(0.0)
-                            for q in range(q0, q1 + 1):
-                                w = 2 * q * TILE + e
-                                t0 += ws[w]
-                                t1 += ws[w + 1]
-                                t2 += ws[w + 2]
-                                t3 += ws[w + 3]
-                            stg_h4(y, (n0 + n) * M + m, t0, t1, t2, t3)
+                    split_sum(ws, y, tid, M, N, m0, n0, q0, q1)
                 else:
                     for e in range(tid, TILE, THREADS):
                         n = e // ROWS
@@ -202,6 +194,50 @@ def make_tile_end(TILE: int, ROWS: int, THREADS: int, LD: int | None = None):
         _syncthreads()
 
     return tile_end
+
+
+def make_split_sum(TILE: int, ROWS: int, THREADS: int, most: int = 32):
+    """``split_sum(ws, y, tid, M, N, m0, n0, q0, q1)``: the last block of an output tile sums the fp32 partials of
+    its blocks ``q0 .. q1`` (slots ``2q`` of ``ws``, token-major, ``ROWS`` values a token) in order of q and writes
+    fp16 (``M`` a multiple of 4). Generated so that a thread's loads of ``G`` units (4 values each) of ``P``
+    partials at a time are independent of one another: about ``most`` loads in flight a thread and one L2 round
+    trip a round, where a loop over units with an inner loop over q waited one round trip per unit and q. H200,
+    docs/kernels-notes.md "v42": the K split's end cost 4096x4096 at 64 tokens ~8.6 of its 20.4 us (no step loop:
+    13.9 us with 4 splits, 5.3 without). The sum's order (0 + p_q0 + p_q0+1 + ...) is the old one, so the output
+    is bit for bit the same."""
+    V = 4
+    UNITS, RV = TILE // V, ROWS // V
+    G = max(1, min(-(-UNITS // THREADS), most // V))     # units a thread sums at once
+    P = max(1, min(4, most // (V * G)))                   # partials a round
+    lines = []
+    for j in range(G):
+        lines.append(f"u{j} = base + {j * THREADS}")
+        lines.append(f"v{j} = np.uint64(4 * min(u{j}, {UNITS - 1}))")
+        lines += [f"s{j}_{c} = np.float32(0.0)" for c in range(V)]
+
+    def round_(p_count):
+        out = [f"w{p} = np.uint64({2 * TILE} * (q + {p}))" for p in range(p_count)]
+        for p in range(p_count):
+            for j in range(G):
+                out += [f"s{j}_{c} += ws[w{p} + v{j} + np.uint64({c})]" for c in range(V)]
+        return out
+
+    lines.append("q = q0")
+    lines.append(f"while q + {P - 1} <= q1:")
+    lines += ["    " + x for x in round_(P)] + [f"    q += {P}"]
+    if P > 1:
+        lines.append("while q <= q1:")
+        lines += ["    " + x for x in round_(1)] + ["    q += 1"]
+    for j in range(G):
+        lines.append(f"if u{j} < {UNITS}:")
+        lines.append(f"    n = u{j} // {RV}")
+        lines.append(f"    m = m0 + 4 * u{j} - n * {ROWS}")
+        lines.append("    if n0 + n < N and m < M:")
+        lines.append(f"        stg_h4(y, (n0 + n) * M + m, s{j}_0, s{j}_1, s{j}_2, s{j}_3)")
+    body = ["for base in range(tid, %d, %d):" % (UNITS, THREADS * G)] + ["    " + x for x in lines]
+    ns: dict = {"np": np, "stg_h4": stg_h4}
+    exec("def split_sum(ws, y, tid, M, N, m0, n0, q0, q1):\n" + "".join(f"    {x}\n" for x in body), ns)
+    return _device(ns["split_sum"])
 
 
 def unrolled(name: str, args: str, lines: list[str]):
