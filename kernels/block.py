@@ -141,7 +141,10 @@ def make_tile_end(TILE: int, ROWS: int, THREADS: int, LD: int | None = None):
     GAP = LD - ROWS            # the padding after each token's row
     assert LD % V == 0 and ROWS % V == 0
 
-    split_sum = make_split_sum(TILE, ROWS, THREADS)
+    # loads in flight a thread at the split's end: 32 in blocks of up to 160 threads (one warpgroup and its producer),
+    # 16 in larger ones, so that the end needs no more registers than the step loop (ptxas, sm_90a: sp24_ws at 64
+    # tokens 96 with one warpgroup, as before; 32 loads in two warpgroups took 113 against 95, one block an SM less)
+    split_sum = make_split_sum(TILE, ROWS, THREADS, 32 if THREADS <= 160 else 16)
 
     @_device
     def tile_end(df, y, ws, cnt, flag, tid, M, N, m0, n0, tt, GK, b, nst, q0, q1):

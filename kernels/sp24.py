@@ -98,7 +98,7 @@ def _launch_rows(x, layout, out, m, n, gk, kp, launch, tokens, splits, stages, s
 
     aslot = sp24_plan.SLOTS[0] if layout.dense.numel() == 0 else sp24_plan.SLOTS[1]
     p = sp24_plan.rows_plan(m, gk, n, launch.sm_count(x.device), tokens, splits, stages, strips, aslot,
-                            fast=fast_memory(x.device))
+                            fast=_fast(x.device, m, gk * 64, n, aslot != sp24_plan.SLOTS[0]))
     # the fp32 workspace for the split-K partials (two tile slots per block), a counter per output tile
     ws, cnt = launch.workspace(x.device, p.workspace_floats(), p.tiles)
     tensors = (*_buffers(layout), layout.tiles, x.reshape(-1).view(torch.int32),
@@ -165,7 +165,7 @@ def _wg_launch(device, m, gk, n, kp, launch, tokens, splits, stages, strips, gro
                          "has dense tiles (kernel='ws' or 'rows' takes them)")
     p, r, wg, ks = sp24_plan.wg_plan(m, gk, n, launch.sm_count(device), tokens, 1 if cluster > 1 else splits,
                                      stages, strips, groups, kstep, specialized=specialized, hybrid=hybrid,
-                                     fast=fast_memory(device))
+                                     fast=_fast(device, m, gk * 64, n, hybrid))
     if cluster > 1:   # whole clusters of row blocks (the padding blocks only receive X)
         p = p._replace(blocks=-(-p.rb // cluster) * cluster * p.chunks)
     if specialized:
@@ -185,7 +185,7 @@ def auto_kernel(device: torch.device, m: int, k: int, n: int, hybrid: bool) -> s
         from .common import SIM
 
         got = _KERNEL[key] = sp24_plan.kernel_for(m, k, n, not SIM and launch.hopper(device), hybrid,
-                                                  fast_memory(device))
+                                                  _fast(device, m, -(-k // 64) * 64, n, hybrid))
     return got
 
 
@@ -198,8 +198,14 @@ def slab_tokens(device: torch.device, m: int, k: int, n: int, hybrid: bool) -> i
         from . import launch
 
         got = _KERNEL[key] = 0 if n < 1 or auto_kernel(device, m, k, n, hybrid) != "ws" else sp24_plan.wg_plan(
-            m, -(-k // 64), n, launch.sm_count(device), specialized=True, hybrid=hybrid, fast=fast_memory(device))[0].nt
+            m, -(-k // 64), n, launch.sm_count(device), specialized=True, hybrid=hybrid,
+            fast=_fast(device, m, -(-k // 64) * 64, n, hybrid))[0].nt
     return got
+
+
+def _fast(device, m: int, k: int, n: int, hybrid: bool) -> bool:
+    """Whether this launch takes the fast-memory plans (``gpu_facts.fast_memory``, ``sp24_plan.fast_for``)."""
+    return sp24_plan.fast_for(m, k, n, hybrid, fast_memory(device))
 
 
 def _buffers(layout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,29 +105,17 @@ def kernel_for(m: int, k: int, n: int = 1, wg_ok: bool = False, hybrid: bool = F
       1.20 / 0.79 / 0.46; 8192x28672 1.55 / 1.48 / 1.24 / 0.73 at 16 / 32 / 64 / 128 against rows' 1.47 /
       1.36 / 0.97 / 0.58; 12288x4096 (WS_MIN_M rows) 1.21 / 1.23 / 0.85 / 0.67 at 16 / 32 / 64 / 128
       against 1.16 / 1.07 / 0.78 / 0.47. Not on 4096x4096, where it lost up to 32 tokens (0.93 against
-      rows' 0.99 at 16). Past 256 tokens too (docs/kernels-notes.md "v31", its prefill tile of ``ws_tokens``):
-      at 512 / 2048 / 4096 tokens 22016x4096 0.53 / 0.62 / 0.58 against rows' 0.30 / 0.33 / 0.32, 28672x8192
-      0.65 / 0.77 / 0.76 against 0.32 / 0.36 / 0.35, 4096x11008 0.41 / 0.68 / 0.68 against 0.22 / 0.22 / 0.24,
-      12288x4096 0.49 / 0.59 / 0.58 against 0.32 / 0.31 / 0.32. And past WS_ANY_FROM tokens on every all-2:4 weight
-      ("v37"): at 257 / 512 / 1024 / 2048 / 4096 tokens 4096x4096 0.57 / 0.69 / 0.88 / 0.90 / 0.84 against rows' 0.38 /
-      0.33 / 0.31 / 0.32 / 0.32, 8192x8192 0.45 / 0.77 / 1.02 / 0.89 / 0.93 against 0.31 / 0.30 / 0.35 / 0.36 / 0.38,
-      5120x5120 0.34 / 0.39 / 0.60 / 0.77 / 0.90 against 0.30 / 0.29 / 0.28 / 0.31 / 0.31.
+      rows' 0.99 at 16). Past 256 tokens too, its prefill tile of ``ws_tokens`` ("v31": 1.6-3x rows' speed at 512-4096
+      on 7B and 70B shapes), and past WS_ANY_FROM on every all-2:4 weight ("v37": 1.1-3x rows' at 257-4096).
     - Below WS_MIN_N tokens elsewhere, rows (22016x4096 1.59 at one token against wg's 1.50).
     - Weights with dense tiles: sp24_ws (``kernel="ws"``, one warpgroup a block: ``ws_shape``) from WS_HYBRID_FROM
       tokens on weights of WS_MIN_M rows or more, from WS_HYBRID_DEEP_FROM on K-deep ones (WG_DEEP_K columns) and from
-      WS_HYBRID_ANY_FROM on all; sp24_rows below. H100, 35% (70% of tiles 2:4), x cuBLAS at 17 / 24 / 32 / 48 / 64 /
-      128 tokens ("v38"), ws with one warpgroup against rows: 22016x4096 1.21 / 1.25 / 1.30 / 1.23 / 1.33 / 0.91
-      against 1.14 / 1.20 / 1.17 / 0.82 / 0.86 / 0.47; 12288x4096 (a ring of WS_STAGES_DECODE) 0.96 / 1.00 / 1.11 /
-      0.93 (own ring) at 17-48 against 0.78 / 0.85 / 0.85 / 0.57; 4096x11008 0.73-0.76 at 17-32 against rows' 0.98-1.00,
-      0.86 / 0.91 / 0.70 at 48 / 64 / 128 against 0.69 / 0.68 / 0.41; 4096x4096 0.47 at 64 against rows' 0.57 and
-      at 128 0.47 against 0.38. Rows keeps 1-16 tokens, 1.40-1.48 on 22016x4096 against ws's 1.33-1.34. (Two
-      warpgroups a block lost more: "v37".)
-    - "wg" also on K-deep weights of WG_FEW_MAX_M rows or fewer up to WG_FEW_N tokens, with the ring and split
-      ``wg_plan`` gives them (H100, docs/kernels-notes.md "v27"): 4096x11008 24.8 / 25.0 / 25.7 us at 1 / 2 /
-      4 tokens against rows' 26.9 / 26.7 / 27.1 (1.44x cuBLAS at one token against 1.32); 4096x14336 30.7 /
-      31.0 / 31.2 against 31.9 / 32.3 / 32.5. At 8 tokens rows was as fast or faster; on 8192x28672 and
-      5120x13824 the two were within 1% at 1-4 tokens.
-
+      WS_HYBRID_ANY_FROM on all; sp24_rows below. H100, 35% (70% of tiles 2:4), 17-128 tokens ("v38"): ws with one
+      warpgroup beat rows on 22016x4096 (1.30 against 1.17 at 32), 12288x4096 and from 48 tokens on 4096x11008 and
+      4096x4096; rows keeps 1-16 tokens (1.40-1.48 on 22016x4096 against 1.33-1.34). (Two warpgroups lost: "v37".)
+    - "wg" also on K-deep weights of WG_FEW_MAX_M rows or fewer up to WG_FEW_N tokens, with ``wg_plan``'s ring and
+      split (H100, "v27"): 4096x11008 24.8-25.7 us at 1-4 tokens against rows' 26.7-27.1, 4096x14336 30.7-31.2 against
+      31.9-32.5; at 8 tokens rows was as fast; on 8192x28672 and 5120x13824 the two within 1% at 1-4.
     ``fast`` (a GPU of fast memory, ``gpu_facts.fast_memory``; H200 sweep, docs/kernels-notes.md "v41", x cuBLAS at
     16 tokens): sp24_ws from FAST_WS_MIN_N tokens on weights that are not tall, so rows (with ``rows_splits``' fast
     cap) keeps 16 (12288x4096 1.24 against 1.13, 4096x11008 1.31 against 1.15); on tall weights with dense tiles
@@ -250,6 +238,18 @@ FAST_WS_HYBRID_DEEP_FROM = 32   # ... from this many on K-deep ones, ...
 FAST_WS_ANY_FROM = 33           # ... and on every weight from this many tokens to FAST_WS_ONE_UNTIL
 FAST_WS_ONE_UNTIL = 64          # ws_shape: one warpgroup of one tile row on tall or K-deep weights up to this many
 FAST_WS_MIN_SPLIT_COLS = 16     # tokens; ws_splits up to there: two blocks an SM, splits of this many columns or more
+FAST_BIG = 1 << 27              # fast_for: weights of this many or more (70B's) plan as on an H100 from ...
+FAST_BIG_FROM = 33              # ... this many tokens (all 2:4), and up to FAST_WS_HYBRID_TALL_FROM (tall hybrids)
+
+
+def fast_for(m: int, k: int, n: int, hybrid: bool, fast: bool) -> bool:
+    """``fast`` for this launch: not on weights of FAST_BIG or more from FAST_BIG_FROM tokens (all 2:4) or up to
+    FAST_WS_HYBRID_TALL_FROM (tall, dense tiles too). H200, both plan sets in one run (docs/kernels-notes.md "v42"),
+    x cuBLAS: 28672x8192 1.36 / 1.42 at 48 / 64 tokens against 1.47 / 1.52, 8192x28672 1.17 / 1.24 against 1.24 /
+    1.31; 28672x8192 with 35% dense tiles 0.87 against 1.20 at 16; elsewhere the fast plans won or tied."""
+    if not fast or m * k < FAST_BIG:
+        return fast
+    return not (m >= WG_MIN_M and n <= FAST_WS_HYBRID_TALL_FROM) if hybrid else n < FAST_BIG_FROM
 
 
 def wg_few(m: int, k: int, n: int) -> bool:

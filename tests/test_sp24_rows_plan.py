@@ -263,3 +263,28 @@ def test_fast_memory_plans_more_blocks_and_one_warpgroup_where_the_h200_measured
     assert sp24_plan.wg_plan(4096, 64, 64, specialized=True, fast=True)[0].ks == 4        # 16 columns a split
     assert sp24_plan.wg_plan(4096, 64, 64, specialized=True)[0].ks == 1
     assert sp24_plan.wg_plan(4096, 64, 512, specialized=True, fast=True)[0].ks == 1       # prefill: unchanged
+
+
+@pytest.mark.parametrize("m,k,n,hybrid,want", [
+    (28672, 8192, 32, False, True),     # 70B's tall weight: the fast plans tied up to 32 tokens
+    (28672, 8192, 33, False, False),    # ... and lost at 48-64 (1.36 / 1.42 against 1.47 / 1.52)
+    (8192, 28672, 64, False, False),    # 70B's K-deep weight at 48-64 likewise (1.17 / 1.24 against 1.24 / 1.31)
+    (8192, 28672, 16, False, True),     # ... but won at 16-32 (1.49 against 1.28 at 16)
+    (22016, 4096, 64, False, True),     # 7B's weights are under FAST_BIG: fast plans at every count
+    (4096, 11008, 48, False, True),
+    (28672, 8192, 16, True, False),     # a tall 70B hybrid up to 16 tokens: 0.87 against 1.20
+    (28672, 8192, 17, True, True),
+    (8192, 28672, 16, True, True),      # a K-deep one is not tall: fast (1.22 against 0.96)
+])
+def test_fast_for_takes_the_h100_plans_where_the_h200_measured_them_faster(m, k, n, hybrid, want):
+    assert sp24_plan.fast_for(m, k, n, hybrid, True) is want
+    assert sp24_plan.fast_for(m, k, n, hybrid, False) is False     # never fast on a GPU without fast memory
+
+
+def test_fast_for_off_gives_exactly_the_other_plan_set():
+    """Where fast_for says no, kernel_for and ws_shape choose as on an H100 (the timed "=0" plans)."""
+    m, k, n = 28672, 8192, 64
+    fast = sp24_plan.fast_for(m, k, n, False, True)
+    assert sp24_plan.kernel_for(m, k, n, True, False, fast) == sp24_plan.kernel_for(m, k, n, True, False, False)
+    assert sp24_plan.ws_shape(m, k, 64, n, False, fast) == sp24_plan.ws_shape(m, k, 64, n, False, False)
+    assert sp24_plan.ws_shape(m, k, 64, n, False, True) != sp24_plan.ws_shape(m, k, 64, n, False, False)
