@@ -47,6 +47,10 @@ FORCED_CLUSTER = [dict(cluster=2), dict(cluster=4, tokens=64), dict(cluster=2, g
                   dict(cluster=4, tokens=256, strips=1, groups=2, stages=3)]   # (the 128x256 prefill tile)
 SWEEP_ROWS = [dict(splits=s) for s in (1, 2, 3, 4, 6, 8)] + [dict(strips=2, splits=s) for s in (1, 2, 4)] + \
     [dict(tokens=t) for t in (8, 16, 32)] + [dict(stages=s) for s in (2, 3, 4, 6)]
+# ... and at up to 16 tokens sp24_kernel's warps a block and strip rows (its plan keeps ~8 steps a warp, each step's
+# loads waited on before the next are issued: docs/kernels-notes.md "v42", the fixed cost at one token)
+SWEEP_WARPS = [dict(warps=w) for w in (2, 4, 8, 12, 16)] + [dict(strips=r) for r in (1, 2, 4)] + \
+    [dict(warps=16, strips=r) for r in (1, 2)]
 # --sweep on Hopper: forced sp24_ws plans (ring depth, K split, tile rows, warpgroups), on all-2:4 and hybrid layouts
 SWEEP_WS = [dict(stages=s) for s in (3, 4, 6, 8)] + [dict(splits=s) for s in (1, 2, 4, 8)] + \
     [dict(strips=r, groups=g) for r in (1, 2) for g in (1, 2)] + [dict(stages=8, splits=s) for s in (2, 4)]
@@ -254,6 +258,8 @@ def bench(shapes, ns, hybrids, kernels=("auto", "rows", "warps"), sweep: bool = 
                 for h, lays_h in zip(hybrids, hyb):
                     if n <= 16:     # where kernel_for may take rows on hybrids
                         sweep_plans(x, "rows", SWEEP_ROWS, lays_h, None, t_cublas, f"hybrid {h:.0%}")
+                if n <= 16:         # where kernel_for takes sp24_kernel on small weights
+                    sweep_plans(x, "warps", SWEEP_WARPS, lays, dense[0], t_cublas, "2:4")
                 if DEV == "cuda" and torch.cuda.get_device_capability() == (9, 0):
                     plans = SWEEP_WS + (SWEEP_WS_WIDE if n >= 32 else [])
                     sweep_plans(x, "ws", plans, lays, dense[0], t_cublas, "2:4")
@@ -301,8 +307,8 @@ def main() -> int:
                     "(the layout rewritten for cuSPARSELt: all-2:4 prefill; checked byte for byte first)")
     ap.add_argument("--hybrid-kernels", default=None, help="kernels for the hybrid columns, e.g. rows,ws,decode "
                     "(default: the first of --kernels)")
-    ap.add_argument("--sweep", action="store_true", help="also time forced sp24_rows plans (splits, tokens, stages) "
-                    "and, on Hopper, forced sp24_ws plans (stages, splits, strips, groups) on 2:4 and hybrid layouts, "
+    ap.add_argument("--sweep", action="store_true", help="also time forced sp24_rows plans (splits, tokens, stages), "
+                    "sp24_kernel's (warps, strips) up to 16 tokens and, on Hopper, forced sp24_ws plans (stages, splits, strips, groups) on 2:4 and hybrid layouts, "
                     "each checked against float64 first")
     ap.add_argument("--build", default=None, help="sp24_ws built another way for every check and timing "
                     "(sparsekit.kernels.sp24_ws_probe.VARIANTS, e.g. pipelined; plans it does not apply to run the "
