@@ -308,7 +308,8 @@ def main() -> int:
     ap.add_argument("--hybrid-kernels", default=None, help="kernels for the hybrid columns, e.g. rows,ws,decode "
                     "(default: the first of --kernels)")
     ap.add_argument("--sweep", action="store_true", help="also time forced sp24_rows plans (splits, tokens, stages), "
-                    "sp24_kernel's (warps, strips) up to 16 tokens and, on Hopper, forced sp24_ws plans (stages, splits, strips, groups) on 2:4 and hybrid layouts, "
+                    "sp24_kernel's (warps, strips) up to 16 tokens and, on Hopper, forced sp24_ws plans (stages, "
+                    "splits, strips, groups) on 2:4 and hybrid layouts, "
                     "each checked against float64 first")
     ap.add_argument("--build", default=None, help="sp24_ws built another way for every check and timing "
                     "(sparsekit.kernels.sp24_ws_probe.VARIANTS, e.g. pipelined; plans it does not apply to run the "
