@@ -121,6 +121,9 @@ def _build(NT: int, R: int, MAXREG: int):
         meta = cuda.local.array(R, np.uint32)
         meta1 = cuda.local.array(R, np.uint32)
 
+        # each step's tile word is loaded one step ahead: the step's A loads wait on it (their address is its slot),
+        # so loaded in the step itself it put two round trips to memory in every step (docs/kernels-notes.md "v42")
+        tnext = tiles[gm * GK + warp + nw * rot] if nsw > 0 else 0
         i = 0
         while i < nloop:
             valid = i < nsw
@@ -128,7 +131,12 @@ def _build(NT: int, R: int, MAXREG: int):
             if j >= nsw:
                 j -= nsw
             gk = warp + nw * j
-            tref = tiles[gm * GK + gk] if valid else 0
+            tref = tnext if valid else 0
+            if i + 1 < nsw:
+                j1 = j + 1
+                if j1 >= nsw:
+                    j1 -= nsw
+                tnext = tiles[gm * GK + warp + nw * j1]
             sp_tile = (tref & 1) == 1
             slot = tref >> 1
             stage_x(d32, x, xs, lane, n0, N, gk, ldx, valid)

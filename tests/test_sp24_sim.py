@@ -70,7 +70,8 @@ def _rel_err(lay, w, x, **tuning):
     (130, 72, 2, "2:4", dict(strips=4)),                    # 3 tile rows, the last mostly padding
     (16, 128, 37, "halves", {}),                            # 64-token chunk, rows past N; mixed kinds
     (16, 64, 70, "2:4", dict(warps=1)),                     # two token chunks (grid blocks 0 and 1)
-])
+    (64, 512, 2, "hybrid", dict(warps=2)),                  # 4 steps a warp from rotated starts: the tile word
+])                                                          # loaded a step ahead, wrapping past the last column
 def test_kernel_matches_float64(m, k, n, kind, tuning):
     g = torch.Generator().manual_seed(m * 7 + n)
     w = _weight(m, k, kind, g)
