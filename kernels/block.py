@@ -238,17 +238,15 @@ def make_split_sum(TILE: int, ROWS: int, THREADS: int, most: int = 32):
         lines.append("    if n0 + n < N and m < M:")
         lines.append(f"        stg_h4(y, (n0 + n) * M + m, s{j}_0, s{j}_1, s{j}_2, s{j}_3)")
     body = ["for base in range(tid, %d, %d):" % (UNITS, THREADS * G)] + ["    " + x for x in lines]
-    ns: dict = {"np": np, "stg_h4": stg_h4}
-    exec("def split_sum(ws, y, tid, M, N, m0, n0, q0, q1):\n" + "".join(f"    {x}\n" for x in body), ns)
-    return _device(ns["split_sum"])
+    return unrolled("split_sum", "ws, y, tid, M, N, m0, n0, q0, q1", body, stg_h4=stg_h4)
 
 
-def unrolled(name: str, args: str, lines: list[str]):
+def unrolled(name: str, args: str, lines: list[str], **names):
     """The device function ``def name(args)`` with body ``lines``, generated: for a warp's accumulator tuple
     stored with every index a constant. numba lowers a tuple indexed by a loop variable to a chain of compares
     and branches on every access (~100 instructions a value), which made the tile end of sp24_ws's 128x256
     plan 37% of its time at 2048 tokens (H100, docs/kernels-notes.md "v33")."""
-    ns: dict = {"np": np}
+    ns: dict = {"np": np, **names}     # ``names``: the other globals the body calls
     exec(f"def {name}({args}):\n" + "".join(f"    {line}\n" for line in lines), ns)
     return _device(ns[name])
 
